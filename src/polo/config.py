@@ -1,0 +1,301 @@
+"""Run configuration: typed dataclasses, YAML recipes and `dotted.key=value` overrides.
+
+A recipe is a YAML mapping whose sections mirror the dataclasses below. Every key is checked:
+an unknown key or a value of the wrong type is a `ConfigError` naming the key and what is
+accepted, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not fit the configuration schema."""
+
+
+@dataclass
+class ModelConfig:
+    """Which causal LM to train."""
+
+    name: str = "smollm2-135m-instruct"  # a built-in model name or a local HF model directory
+
+
+@dataclass
+class TaskConfig:
+    """Which prompts to train and evaluate on, and how they are phrased."""
+
+    name: str = "arithmetic"  # arithmetic | gsm8k | jsonl
+    instruction: str | None = None  # template with {question}; None picks the task's default
+    system_prompt: str | None = None
+    answer_in_tags: bool = False  # the answer only counts inside <answer>...</answer>
+    num_train: int | None = None
+    num_eval: int | None = 200
+    # arithmetic
+    seed: int = 0
+    operators: list[str] = field(default_factory=lambda: ["+"])
+    min_digits: int = 2
+    max_digits: int = 2
+    # gsm8k / jsonl
+    train_path: str | None = None
+    eval_path: str | None = None
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    checker: str = "math_verify"  # jsonl only: math_verify | exact_number | exact_string
+
+
+@dataclass
+class SamplingConfig:
+    """How completions are sampled during training."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+
+@dataclass
+class AlgorithmConfig:
+    """The policy-optimization estimator and loss (GRPO by default)."""
+
+    name: str = "grpo"
+    group_size: int = 8  # G completions per prompt
+    scale_rewards: bool = True  # divide group-centred rewards by the group std
+    advantage_eps: float = 1e-4
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    beta: float = 0.0  # KL coefficient; a reference model is kept only when beta > 0
+    kl_estimator: str = "k3"
+    loss_aggregation: str = "grpo"  # grpo | bnpo | dapo | dr_grpo
+    update_epochs: int = 1  # mu: passes over each batch; old log-probs are computed when > 1
+
+
+@dataclass
+class TrainConfig:
+    """Batch shape, optimizer and schedule."""
+
+    steps: int = 50
+    prompts_per_step: int = 8  # P prompts, each sampled group_size times
+    num_minibatches: int = 1  # optimizer steps per pass over the batch
+    micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation)
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | linear | cosine (after warm-up)
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    precision: str = "auto"  # auto | fp32 | bf16 (autocast; fp32 master weights)
+    threads: int | None = None  # torch intra-op threads; None keeps torch's default
+
+
+@dataclass
+class EvalConfig:
+    """Greedy held-out evaluation."""
+
+    before: bool = True  # evaluate the starting model
+    after: bool = True
+    every: int = 0  # also every N steps (0: never)
+    max_new_tokens: int | None = None  # None: sampling.max_new_tokens
+    batch_size: int = 64
+
+
+@dataclass
+class OutputConfig:
+    """Where a run writes, how often it checkpoints, and resuming."""
+
+    dir: str = "runs/grpo"
+    save_every: int = 10  # 0 disables periodic checkpoints
+    keep_checkpoints: int = 2
+    resume: bool = False
+    tensorboard: bool = True
+    plots: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    """A whole training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rewards: dict[str, float] = field(default_factory=lambda: {"correct": 1.0})
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Return `value` checked (and, where lossless, converted) against a type annotation."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as error:
+                errors.append(error)
+        raise ConfigError(f"{key}: {value!r} is not a {_type_name(annotation)}")
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {annotation.__name__} fields, got {value!r}")
+        return _build(annotation, value, key)
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if isinstance(value, (str, int, float)):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(item, item_type, f"{key}[{index}]") for index, item in enumerate(value)]
+    if origin is dict:
+        key_type, item_type = typing.get_args(annotation)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {str(k): _coerce(v, item_type, f"{key}.{k}") for k, v in value.items()}
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads "1e-6" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported field type {_type_name(annotation)}")
+
+
+def _build(cls: type, values: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in hints:
+            raise ConfigError(f"unknown config key {key!r}; valid keys{' in ' + prefix if prefix else ''}: {', '.join(valid)}")
+        kwargs[name] = _coerce(value, hints[name], key)
+    return cls(**kwargs)
+
+
+def config_to_dict(config: Config) -> dict:
+    """Return the configuration as plain nested dicts (for YAML, JSON and TensorBoard)."""
+    return dataclasses.asdict(config)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Return `data` with each `dotted.key=value` override set (values parsed as YAML scalars)."""
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(f"override {override!r} is not of the form dotted.key=value")
+        dotted, raw = override.split("=", 1)
+        parts = dotted.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {override!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    return data
+
+
+def load_config(recipe: str | Path | dict | None = None, overrides: list[str] | None = None) -> Config:
+    """Return a validated `Config` from a recipe (path or mapping) plus dotted overrides."""
+    if recipe is None:
+        data: dict = {}
+    elif isinstance(recipe, dict):
+        data = dict(recipe)
+    else:
+        path = Path(recipe)
+        if not path.exists():
+            raise FileNotFoundError(f"recipe {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"recipe {path} is not valid YAML: {error}") from error
+        if not isinstance(data, dict):
+            raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
+    data = apply_overrides(data, overrides or [])
+    config = _build(Config, data)
+    validate(config)
+    return config
+
+
+_CHOICES = {
+    "train.precision": ("auto", "fp32", "bf16"),
+    "train.lr_schedule": ("constant", "linear", "cosine"),
+    "algorithm.loss_aggregation": ("grpo", "bnpo", "dapo", "dr_grpo"),
+    "algorithm.kl_estimator": ("k1", "k2", "k3"),
+    "algorithm.name": ("grpo",),
+}
+
+
+def validate(config: Config) -> None:
+    """Raise `ConfigError` for values that have the right type but make no sense."""
+    for dotted, choices in _CHOICES.items():
+        section, name = dotted.split(".")
+        value = getattr(getattr(config, section), name)
+        if value not in choices:
+            raise ConfigError(f"{dotted}: {value!r} is not one of {', '.join(choices)}")
+    positive = {
+        "algorithm.group_size": config.algorithm.group_size,
+        "algorithm.update_epochs": config.algorithm.update_epochs,
+        "train.prompts_per_step": config.train.prompts_per_step,
+        "train.num_minibatches": config.train.num_minibatches,
+        "train.micro_batch_size": config.train.micro_batch_size,
+        "sampling.max_new_tokens": config.sampling.max_new_tokens,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be at least 1, got {value}")
+    if config.train.steps < 0:
+        raise ConfigError(f"train.steps must be >= 0, got {config.train.steps}")
+    if config.algorithm.group_size < 2 and config.algorithm.scale_rewards:
+        raise ConfigError("algorithm.group_size must be at least 2 for group-relative advantages")
+    if config.train.prompts_per_step % config.train.num_minibatches:
+        raise ConfigError(
+            f"train.prompts_per_step ({config.train.prompts_per_step}) must be divisible by "
+            f"train.num_minibatches ({config.train.num_minibatches}) so groups are never split"
+        )
+    if not 0.0 < config.sampling.top_p <= 1.0:
+        raise ConfigError(f"sampling.top_p must be in (0, 1], got {config.sampling.top_p}")
+    if config.sampling.temperature <= 0:
+        raise ConfigError(f"sampling.temperature must be > 0, got {config.sampling.temperature}")
+    if config.algorithm.beta < 0:
+        raise ConfigError(f"algorithm.beta must be >= 0, got {config.algorithm.beta}")
+    if not config.rewards:
+        raise ConfigError("rewards: at least one reward function is needed, e.g. {correct: 1.0}")

@@ -1,0 +1,50 @@
+"""polo.core: the policy-optimization maths as pure tensor functions (no I/O, no models)."""
+
+from polo.core.advantages import (
+    discounted_returns,
+    expand_to_tokens,
+    gae_advantages,
+    group_advantages,
+    rloo_advantages,
+    whiten,
+    zero_spread_groups,
+)
+from polo.core.distributed import all_reduce_sum, global_count
+from polo.core.kl import KL_ESTIMATORS, kl_estimate, kl_k1, kl_k2, kl_k3
+from polo.core.losses import (
+    AGGREGATIONS,
+    aggregate_loss,
+    entropy_from_logits,
+    gspo_loss,
+    masked_mean,
+    masked_sum,
+    ppo_clip_loss,
+    value_loss,
+    vanilla_pg_loss,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "aggregate_loss",
+    "all_reduce_sum",
+    "discounted_returns",
+    "entropy_from_logits",
+    "expand_to_tokens",
+    "gae_advantages",
+    "global_count",
+    "group_advantages",
+    "gspo_loss",
+    "kl_estimate",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "masked_mean",
+    "masked_sum",
+    "ppo_clip_loss",
+    "rloo_advantages",
+    "value_loss",
+    "vanilla_pg_loss",
+    "whiten",
+    "zero_spread_groups",
+]

@@ -1,0 +1,167 @@
+"""Advantage estimators: group-relative (GRPO, Dr. GRPO, RLOO), returns and GAE, whitening.
+
+Conventions: `rewards` for group estimators is `(batch,)` with groups stored as contiguous
+blocks of `group_size` (prompt 0's completions first, then prompt 1's, ...). Token-level
+tensors are `(batch, seq)` with a `mask` that is 1 on valid steps and 0 on padding; padding
+is on the right, so a 0 in the mask ends the sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polo.core.distributed import all_reduce_sum
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Return `rewards` viewed as `(num_groups, group_size)`, after checking the shapes."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (batch,), got shape {tuple(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be a positive integer, got {group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"batch size {rewards.numel()} is not divisible by group_size {group_size}; "
+            "a batch must hold whole groups"
+        )
+    return rewards.reshape(-1, group_size)
+
+
+def zero_spread_groups(rewards: torch.Tensor, group_size: int, atol: float = 0.0) -> torch.Tensor:
+    """Return a bool mask `(num_groups,)`, True where every reward in the group is equal.
+
+    A group is "zero spread" when max(r) − min(r) ≤ atol; such groups carry no
+    group-relative learning signal.
+    """
+    grouped = _grouped(rewards, group_size)
+    spread = grouped.max(dim=1).values - grouped.min(dim=1).values
+    return spread <= atol
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
+    """Return GRPO group-relative advantages `(batch,)`.
+
+        A_i = (r_i − mean_g(r)) / (std_g(r) + eps)      (scale_by_std=True, GRPO)
+        A_i =  r_i − mean_g(r)                          (scale_by_std=False, Dr. GRPO)
+
+    mean_g and std_g run over the contiguous group of `group_size` rewards that holds i.
+    std_g is the unbiased sample standard deviation (Bessel's correction, divide by G − 1),
+    the same as `torch.std`'s default. A group whose rewards are all equal gets exactly zero
+    advantages (rounding in the mean would otherwise leave tiny values scaled up by 1/eps),
+    and so does a group of one.
+
+    Shapes: rewards (batch,) → advantages (batch,).
+    """
+    grouped = _grouped(rewards, group_size)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_by_std and group_size > 1:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    flat_groups = zero_spread_groups(rewards, group_size).unsqueeze(1)
+    return torch.where(flat_groups, 0.0, advantages).reshape(-1)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Return REINFORCE-leave-one-out advantages `(batch,)`.
+
+        A_i = r_i − (1 / (G − 1)) Σ_{j≠i} r_j
+
+    The baseline for sample i is the mean of the *other* G − 1 rewards in its group, so it
+    is independent of the sample and the gradient estimate stays unbiased.
+
+    Shapes: rewards (batch,) → advantages (batch,).
+    """
+    if group_size < 2:
+        raise ValueError(f"rloo_advantages needs group_size >= 2 (a leave-one-out baseline), got {group_size}")
+    grouped = _grouped(rewards, group_size)
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others_mean).reshape(-1)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Return the discounted reward-to-go `(batch, T)`.
+
+        G_t = r_t + γ G_{t+1},  with G = 0 after the last valid step and at padding.
+
+    Shapes: rewards (batch, T), mask (batch, T) → returns (batch, T).
+    """
+    is_valid = mask.bool()
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(is_valid[:, t], rewards[:, t] + gamma * running, 0.0)
+        returns[:, t] = running
+    return returns
+
+
+def gae_advantages(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    last_value: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (advantages, returns), both `(batch, T)`, by generalised advantage estimation.
+
+        δ_t = r_t + γ V_{t+1} − V_t
+        A_t = δ_t + γλ A_{t+1}
+        R_t = A_t + V_t          (the value target)
+
+    V_{t+1} after the last valid step is `last_value` (a bootstrap for a truncated episode)
+    or 0 (a finished episode). λ = 1 gives the Monte-Carlo return minus V; λ = 0 gives the
+    one-step TD error. Advantages and returns are 0 at padding.
+
+    Shapes: rewards, values, mask (batch, T); last_value (batch,) or None.
+    """
+    is_valid = mask.bool()
+    bootstrap = torch.zeros_like(values[:, 0]) if last_value is None else last_value.to(values.dtype)
+    advantages = torch.zeros_like(values)
+    next_advantage = torch.zeros_like(values[:, 0])
+    next_value = bootstrap
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = torch.where(is_valid[:, t], delta + gamma * lam * next_advantage, 0.0)
+        advantages[:, t] = next_advantage
+        # Step t−1 sees V_t if step t is valid, else it was the last valid step and bootstraps.
+        next_value = torch.where(is_valid[:, t], values[:, t], bootstrap)
+    returns = torch.where(is_valid, advantages + values, 0.0)
+    return advantages, returns
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Return `values` normalised to zero mean and unit variance over the valid entries.
+
+        ŷ = (y − μ) / sqrt(σ² + eps)          (shift_mean=True)
+        ŷ = (y − μ) / sqrt(σ² + eps) + μ      (shift_mean=False: rescale, keep the mean)
+
+    μ and σ² (population variance, divide by N) are computed over every valid entry of the
+    whole batch on every rank, via `all_reduce_sum`, so data-parallel training whitens with
+    the same statistics as one process would. Padding stays 0.
+
+    Shapes: values (batch, seq), mask (batch, seq) → (batch, seq).
+    """
+    is_valid = mask.bool()
+    # torch.where rather than multiplying by the mask, so NaN or inf in padding cannot leak.
+    valid_values = torch.where(is_valid, values, 0.0)
+    totals = all_reduce_sum(torch.stack([valid_values.sum(), is_valid.sum().to(values.dtype)]))
+    count = totals[1].clamp(min=1.0)
+    mean = totals[0] / count
+    variance = all_reduce_sum(torch.where(is_valid, (values - mean) ** 2, 0.0).sum()) / count
+    whitened = (values - mean) * torch.rsqrt(variance + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(is_valid, whitened, 0.0)
+
+
+def expand_to_tokens(sequence_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Return a per-sequence value copied onto every valid token `(batch, seq)`, 0 at padding.
+
+    Shapes: sequence_values (batch,), mask (batch, seq) → (batch, seq).
+    """
+    if sequence_values.dim() != 1 or sequence_values.shape[0] != mask.shape[0]:
+        raise ValueError(
+            f"sequence_values must be (batch,) = ({mask.shape[0]},), got shape {tuple(sequence_values.shape)}"
+        )
+    return torch.where(mask.bool(), sequence_values.unsqueeze(-1), 0.0)

@@ -1,0 +1,258 @@
+"""Policy and value losses per token, and the one function that decides "mean over what".
+
+Every loss here returns a per-token tensor `(batch, seq)` that is 0 at padding; turning it
+into the scalar to backpropagate is the job of `aggregate_loss` alone. Padding is removed
+with `torch.where` rather than by multiplying with the mask, so NaN or inf at padded
+positions reaches neither the loss nor the gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Return the sum of `values` over valid positions (all of them, or along `dim`)."""
+    valid_values = torch.where(mask.bool(), values, 0.0)
+    return valid_values.sum() if dim is None else valid_values.sum(dim=dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Return the mean of `values` over valid positions; 0 where there are none.
+
+    This is a local mean (this process, this micro-batch), meant for metrics and per-sequence
+    averages; batch-spanning normalisers belong to `aggregate_loss`.
+    """
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim=dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1).to(values.dtype)
+
+
+def _token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Return advantages shaped to broadcast over `(batch, seq)`."""
+    if advantages.dim() == 1 and advantages.shape[0] == mask.shape[0]:
+        return advantages.unsqueeze(-1)
+    if advantages.shape == mask.shape:
+        return advantages
+    raise ValueError(
+        f"advantages must be (batch,) = ({mask.shape[0]},) or (batch, seq) = {tuple(mask.shape)}, "
+        f"got shape {tuple(advantages.shape)}"
+    )
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return the per-token clipped-surrogate loss and its clip counts (shared by PPO and GSPO)."""
+    if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    is_valid = mask.bool()
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
+        # With A < 0 the min above grows without bound as the ratio grows; cap the loss at −c·A.
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
+    per_token = torch.where(is_valid, per_token, 0.0)
+    with torch.no_grad():
+        stats = {
+            "clip_low_count": (is_valid & (ratio < 1.0 - eps_low) & (advantages < 0)).sum().float(),
+            "clip_high_count": (is_valid & (ratio > 1.0 + eps_high) & (advantages > 0)).sum().float(),
+            "ratio_sum": masked_sum(ratio, is_valid).float(),
+            "token_count": is_valid.sum().float(),
+        }
+    return per_token, stats
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    *,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return (per-token PPO-clip loss `(batch, seq)`, stats) — PPO, and DAPO's clip-higher.
+
+        ρ_t = exp(log π(y_t) − log π_old(y_t))
+        l_t = −min(ρ_t A_t, clip(ρ_t, 1 − eps_low, 1 + eps_high) A_t)
+        l_t ← min(l_t, −c A_t) where A_t < 0                 (dual clip, if `dual_clip` = c)
+
+    eps_low = eps_high is classic PPO; eps_high > eps_low is clip-higher (DAPO).
+    Shapes: logprobs, old_logprobs, mask (batch, seq); advantages (batch,) — one per
+    sequence, broadcast to its tokens — or (batch, seq).
+
+    Stats are detached float sums so the trainer can add them up across micro-batches and
+    ranks before dividing: `clip_low_count` (valid tokens with ρ < 1 − eps_low and A < 0),
+    `clip_high_count` (ρ > 1 + eps_high and A > 0), `ratio_sum` and `token_count`; e.g.
+    clip_high_fraction = Σ clip_high_count / Σ token_count.
+    """
+    is_valid = mask.bool()
+    # Zeroing the log-ratio before exp keeps padding out of the backward pass as well.
+    ratio = torch.exp(torch.where(is_valid, logprobs - old_logprobs, 0.0))
+    return _clipped_surrogate(ratio, _token_advantages(advantages, mask), is_valid, eps_low, eps_high, dual_clip)
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return (per-token GSPO loss `(batch, seq)`, stats), with one importance ratio per sequence.
+
+        s_i = exp( (1/|y_i|) Σ_t (log π(y_it) − log π_old(y_it)) )      (over valid tokens)
+        L_i = −min(s_i A_i, clip(s_i, 1 − eps_low, 1 + eps_high) A_i)
+
+    L_i is written on every valid token of sequence i, so the "grpo" aggregation
+    (seq-mean-token-mean) gives exactly the sequence-level objective mean_i L_i.
+    Shapes: logprobs, old_logprobs, mask (batch, seq); advantages (batch,), or (batch, seq)
+    reduced to its per-sequence masked mean (exact for a broadcast sequence advantage).
+    Stats are as for `ppo_clip_loss`, counting every valid token of a clipped sequence.
+    """
+    is_valid = mask.bool()
+    log_ratio = torch.where(is_valid, logprobs - old_logprobs, 0.0)
+    sequence_ratio = torch.exp(masked_mean(log_ratio, is_valid, dim=-1))
+    token_advantages = _token_advantages(advantages, mask)
+    if token_advantages.shape == mask.shape:
+        token_advantages = masked_mean(token_advantages, is_valid, dim=-1).unsqueeze(-1)
+    ratio = sequence_ratio.unsqueeze(-1).expand_as(logprobs)
+    return _clipped_surrogate(ratio, token_advantages, is_valid, eps_low, eps_high, None)
+
+
+def vanilla_pg_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Return the per-token REINFORCE loss `(batch, seq)`: l_t = −A_t log π(y_t).
+
+    Its gradient is −A_t ∇ log π(y_t), the policy-gradient theorem's estimator.
+    Shapes: logprobs, mask (batch, seq); advantages (batch,) or (batch, seq).
+    """
+    per_token = -_token_advantages(advantages, mask) * logprobs
+    return torch.where(mask.bool(), per_token, 0.0)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float | None,
+) -> torch.Tensor:
+    """Return the per-token (optionally clipped) value loss `(batch, seq)`.
+
+        l_t = ½ max((V_t − R_t)², (clip(V_t, V_old,t − c, V_old,t + c) − R_t)²)
+        l_t = ½ (V_t − R_t)²                                      (clip_range None)
+
+    Shapes: values, old_values, returns, mask (batch, seq).
+    """
+    squared_error = (values - returns) ** 2
+    if clip_range is not None:
+        if clip_range <= 0:
+            raise ValueError(f"clip_range must be > 0 or None, got {clip_range}")
+        clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        squared_error = torch.maximum(squared_error, (clipped_values - returns) ** 2)
+    return torch.where(mask.bool(), 0.5 * squared_error, 0.0)
+
+
+def _checked(name: str, value: float) -> float:
+    value = float(value)
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive count for the whole optimizer step, got {value}")
+    return value
+
+
+def _seq_mean_token_mean(
+    per_token: torch.Tensor, mask: torch.Tensor, *, num_sequences: float, **_unused: float
+) -> torch.Tensor:
+    return masked_mean(per_token, mask, dim=-1).sum() / _checked("num_sequences", num_sequences)
+
+
+def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, *, num_tokens: float, **_unused: float) -> torch.Tensor:
+    return masked_sum(per_token, mask) / _checked("num_tokens", num_tokens)
+
+
+def _seq_mean_token_sum_norm(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    num_sequences: float,
+    max_completion_length: int,
+    **_unused: float,
+) -> torch.Tensor:
+    normaliser = _checked("num_sequences", num_sequences) * _checked("max_completion_length", max_completion_length)
+    return masked_sum(per_token, mask) / normaliser
+
+
+AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": _seq_mean_token_mean,
+    "bnpo": _token_mean,
+    "dapo": _token_mean,
+    "dr_grpo": _seq_mean_token_sum_norm,
+}
+
+
+def aggregate_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    num_sequences: float,
+    num_tokens: float,
+    max_completion_length: int,
+) -> torch.Tensor:
+    """Return the scalar loss for this micro-batch, normalised by whole-step counts.
+
+        "grpo"          seq-mean-token-mean:     Σ_i (Σ_t m_it l_it / Σ_t m_it) / num_sequences
+        "bnpo", "dapo"  token-mean:              Σ_it m_it l_it / num_tokens
+        "dr_grpo"       seq-mean-token-sum-norm: Σ_it m_it l_it / (num_sequences · max_completion_length)
+
+    num_sequences and num_tokens are GLOBAL: the counts for the whole optimizer step, over
+    every micro-batch of gradient accumulation and every rank (see
+    `polo.core.distributed.global_count`). Each term above is then a plain sum over
+    sequences or tokens, so the micro-batch losses add up to exactly the full-batch loss
+    and no extra division by the number of micro-batches is needed. The same holds across
+    ranks when their gradients are summed; DistributedDataParallel averages them instead, so
+    a DDP trainer multiplies this loss by the world size. A sequence with no valid tokens
+    contributes 0.
+
+    Shapes: per_token (batch, seq), mask (batch, seq) → scalar.
+    """
+    try:
+        aggregate = AGGREGATIONS[mode]
+    except KeyError:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {sorted(AGGREGATIONS)}") from None
+    return aggregate(
+        per_token,
+        mask,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+        max_completion_length=max_completion_length,
+    )
+
+
+def entropy_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = None) -> torch.Tensor:
+    """Return the entropy of softmax(logits) over the last dim, shape `(...)`.
+
+        H = −Σ_v p_v log p_v = logsumexp(z) − Σ_v p_v z_v,   p = softmax(z)
+
+    Shapes: logits (..., vocab) → (...); `logsumexp` (...) may be passed when the caller has
+    it already (the log-prob gather needs it too), saving a full-vocabulary pass.
+    """
+    if logsumexp is None:
+        logsumexp = torch.logsumexp(logits, dim=-1)
+    probs = torch.exp(logits - logsumexp.unsqueeze(-1))
+    # A −inf logit (a banned token) has p = 0, and 0·(−inf) is NaN in value and gradient:
+    # such terms contribute 0.
+    finite_logits = torch.where(torch.isfinite(logits), logits, torch.zeros((), dtype=logits.dtype))
+    return logsumexp - (probs * finite_logits).sum(dim=-1)

@@ -1,0 +1,253 @@
+"""Rollouts: sample G completions per prompt with a KV cache, and score tokens under a model.
+
+Layout used everywhere in polo.lm: prompts are left-padded to a common length `prompt_len`,
+completions are right-padded to `completion_len`, so a batch is the concatenation
+`[prompt | completion]` of shape `(batch, prompt_len + completion_len)` and the completion
+tokens are always its last `completion_len` positions. Position ids count real tokens only, so a
+sequence gets the same positions whether it was padded or not, in sampling and in training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Rollouts:
+    """A batch of sampled completions; groups of `group_size` rows share a prompt and are contiguous."""
+
+    prompt_ids: torch.Tensor  # (batch, prompt_len), left-padded
+    prompt_mask: torch.Tensor  # (batch, prompt_len), 1 on real prompt tokens
+    completion_ids: torch.Tensor  # (batch, completion_len), right-padded
+    completion_mask: torch.Tensor  # (batch, completion_len), 1 on generated tokens (EOS included)
+    truncated: torch.Tensor  # (batch,) bool: stopped by max_new_tokens, not by EOS
+    texts: list[str]  # decoded completions, special tokens removed
+    group_size: int
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        """Return the number of generated tokens per row, shape (batch,)."""
+        return self.completion_mask.sum(-1)
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def select(self, rows: torch.Tensor | slice) -> "Rollouts":
+        """Return the rows `rows` (whole groups are the caller's business)."""
+        if isinstance(rows, slice):
+            texts = self.texts[rows]
+        else:
+            texts = [self.texts[i] for i in rows.tolist()]
+        return Rollouts(
+            prompt_ids=self.prompt_ids[rows],
+            prompt_mask=self.prompt_mask[rows],
+            completion_ids=self.completion_ids[rows],
+            completion_mask=self.completion_mask[rows],
+            truncated=self.truncated[rows],
+            texts=texts,
+            group_size=self.group_size,
+        )
+
+
+def autocast_context(precision: str) -> contextlib.AbstractContextManager:
+    """Return the autocast context for `precision` ("fp32" or "bf16") on the CPU."""
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def cpu_supports_bf16() -> bool:
+    """Return True when this CPU has native bf16 matmuls (AVX-512 BF16 or AMX)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Return position ids that count only real tokens, shape (batch, seq)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Return one sampled token id per row from next-token `logits` (batch, vocab) -> (batch,).
+
+    temperature 0 means greedy; top_p < 1 keeps the smallest set of tokens whose probability
+    mass reaches top_p (nucleus sampling).
+    """
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        choice = torch.multinomial(sorted_probs, 1)
+        return sorted_ids.gather(-1, choice).squeeze(-1)
+    return torch.multinomial(probs, 1).squeeze(-1)
+
+
+def tokenize_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return left-padded `(input_ids, attention_mask)` for already-formatted prompt strings."""
+    # Chat templates already contain the special tokens they need.
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """Return the token ids that end a completion (the tokenizer's and the model config's EOS)."""
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    if not ids:
+        raise ValueError("the tokenizer and model define no EOS token; completions could never stop")
+    return sorted(ids)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_ids: list[int],
+    pad_id: int,
+    precision: str = "fp32",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return `(completion_ids, completion_mask, truncated)` sampled with a KV cache.
+
+    Shapes: prompt (batch, prompt_len) -> completion (batch, max_completion_len), truncated
+    (batch,). Rows that have emitted a stop token are dropped from the batch and from the
+    cache, so no work is spent on finished sequences.
+    """
+    from transformers import DynamicCache
+
+    batch = prompt_ids.shape[0]
+    completion_ids = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((batch, max_new_tokens), dtype=torch.long)
+    truncated = torch.ones(batch, dtype=torch.bool)
+    stop = torch.tensor(stop_ids, dtype=torch.long)
+    active_rows = torch.arange(batch)
+    attention_mask = prompt_mask.long()
+    positions = position_ids_from_mask(attention_mask)
+    next_position = positions[:, -1] + 1
+    cache = DynamicCache(config=model.config)
+    was_training = model.training
+    model.eval()
+    length = 0
+    with autocast_context(precision):
+        logits = model(
+            input_ids=prompt_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        for step in range(max_new_tokens):
+            tokens = sample_next_token(logits, temperature, top_p)
+            completion_ids[active_rows, step] = tokens
+            completion_mask[active_rows, step] = 1
+            length = step + 1
+            finished = torch.isin(tokens, stop)
+            truncated[active_rows[finished]] = False
+            if step == max_new_tokens - 1 or bool(finished.all()):
+                break
+            if bool(finished.any()):
+                keep = (~finished).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                active_rows, tokens = active_rows[keep], tokens[keep]
+                attention_mask, next_position = attention_mask[keep], next_position[keep]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active_rows), 1)], dim=1)
+            logits = model(
+                input_ids=tokens[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+            next_position = next_position + 1
+    model.train(was_training)
+    return completion_ids[:, :length], completion_mask[:, :length], truncated
+
+
+def rollout(
+    model,
+    tokenizer,
+    prompts: list[str],
+    group_size: int,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    precision: str = "fp32",
+) -> Rollouts:
+    """Return `group_size` sampled completions for each prompt, groups contiguous."""
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    completion_ids, completion_mask, truncated = generate(
+        model,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop_ids=stop_token_ids(tokenizer, model),
+        pad_id=tokenizer.pad_token_id,
+        precision=precision,
+    )
+    texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, group_size)
+
+
+def completion_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return per-token log-probs of the completion under `model`, (batch, completion_len).
+
+    log π(y_t | x, y_<t) = z[y_t]/T − logsumexp(z/T): taken with a gather and a logsumexp so
+    no full-vocabulary log-softmax tensor is kept for backward. Logits are computed only for
+    the completion positions. With `with_entropy`, also returns the per-token entropy of the
+    sampling distribution (no gradient).
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)
+    completion_len = completion_ids.shape[1]
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=completion_len + 1,
+    ).logits[:, :-1]
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    token_logits = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    logsumexp = torch.logsumexp(logits, dim=-1)
+    logprobs = token_logits - logsumexp
+    entropy = None
+    if with_entropy:
+        from polo.core import entropy_from_logits
+
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach(), logsumexp.detach())
+    return logprobs, entropy

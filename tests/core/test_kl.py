@@ -1,0 +1,53 @@
+"""KL estimators k1, k2, k3 against hand-computed values and their defining properties."""
+
+import math
+
+import pytest
+import torch
+
+from polo.core import kl_estimate, kl_k1, kl_k2, kl_k3
+
+
+def test_estimators_by_hand():
+    logprobs = torch.tensor([[math.log(0.5)]])
+    ref_logprobs = torch.tensor([[math.log(0.25)]])
+    # log π − log π_ref = log 2 = 0.693147; d = −log 2, exp(d) = 0.5.
+    torch.testing.assert_close(kl_k1(logprobs, ref_logprobs), torch.tensor([[math.log(2)]]))
+    torch.testing.assert_close(kl_k2(logprobs, ref_logprobs), torch.tensor([[0.5 * math.log(2) ** 2]]))
+    # k3 = 0.5 − (−log 2) − 1 = log 2 − 0.5 = 0.193147.
+    torch.testing.assert_close(kl_k3(logprobs, ref_logprobs), torch.tensor([[math.log(2) - 0.5]]))
+
+
+def test_k3_nonnegative_and_zero_when_equal():
+    generator = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(8, 16, generator=generator) * 10
+    ref_logprobs = -torch.rand(8, 16, generator=generator) * 10
+    assert (kl_k3(logprobs, ref_logprobs) >= 0).all()
+    assert torch.equal(kl_k3(logprobs, logprobs), torch.zeros(8, 16))
+
+
+def test_k3_stays_finite_far_from_reference():
+    logprobs = torch.tensor([[-1000.0, 0.0]], requires_grad=True)
+    ref_logprobs = torch.tensor([[0.0, -1000.0]])
+    kl = kl_k3(logprobs, ref_logprobs)
+    # d clamped to +20: exp(20) − 20 − 1; to −20: exp(−20) + 20 − 1.
+    torch.testing.assert_close(kl, torch.tensor([[math.exp(20) - 21, math.exp(-20) + 19]]))
+    kl.sum().backward()
+    assert torch.isfinite(logprobs.grad).all()
+
+
+def test_k1_and_k3_are_unbiased_on_samples():
+    policy = torch.tensor([0.5, 0.3, 0.2])
+    reference = torch.tensor([0.2, 0.3, 0.5])
+    exact_kl = (policy * (policy / reference).log()).sum()  # 0.5·ln2.5 + 0.2·ln0.4 = 0.274891
+    samples = torch.multinomial(policy, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    logprobs, ref_logprobs = policy.log()[samples], reference.log()[samples]
+    for kind in ("k1", "k3"):
+        assert kl_estimate(logprobs, ref_logprobs, kind).mean().item() == pytest.approx(exact_kl.item(), abs=5e-3)
+
+
+def test_dispatch_and_unknown_kind():
+    logprobs, ref_logprobs = torch.tensor([[-1.0]]), torch.tensor([[-2.0]])
+    assert torch.equal(kl_estimate(logprobs, ref_logprobs, "k2"), kl_k2(logprobs, ref_logprobs))
+    with pytest.raises(ValueError, match=r"'k4'.*\['k1', 'k2', 'k3'\]"):
+        kl_estimate(logprobs, ref_logprobs, "k4")

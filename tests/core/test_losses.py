@@ -1,0 +1,202 @@
+"""Policy/value losses and loss aggregation against numbers worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from polo.core import (
+    aggregate_loss,
+    entropy_from_logits,
+    gspo_loss,
+    masked_mean,
+    masked_sum,
+    ppo_clip_loss,
+    value_loss,
+    vanilla_pg_loss,
+)
+
+# A 2×3 PPO example with clip-higher: eps_low = 0.2, eps_high = 0.28 → clip range [0.8, 1.28].
+RATIOS = torch.tensor([[1.5, 1.1, 0.5], [0.5, 1.5, 2.0]])
+ADVANTAGES = torch.tensor([[2.0, 1.0, -1.0], [1.0, -1.0, 5.0]])
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+# Row 0: t0 −min(1.5·2, 1.28·2) = −2.56 (clipped high)    t1 −min(1.1, 1.1) = −1.1
+#        t2 −min(0.5·−1, 0.8·−1) = 0.8 (clipped low)
+# Row 1: t0 −min(0.5·1, 0.8·1) = −0.5 (ρ < 0.8 but A > 0: not clipped)
+#        t1 −min(1.5·−1, 1.28·−1) = 1.5 (ρ > 1.28 but A < 0: not clipped)    t2 padding → 0
+PPO_EXPECTED = torch.tensor([[-2.56, -1.1, 0.8], [-0.5, 1.5, 0.0]])
+
+
+def _ppo(ratios=RATIOS, advantages=ADVANTAGES, old_logprobs=None, **kwargs):
+    old_logprobs = torch.zeros_like(ratios) if old_logprobs is None else old_logprobs
+    logprobs = (ratios.log() + old_logprobs).requires_grad_()
+    per_token, stats = ppo_clip_loss(logprobs, old_logprobs, advantages, MASK, 0.2, 0.28, **kwargs)
+    per_token.sum().backward()
+    return per_token, stats, logprobs.grad
+
+
+def test_ppo_clip_loss_by_hand():
+    per_token, stats, grad = _ppo()
+    torch.testing.assert_close(per_token, PPO_EXPECTED)
+    assert stats["clip_low_count"].item() == 1
+    assert stats["clip_high_count"].item() == 1
+    assert stats["token_count"].item() == 5
+    # ratio_sum = 1.5 + 1.1 + 0.5 + 0.5 + 1.5 = 5.1 (padding excluded).
+    assert stats["ratio_sum"].item() == pytest.approx(5.1)
+    # d(−ρA)/d log π = −ρA where unclipped; clipped tokens and padding get no gradient.
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -1.1, 0.0], [-0.5, 1.5, 0.0]]))
+
+
+def test_ppo_sequence_advantages_broadcast_to_tokens():
+    sequence_advantages = torch.tensor([1.0, -1.0])
+    per_sequence, _, _ = _ppo(advantages=sequence_advantages)
+    per_token, _, _ = _ppo(advantages=sequence_advantages.unsqueeze(-1).expand(2, 3))
+    torch.testing.assert_close(per_sequence, per_token)
+    with pytest.raises(ValueError, match="advantages must be"):
+        _ppo(advantages=torch.zeros(3))
+
+
+def test_ppo_padding_never_contributes():
+    _, _, grad = _ppo()
+    garbage_old = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, float("nan")]])
+    garbage_advantages = ADVANTAGES.clone()
+    garbage_advantages[1, 2] = float("inf")
+    garbage_ratios = RATIOS.clone()
+    garbage_ratios[1, 2] = 1e30
+    per_token, stats, garbage_grad = _ppo(garbage_ratios, garbage_advantages, garbage_old)
+    torch.testing.assert_close(per_token, PPO_EXPECTED)
+    torch.testing.assert_close(garbage_grad, grad)
+    assert stats["ratio_sum"].item() == pytest.approx(5.1)
+
+
+def test_ppo_dual_clip_caps_negative_advantage_loss():
+    ratios = torch.tensor([[5.0, 1.5, 1.0], [1.0, 1.0, 1.0]])
+    advantages = torch.tensor([[-1.0, -1.0, 2.0], [0.0, 0.0, 0.0]])
+    # t0: −min(−5, −1.28) = 5, capped at −3·(−1) = 3; t1: 1.5 < 3 stays; t2 (A > 0): −min(2, 2) = −2.
+    per_token, _, _ = _ppo(ratios, advantages, dual_clip=3.0)
+    torch.testing.assert_close(per_token[0], torch.tensor([3.0, 1.5, -2.0]))
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        _ppo(dual_clip=0.5)
+
+
+def test_gspo_ratio_is_exp_of_mean_log_ratio():
+    old_logprobs = torch.zeros(2, 3)
+    logprobs = torch.tensor([[0.1, 0.3, 5.0], [-0.4, -0.2, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    # Row 0: mean(0.1, 0.3) = 0.2 (padding ignored) → s = e^0.2; row 1: mean = −0.2 → s = e^−0.2.
+    per_token, stats = gspo_loss(logprobs, old_logprobs, torch.tensor([1.0, 1.0]), mask, 0.9, 10.0)
+    s0, s1 = math.exp(0.2), math.exp(-0.2)
+    torch.testing.assert_close(per_token, torch.tensor([[-s0, -s0, 0.0], [-s1, -s1, -s1]]))
+    assert stats["ratio_sum"].item() == pytest.approx(2 * s0 + 3 * s1)
+    # Seq-mean-token-mean recovers −mean_i s_i A_i; d/d log π_t = −s_i A_i / |y_i| / num_sequences.
+    loss = aggregate_loss(per_token, mask, "grpo", num_sequences=2, num_tokens=5, max_completion_length=3)
+    loss.backward()
+    expected_grad = torch.tensor([[-s0 / 2, -s0 / 2, 0.0], [-s1 / 3, -s1 / 3, -s1 / 3]]) / 2
+    torch.testing.assert_close(logprobs.grad, expected_grad)
+
+
+def test_gspo_clips_whole_sequences():
+    logprobs = torch.tensor([[0.1, 0.3, 5.0], [-0.4, -0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    # Clip range [0.9, 1.1]. Row 0: s = 1.2214 > 1.1, A = +1 → −1.1 per token (clipped high).
+    # Row 1: s = 0.8187 < 0.9, A = −1 → −min(−0.8187, −0.9) = 0.9 per token (clipped low).
+    per_token, stats = gspo_loss(logprobs, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), mask, 0.1, 0.1)
+    torch.testing.assert_close(per_token, torch.tensor([[-1.1, -1.1, 0.0], [0.9, 0.9, 0.9]]))
+    assert stats["clip_high_count"].item() == 2
+    assert stats["clip_low_count"].item() == 3
+
+
+def test_vanilla_pg_loss_by_hand():
+    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, float("nan")]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    # −A·log π: −2·(−1) = 2, −2·(−2) = 4, −(−1)·(−0.5) = −0.5, padding 0.
+    expected = torch.tensor([[2.0, 4.0], [-0.5, 0.0]])
+    torch.testing.assert_close(vanilla_pg_loss(logprobs, torch.tensor([2.0, -1.0]), mask), expected)
+
+
+def test_value_loss_by_hand():
+    values = torch.tensor([[1.0, 2.0, 100.0]])
+    old_values = torch.tensor([[0.5, 2.5, 0.0]])
+    returns = torch.tensor([[3.0, 1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    # t0: (1 − 3)² = 4; clipped V = 0.5 + 0.2 = 0.7, (0.7 − 3)² = 5.29 → ½·5.29 = 2.645.
+    # t1: (2 − 1)² = 1; clipped V = 2.5 − 0.2 = 2.3, (2.3 − 1)² = 1.69 → ½·1.69 = 0.845.
+    clipped = value_loss(values, old_values, returns, mask, clip_range=0.2)
+    torch.testing.assert_close(clipped, torch.tensor([[2.645, 0.845, 0.0]]))
+    unclipped = value_loss(values, old_values, returns, mask, clip_range=None)
+    torch.testing.assert_close(unclipped, torch.tensor([[2.0, 0.5, 0.0]]))
+
+
+# Three sequences, one of them empty; max_completion_length 4; padding holds junk.
+PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 100.0, float("nan")], [float("nan")] * 4])
+AGG_MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]])
+NORMALISERS = dict(num_sequences=3, num_tokens=6, max_completion_length=4)
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("grpo", (2.5 + 5.5 + 0.0) / 3),  # per-sequence token means 2.5, 5.5, 0 (empty) over 3 sequences
+        ("bnpo", 21 / 6),  # 1 + 2 + 3 + 4 + 5 + 6 = 21 over 6 tokens
+        ("dapo", 21 / 6),
+        ("dr_grpo", 21 / (3 * 4)),  # 21 over 3 sequences × 4 max tokens
+    ],
+)
+def test_aggregation_modes_by_hand(mode, expected):
+    loss = aggregate_loss(PER_TOKEN, AGG_MASK, mode, **NORMALISERS)
+    assert not torch.isnan(loss)
+    assert loss.item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("mode", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_micro_batches_sum_to_full_batch(mode):
+    generator = torch.Generator().manual_seed(0)
+    per_token = torch.randn(6, 5, generator=generator)
+    mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [0] * 5, [1] * 4 + [0], [1] + [0] * 4, [1] * 2 + [0] * 3])
+    normalisers = dict(num_sequences=6, num_tokens=int(mask.sum()), max_completion_length=5)
+    full = aggregate_loss(per_token, mask, mode, **normalisers)
+    micro_batches = (slice(0, 2), slice(2, 6))
+    halves = sum(aggregate_loss(per_token[rows], mask[rows], mode, **normalisers) for rows in micro_batches)
+    torch.testing.assert_close(halves, full)
+
+
+@pytest.mark.parametrize("mode", ["grpo", "bnpo", "dr_grpo"])
+def test_aggregation_padding_has_no_effect_on_gradients(mode):
+    clean = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]], requires_grad=True)
+    junk = torch.tensor([[1.0, 2.0, 7.0], [3.0, -8.0, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    normalisers = dict(num_sequences=2, num_tokens=3, max_completion_length=3)
+    clean_loss = aggregate_loss(clean**2, mask, mode, **normalisers)
+    junk_loss = aggregate_loss(junk**2, mask, mode, **normalisers)
+    clean_loss.backward()
+    junk_loss.backward()
+    torch.testing.assert_close(junk_loss, clean_loss)
+    torch.testing.assert_close(junk.grad, clean.grad)
+
+
+def test_aggregation_errors_name_the_bad_value():
+    with pytest.raises(ValueError, match=r"'seq_mean'.*\['bnpo', 'dapo', 'dr_grpo', 'grpo'\]"):
+        aggregate_loss(PER_TOKEN, AGG_MASK, "seq_mean", **NORMALISERS)
+    with pytest.raises(ValueError, match="num_tokens must be a positive count.*0"):
+        aggregate_loss(PER_TOKEN, AGG_MASK, "dapo", num_sequences=3, num_tokens=0, max_completion_length=4)
+
+
+def test_masked_helpers():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 0, 1], [0, 0, 0]])
+    assert masked_sum(values, mask).item() == 4.0
+    assert masked_mean(values, mask).item() == 2.0
+    # Per-row: row 0 → (1 + 3)/2 = 2; row 1 has no valid entries → 0, not NaN.
+    torch.testing.assert_close(masked_mean(values, mask, dim=-1), torch.tensor([2.0, 0.0]))
+    assert masked_mean(values, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_entropy_from_logits():
+    # Uniform over 4 → ln 4; two equal logits and one banned (−inf) → ln 2.
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [3.0, 3.0, float("-inf"), float("-inf")]], requires_grad=True)
+    entropy = entropy_from_logits(logits)
+    torch.testing.assert_close(entropy, torch.tensor([math.log(4), math.log(2)]))
+    entropy.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    # Large logits must not overflow: softmax([1000, 0]) is essentially one-hot → entropy ≈ 0.
+    assert entropy_from_logits(torch.tensor([1000.0, 0.0])).item() == pytest.approx(0.0, abs=1e-6)

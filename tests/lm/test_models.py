@@ -1,0 +1,42 @@
+"""Model loading: clear errors for paths that are not causal LMs; the reference copy is frozen."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from polo.lm.models import ModelLoadError, frozen_copy, load_policy, resolve_model_path
+
+
+def test_missing_path_names_it_and_the_builtins(tmp_path):
+    with pytest.raises(ModelLoadError, match="smollm2-135m-instruct") as error:
+        resolve_model_path(str(tmp_path / "missing"))
+    assert "missing" in str(error.value)
+
+
+def test_directory_without_config_is_rejected(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model_path(str(tmp_path))
+
+
+def test_non_causal_architecture_is_rejected(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"], "model_type": "bert"}))
+    with pytest.raises(ModelLoadError, match="not a causal language model"):
+        resolve_model_path(str(tmp_path))
+
+
+def test_load_policy_sets_left_padding_and_pad_token(tiny_model_dir):
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token_id is not None
+    assert model.dtype == torch.float32
+
+
+def test_reference_copy_is_frozen_and_independent(tiny_model_dir):
+    model, _ = load_policy(str(tiny_model_dir))
+    reference = frozen_copy(model)
+    assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert not torch.equal(next(model.parameters()), next(reference.parameters()))

@@ -1,0 +1,207 @@
+"""The training loop end to end on a tiny model: outputs, resume, padding, clear errors."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from polo.config import load_config
+from polo.lm.models import load_policy
+from polo.lm.rewards import RewardFunctionError, RewardSet
+from polo.lm.rollout import rollout
+from polo.lm.trainer import NonFiniteLossError, batch_rows, lr_lambda, make_task, policy_update, train
+
+TIME_KEYS = ("time/", "tokens_per_second", "timestamp")
+
+
+def tiny_config(model_dir, output_dir, **sections):
+    config = {
+        "model": {"name": str(model_dir)},
+        "task": {"name": "arithmetic", "min_digits": 1, "max_digits": 1, "num_train": 40, "num_eval": 6},
+        "rewards": {"correct": 1.0, "tag_count": 0.5},
+        "sampling": {"max_new_tokens": 8, "temperature": 1.0},
+        "algorithm": {"group_size": 4},
+        "train": {"steps": 4, "prompts_per_step": 2, "micro_batch_size": 3, "learning_rate": 1e-3, "precision": "fp32", "seed": 3},
+        "eval": {"batch_size": 4, "max_new_tokens": 6},
+        "output": {"dir": str(output_dir), "save_every": 2, "progress": False, "tensorboard": True, "plots": True},
+    }
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    return config
+
+
+def without_times(rows):
+    return [{k: v for k, v in row.items() if not k.startswith(TIME_KEYS)} for row in rows]
+
+
+def final_weights(output_dir):
+    latest = sorted((output_dir / "checkpoints").glob("step-*"))[-1]
+    return load_file(str(latest / "model.safetensors"))
+
+
+def test_train_writes_metrics_checkpoints_and_plots(tiny_model_dir, tmp_path):
+    result = train(tiny_config(tiny_model_dir, tmp_path / "run"), ["algorithm.beta=0.1", "algorithm.update_epochs=2"])
+    rows = [row for row in result.metrics if "reward/mean" in row]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    expected = {
+        "reward/mean", "reward/std", "reward/correct/mean", "reward/tag_count/mean", "accuracy",
+        "completion_length/mean", "completion_length/min", "completion_length/max", "truncated_fraction",
+        "kl", "entropy", "clip_fraction/low", "clip_fraction/high", "zero_spread_group_fraction", "grad_norm",
+        "learning_rate", "time/generation", "time/reward", "time/update", "tokens_per_second",
+    }
+    assert expected <= set(rows[0]), expected - set(rows[0])
+    assert all(row["kl"] >= 0 for row in rows)
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # first step: policy == reference
+    assert 1 <= rows[0]["completion_length/min"] <= rows[0]["completion_length/mean"] <= rows[0]["completion_length/max"] <= 8
+    evals = [row for row in result.metrics if "eval/accuracy" in row]
+    assert [row["step"] for row in evals] == [0, 4]
+    assert result.eval_before is not None and 0.0 <= result.eval_after["accuracy"] <= 1.0
+    # a checkpoint is an ordinary transformers directory
+    checkpoint = result.output_dir / "checkpoints" / "step-000004"
+    reloaded = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    assert isinstance(reloaded, torch.nn.Module)
+    assert (checkpoint / "trainer_state.pt").exists()
+    for picture in ("reward.png", "accuracy.png", "length.png"):
+        assert (result.output_dir / picture).stat().st_size > 1000
+    assert any((result.output_dir / "tensorboard").iterdir())
+    # training changed the weights
+    start = load_file(str(tiny_model_dir / "model.safetensors"))
+    end = load_file(str(checkpoint / "model.safetensors"))
+    assert any(not torch.equal(start[name], end[name]) for name in start)
+
+
+def test_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
+    """Ctrl-C during step 3, resume: same metrics and the same weights as 4 straight steps."""
+    straight = train(tiny_config(tiny_model_dir, tmp_path / "straight", output={"save_every": 3}))
+
+    from polo.lm import trainer
+
+    real_step, calls = trainer.grpo_step, []
+
+    def interrupt_on_third_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C in the middle of step 3
+        return real_step(*args, **kwargs)
+
+    interrupted = tiny_config(tiny_model_dir, tmp_path / "resumed", output={"save_every": 3})
+    monkeypatch.setattr(trainer, "grpo_step", interrupt_on_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(interrupted)
+    monkeypatch.setattr(trainer, "grpo_step", real_step)
+    # Ctrl-C let step 3 finish and saved it (periodic saving alone would have kept nothing)
+    assert [p.name for p in (tmp_path / "resumed" / "checkpoints").glob("step-*")] == ["step-000003"]
+    resumed = train(interrupted, ["output.resume=true"])
+    assert without_times(resumed.metrics) == without_times(straight.metrics)
+    a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_padding_never_contributes_to_the_update(tiny_model_dir):
+    """Changing the token ids that stand in padded positions changes neither gradient nor metrics."""
+    config = load_config(tiny_config(tiny_model_dir, "unused"))
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    torch.manual_seed(0)
+    batch = rollout(model, tokenizer, ["1+1=", "9+9= please"], 4, max_new_tokens=8, temperature=1.0)
+    # a random model rarely stops: end some completions early by hand (EOS, then padding)
+    for row, length in enumerate([2, 8, 5, 1, 8, 3, 6, 4]):
+        batch.completion_ids[row, length - 1] = tokenizer.eos_token_id
+        batch.completion_mask[row, length:] = 0
+        batch.completion_ids[row, length:] = tokenizer.pad_token_id
+    assert (batch.completion_mask == 0).any() and (batch.prompt_mask == 0).any()
+    advantages = torch.linspace(-1, 1, 8)
+
+    def gradients(rollouts):
+        probe, _ = load_policy(str(tiny_model_dir))
+        optimizer = torch.optim.SGD(probe.parameters(), lr=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        metrics = policy_update(probe, optimizer, scheduler, rollouts, advantages, None, None, config, "fp32")
+        return [p.grad.clone() for p in probe.parameters()], metrics
+
+    clean_grads, clean_metrics = gradients(batch)
+    batch.completion_ids[batch.completion_mask == 0] = 50
+    batch.prompt_ids[batch.prompt_mask == 0] = 51
+    dirty_grads, dirty_metrics = gradients(batch)
+    for clean, dirty in zip(clean_grads, dirty_grads):
+        torch.testing.assert_close(clean, dirty, atol=1e-6, rtol=1e-5)
+    assert dirty_metrics == pytest.approx(clean_metrics, rel=1e-5, abs=1e-7)
+
+
+def test_micro_batch_size_does_not_change_the_gradient(tiny_model_dir):
+    """Gradient accumulation with global normalisers equals one full-batch backward."""
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    torch.manual_seed(1)
+    batch = rollout(model, tokenizer, ["3+4=", "5+6="], 4, max_new_tokens=8, temperature=1.0)
+    advantages = torch.linspace(-1, 1, 8)
+    results = []
+    for mode in ("grpo", "bnpo", "dr_grpo"):
+        for micro in (8, 3):
+            config = load_config(tiny_config(tiny_model_dir, "unused"), [f"train.micro_batch_size={micro}", f"algorithm.loss_aggregation={mode}"])
+            probe, _ = load_policy(str(tiny_model_dir))
+            optimizer = torch.optim.SGD(probe.parameters(), lr=0.0)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+            policy_update(probe, optimizer, scheduler, batch, advantages, None, None, config, "fp32")
+            results.append([p.grad.clone() for p in probe.parameters()])
+        for full, accumulated in zip(results[-2], results[-1]):
+            torch.testing.assert_close(full, accumulated, atol=1e-6, rtol=1e-4)
+
+
+def test_nan_loss_is_a_clear_error_and_applies_no_update(tiny_model_dir, tmp_path):
+    config = load_config(tiny_config(tiny_model_dir, "unused"))
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    batch = rollout(model, tokenizer, ["1+1="], 4, max_new_tokens=4, temperature=1.0)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    with pytest.raises(NonFiniteLossError, match="not applied"):
+        policy_update(model, optimizer, scheduler, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), None, None, config, "fp32")
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, before[name], equal_nan=True)
+
+
+def test_raising_reward_names_function_and_sample(tiny_model_dir, tmp_path):
+    def broken_reward(completion, row):
+        raise KeyError("oops")
+
+    with pytest.raises(RewardFunctionError, match="broken_reward") as error:
+        train(tiny_config(tiny_model_dir, tmp_path / "run", eval={"before": False}), reward_functions={broken_reward: 1.0})
+    assert "sample" in str(error.value)
+
+
+def test_batch_rows_walks_epochs_deterministically():
+    rows = [{"i": i} for i in range(10)]
+    first_epoch = [row["i"] for step in range(5) for row in batch_rows(rows, step, 2, seed=0)]
+    assert sorted(first_epoch) == list(range(10))  # every row once per epoch
+    assert first_epoch == [row["i"] for step in range(5) for row in batch_rows(rows, step, 2, seed=0)]
+    assert first_epoch != [row["i"] for step in range(5) for row in batch_rows(rows, step, 2, seed=1)]
+
+
+def test_learning_rate_warmup_then_schedule(tiny_model_dir):
+    config = load_config(tiny_config(tiny_model_dir, "unused"), ["train.warmup_steps=3", "train.lr_schedule=linear", "train.steps=10"])
+    multiplier = lr_lambda(config)
+    assert [multiplier(step) for step in range(3)] == pytest.approx([0.25, 0.5, 0.75])
+    assert multiplier(3) == pytest.approx(1.0) and multiplier(10) == pytest.approx(0.0)
+    assert multiplier(6) == pytest.approx(4 / 7)
+
+
+def test_reward_set_used_by_trainer_scores_groups(tiny_model_dir):
+    config = load_config(tiny_config(tiny_model_dir, "unused"))
+    task = make_task(config)
+    rewards = RewardSet(config.rewards, task)
+    row = task.train_rows[0]
+    total, columns = rewards.score([f"<think>x</think><answer>{row['answer']}</answer>", "no"], [row, row])
+    assert total.tolist() == pytest.approx([1.0 + 0.5 * 1.0, 0.0])
+    assert set(columns) == {"correct", "tag_count"}
+
+
+def test_metrics_file_is_json_lines(tiny_model_dir, tmp_path):
+    result = train(tiny_config(tiny_model_dir, tmp_path / "run", train={"steps": 1}, eval={"before": False, "after": False}))
+    lines = (result.output_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["step"] == 1

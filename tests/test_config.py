@@ -1,0 +1,74 @@
+"""Recipes, overrides and the clear errors for bad keys and values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from polo.cli import main
+from polo.config import Config, ConfigError, load_config
+
+RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.name)
+def test_every_recipe_loads(recipe):
+    assert isinstance(load_config(recipe), Config)
+
+
+def test_overrides_set_typed_values():
+    config = load_config(None, ["train.learning_rate=3e-6", "algorithm.group_size=4", "task.operators=[+, '-']", "output.resume=true"])
+    assert config.train.learning_rate == 3e-6 and isinstance(config.train.learning_rate, float)
+    assert config.algorithm.group_size == 4
+    assert config.task.operators == ["+", "-"]
+    assert config.output.resume is True
+
+
+def test_unknown_key_names_it_and_the_valid_ones():
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["train.learning_rat=1e-6"])
+    message = str(error.value)
+    assert "train.learning_rat" in message and "learning_rate" in message and "micro_batch_size" in message
+
+
+def test_unknown_section_names_the_valid_sections():
+    with pytest.raises(ConfigError, match="valid keys: model, task, rewards"):
+        load_config({"trian": {"steps": 1}})
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match="train.steps: expected an integer"):
+        load_config(None, ["train.steps=ten"])
+    with pytest.raises(ConfigError, match="output.resume: expected true or false"):
+        load_config(None, ["output.resume=maybe"])
+
+
+def test_bad_choice_names_the_valid_ones():
+    with pytest.raises(ConfigError, match="grpo, bnpo, dapo, dr_grpo"):
+        load_config(None, ["algorithm.loss_aggregation=mean"])
+
+
+def test_groups_are_never_split_across_minibatches():
+    with pytest.raises(ConfigError, match="divisible"):
+        load_config(None, ["train.prompts_per_step=3", "train.num_minibatches=2"])
+
+
+def test_missing_recipe_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cli_reports_config_errors_in_one_line(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  stepz: 3\n")
+    assert main(["train", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("polo: error: unknown config key 'train.stepz'") and "Traceback" not in err
+
+
+def test_cli_reports_missing_model_in_one_line(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  name: {tmp_path / 'no-such-model'}\ntrain:\n  steps: 1\n")
+    assert main(["train", str(recipe), f"output.dir={tmp_path / 'out'}"]) == 2
+    assert "no-such-model" in capsys.readouterr().err
