@@ -1,7 +1,8 @@
-"""Helpers shared by the benchmark scripts: matmul rate, medians, peak RSS, formatting."""
+"""Helpers shared by the benchmark scripts: matmul rate, medians, peak RSS, other processes' CPU load."""
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import time
@@ -34,3 +35,71 @@ def median(values: list[float]) -> float:
 
 def mib(num_bytes: float) -> str:
     return f"{num_bytes / 2**20:,.0f} MiB"
+
+
+# ----------------------------------------------------------------------------------------------
+# Other processes on the machine. On a small CPU box a second busy process (a test run, another
+# benchmark) can slow these measurements by an order of magnitude, so the scripts wait for the
+# machine to be quiet before measuring and report how much CPU others used while they measured.
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def system_busy_seconds() -> float:
+    """Return CPU-seconds all processes have spent busy since boot (from /proc/stat; 0 if unavailable)."""
+    try:
+        fields = open("/proc/stat").readline().split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / _TICKS
+
+
+def own_cpu_seconds(include_children: bool = False) -> float:
+    """Return CPU-seconds used by this process (and, optionally, its finished children)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    seconds = usage.ru_utime + usage.ru_stime
+    if include_children:
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        seconds += children.ru_utime + children.ru_stime
+    return seconds
+
+
+class ForeignLoad:
+    """Measures the CPU (in cores) used by other processes between `start()` and `cores()`."""
+
+    def __init__(self, include_children: bool = False):
+        self.include_children = include_children
+        self.start()
+
+    def start(self) -> None:
+        self.wall = time.perf_counter()
+        self.busy = system_busy_seconds()
+        self.own = own_cpu_seconds(self.include_children)
+
+    def cores(self) -> float:
+        wall = max(time.perf_counter() - self.wall, 1e-9)
+        other = (system_busy_seconds() - self.busy) - (own_cpu_seconds(self.include_children) - self.own)
+        return max(other, 0.0) / wall
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 0.2, window: float = 2.0, log=_log) -> float:
+    """Wait (up to `max_wait` s) until other processes use under `threshold` cores; return the last reading."""
+    deadline = time.perf_counter() + max_wait
+    warned = False
+    while True:
+        monitor = ForeignLoad(include_children=True)
+        time.sleep(window)
+        load = monitor.cores()
+        if load < threshold:
+            return load
+        if time.perf_counter() >= deadline:
+            log(f"WARNING: other processes still use {load:.1f} CPU cores; measuring anyway (timings will be inflated)")
+            return load
+        if not warned:
+            log(f"waiting for the machine to be quiet: other processes use {load:.1f} CPU cores ...")
+            warned = True

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import matmul_rate, median, mib, peak_rss_bytes  # noqa: E402
+from bench_common import ForeignLoad, matmul_rate, median, mib, peak_rss_bytes, wait_for_quiet  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS_PER_STEP = 4
@@ -117,12 +117,12 @@ def run_polo(steps: int, out_dir: Path) -> dict:
     original_step = getattr(trainer_module, "grpo_step", None)
     if original_step is not None:
 
-        def timed_step(*args, **kwargs):
+        def measured_step(*args, **kwargs):
             result = original_step(*args, **kwargs)
             rss_after_step.append(peak_rss_bytes())
             return result
 
-        trainer_module.grpo_step = timed_step
+        trainer_module.grpo_step = measured_step
 
     polo.train(config_dict)
 
@@ -171,6 +171,7 @@ def run_trl(variant: str, steps: int, out_dir: Path) -> dict:
     config = load_config(polo_config(steps, out_dir / "unused"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     task, rows, prompts = step_prompts(config, tokenizer, steps)
+    polo_prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # what polo's sampler feeds the model
     del tokenizer
     # Plain-text prompts (already chat-templated by polo): TRL only tokenizes them, like polo.
     dataset = Dataset.from_dict({"prompt": prompts, "row_index": list(range(len(rows)))})
@@ -232,6 +233,10 @@ def run_trl(variant: str, steps: int, out_dir: Path) -> dict:
         callbacks=[timer],
     )
     timer.trainer = trainer
+    # TRL tokenizes plain-text prompts itself (no chat template); check it sees polo's exact tokens.
+    same_prompt_tokens = trainer.processing_class(text=prompts)["input_ids"] == polo_prompt_ids
+    if not same_prompt_tokens:
+        print("WARNING: TRL tokenizes the prompts differently from polo", flush=True)
     trainer.train()
     times = [timer.ends[0] - timer.first_begin] + [b - a for a, b in zip(timer.ends, timer.ends[1:])]
     return {
@@ -239,6 +244,7 @@ def run_trl(variant: str, steps: int, out_dir: Path) -> dict:
         "gradient_checkpointing": not fast,
         "step_times": times,
         "time_source": "TrainerCallback on_step_end differences",
+        "same_prompt_tokens": same_prompt_tokens,
         "completion_length": timer.lengths,
         "peak_rss_train": timer.rss[-1] if timer.rss else None,
     }
@@ -248,6 +254,7 @@ def child_main(args) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    foreign = ForeignLoad()
     if args.child == "polo":
         result = run_polo(args.steps, out_dir)
     else:
@@ -259,6 +266,7 @@ def child_main(args) -> None:
         peak_rss=peak_rss_bytes(),
         wall=time.perf_counter() - started,
         threads=torch.get_num_threads(),
+        foreign_cores=foreign.cores(),
     )
     (out_dir / "result.json").write_text(json.dumps(result, indent=1))
 
@@ -270,11 +278,13 @@ def child_main(args) -> None:
 def parameter_count() -> int:
     """Return N, the number of distinct parameters of the model (tied embeddings counted once)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from polo.lm.models import ensure_builtin_model
 
-    model = AutoModelForCausalLM.from_pretrained(str(ensure_builtin_model(MODEL)), dtype=torch.float32)
+    config = AutoConfig.from_pretrained(str(ensure_builtin_model(MODEL)))
+    with torch.device("meta"):  # shapes only: nothing is allocated or read
+        model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -303,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="times to repeat the alternating runs (default 1)")
     parser.add_argument("--only", nargs="+", choices=RUNS, default=list(RUNS), help="run only these")
     parser.add_argument("--out", default=None, help="where runs write (default: a new temporary directory)")
+    parser.add_argument("--max-wait", type=float, default=900.0,
+                        help="seconds to wait for other processes to go quiet before each measurement (default 900)")
     parser.add_argument("--child", choices=RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -328,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit('TRL is not installed: pip install -e ".[bench]"')
 
     # Measure the machine first, while nothing else runs.
+    wait_for_quiet(args.max_wait)
     rate_bf16 = matmul_rate(torch.bfloat16)
     rate_fp32 = matmul_rate(torch.float32)
     print(f"matmul 2048^3 best rate: bf16 {rate_bf16 / 1e9:,.1f} GFLOP/s, fp32 {rate_fp32 / 1e9:,.1f} GFLOP/s", flush=True)
@@ -335,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict]] = {name: [] for name in order}
     for round_index in range(args.rounds):
         for name in order:
+            wait_for_quiet(args.max_wait)
             print(f"round {round_index + 1}/{args.rounds}: {name} ...", flush=True)
             result = run_child(name, args.steps, root / f"round{round_index + 1}-{name}")
             results[name].append(result)
@@ -342,12 +356,12 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"  {name}: steps {', '.join(f'{t:.2f}' for t in result['step_times'])} s "
                 f"(first is warm-up), median {median(timed):.2f} s, peak RSS {mib(result['peak_rss'])}, "
-                f"process {result['process_wall']:.0f} s",
+                f"process {result['process_wall']:.0f} s, other processes {result['foreign_cores']:.2f} cores",
                 flush=True,
             )
 
     print()
-    header = f"{'run':<9} {'setting':<31} {'round':>5} {'median step':>11} {'timed steps (s)':<22} {'mean len':>8} {'peak RSS train':>14} {'peak RSS proc':>13}"
+    header = f"{'run':<9} {'setting':<31} {'round':>5} {'median step':>11} {'timed steps (s)':<22} {'mean len':>8} {'peak RSS train':>14} {'peak RSS proc':>13} {'others':>6}"
     print(header)
     print("-" * len(header))
     summary = {}
@@ -363,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{name:<9} {DESCRIPTIONS[name]:<31} {round_index + 1:>5} {median(timed):>10.2f}s "
                 f"{', '.join(f'{t:.1f}' for t in timed):<22} {fmt(sum(lengths) / len(lengths) if lengths else float('nan'), '.1f'):>8} "
-                f"{mib(train_peak):>14} {mib(result['peak_rss']):>13}"
+                f"{mib(train_peak):>14} {mib(result['peak_rss']):>13} {result['foreign_cores']:>6.2f}"
             )
         summary[name] = {"median": median(all_timed), "peak_train": max(peaks_train), "peak": max(peaks)}
     print()
@@ -400,8 +414,13 @@ def main(argv: list[str] | None = None) -> None:
             leanest = min(trl_runs, key=lambda name: summary[name]["peak_train"])
             step_ratio = summary[fastest]["median"] / polo_median
             rss_ratio = summary["polo"]["peak_train"] / summary[leanest]["peak_train"]
+            same = all(r.get("same_prompt_tokens") for name in trl_runs for r in results[name])
+            print(f"TRL prompt tokens identical to polo's: {same}")
             print(f"TRL fastest: {fastest} ({summary[fastest]['median']:.2f} s); TRL lowest peak: {leanest} "
                   f"({mib(summary[leanest]['peak_train'])}); peak RSS compared at the end of the last step")
+    busy = [f"{name} round {i + 1} ({r['foreign_cores']:.2f} cores)" for name in order for i, r in enumerate(results[name]) if r["foreign_cores"] > 0.2]
+    if busy:
+        print("WARNING: other processes used the CPU during " + ", ".join(busy) + "; those timings are inflated")
     print(f"polo_vs_trl step_time_ratio={fmt(step_ratio)} peak_rss_ratio={fmt(rss_ratio)} floor_fraction={fmt(floor_fraction)}")
 
 

@@ -72,3 +72,8 @@ def test_cli_reports_missing_model_in_one_line(tmp_path, capsys):
     recipe.write_text(f"model:\n  name: {tmp_path / 'no-such-model'}\ntrain:\n  steps: 1\n")
     assert main(["train", str(recipe), f"output.dir={tmp_path / 'out'}"]) == 2
     assert "no-such-model" in capsys.readouterr().err
+
+
+def test_reward_override_accepts_import_paths_with_dots():
+    config = load_config(None, ["rewards.my_pkg.scoring:length_penalty=0.25"])
+    assert config.rewards == {"my_pkg.scoring:length_penalty": 0.25}

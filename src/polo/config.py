@@ -26,6 +26,7 @@ class ModelConfig:
     """Which causal LM to train."""
 
     name: str = "smollm2-135m-instruct"  # a built-in model name or a local HF model directory
+    attn_implementation: str | None = "eager"  # eager | sdpa | None (transformers' default)
 
 
 @dataclass
@@ -224,6 +225,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"override {override!r} is not of the form dotted.key=value")
         dotted, raw = override.split("=", 1)
         parts = dotted.strip().split(".")
+        if parts[0] == "rewards" and len(parts) > 2:
+            # reward names may be import paths with dots: rewards.my_pkg.scoring:fn=0.5
+            parts = ["rewards", ".".join(parts[1:])]
         node = data
         for part in parts[:-1]:
             node = node.setdefault(part, {})

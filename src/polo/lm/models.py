@@ -127,7 +127,7 @@ def resolve_model_path(name_or_path: str) -> Path:
     return path
 
 
-def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32):
+def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
     """Return `(model, tokenizer)` for a causal LM directory or built-in model name.
 
     The tokenizer is set up for batched generation: left padding, and a pad token (the EOS
@@ -137,7 +137,8 @@ def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32):
 
     path = resolve_model_path(name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        options = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **options)
     except (ValueError, OSError) as error:
         raise ModelLoadError(f"could not load {path} as a causal LM: {error}") from error
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -147,9 +148,11 @@ def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32):
     return model, tokenizer
 
 
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+def frozen_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Return a frozen deep copy of `model` in eval mode (the reference policy for the KL term)."""
     reference = copy.deepcopy(model)
+    if dtype is not None:
+        reference.to(dtype)
     reference.eval()
     reference.requires_grad_(False)
     return reference

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from polo.lm.logprobs import completion_logprobs_fused, supports_fused_logprobs
+
+# Score completions through the chunked lm_head path when the model allows it (see polo.lm.logprobs).
+FUSED_LOGPROBS = True
 
 @dataclass
 class Rollouts:
@@ -231,6 +235,12 @@ def completion_logprobs(
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)
     completion_len = completion_ids.shape[1]
+    if FUSED_LOGPROBS and supports_fused_logprobs(model):
+        # Chunks of the lm_head at a time: the full (batch, len, vocab) logits never exist.
+        return completion_logprobs_fused(
+            model, input_ids, attention_mask, position_ids_from_mask(attention_mask), completion_len, completion_ids,
+            temperature=temperature, with_entropy=with_entropy,
+        )
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -1,0 +1,135 @@
+"""Sampling throughput: polo's rollout sampler against Hugging Face `model.generate`, on the CPU.
+
+Same model (polo's built-in SmolLM2-135M-Instruct), same chat-templated prompts, same group size,
+length and temperature; each in fp32 and in bf16 autocast. The four cases alternate within every
+repetition; the first repetition is a warm-up. Throughput is generated tokens (up to and
+including the stop token) per second of wall-clock time; the median over repetitions is reported.
+
+Usage:
+  python benchmarks/generation.py                       # 8 prompts x 8, 64 tokens, 3 timed reps
+  python benchmarks/generation.py --prompts 4 --group-size 8 --reps 5
+The last line printed is
+  generation polo_vs_hf tokens_per_s_ratio=<polo bf16 / HF bf16>
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import ForeignLoad, matmul_rate, median, wait_for_quiet  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+
+
+def hf_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, precision, stop_ids):
+    """Return the number of generated tokens (through the first stop token) from `model.generate`."""
+    from polo.lm.rollout import autocast_context
+
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    input_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0)
+    attention_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0)
+    with torch.no_grad(), autocast_context(precision):
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=stop_ids,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    completions = output[:, input_ids.shape[1] :]
+    is_stop = torch.isin(completions, torch.tensor(stop_ids))
+    lengths = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, completions.shape[1])
+    return int(lengths.sum())
+
+
+def polo_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, precision):
+    """Return the number of generated tokens from polo's sampler."""
+    from polo.lm.rollout import rollout
+
+    rollouts = rollout(
+        model, tokenizer, prompts, group_size, max_new_tokens=max_new_tokens, temperature=temperature, precision=precision
+    )
+    return int(rollouts.completion_mask.sum())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
+    parser.add_argument("--max-wait", type=float, default=900.0,
+                        help="seconds to wait for other processes to go quiet before measuring (default 900)")
+    args = parser.parse_args(argv)
+
+    from polo.config import load_config
+    from polo.lm.models import load_policy
+    from polo.lm.rollout import stop_token_ids
+    from polo.lm.trainer import batch_rows, instruction_for, make_task
+
+    wait_for_quiet(args.max_wait)
+    rate_bf16 = matmul_rate(torch.bfloat16)
+    rate_fp32 = matmul_rate(torch.float32)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"matmul 2048^3 best rate: bf16 {rate_bf16 / 1e9:,.1f} GFLOP/s, fp32 {rate_fp32 / 1e9:,.1f} GFLOP/s")
+
+    config = load_config({"task": {"name": "arithmetic", "answer_in_tags": True, "num_eval": 0}})
+    task = make_task(config)
+    model, tokenizer = load_policy(MODEL)
+    model.eval()
+    rows = batch_rows(task.train_rows, 0, args.prompts, config.train.seed)
+    prompts = task.prompts(tokenizer, rows, instruction_for(config), config.task.system_prompt)
+    stop_ids = stop_token_ids(tokenizer, model)
+    print(
+        f"{MODEL}: {args.prompts} prompts x {args.group_size} samples, <= {args.max_new_tokens} new tokens, "
+        f"temperature {args.temperature}; 1 warm-up + {args.reps} timed reps, cases alternating"
+    )
+
+    cases = [(impl, precision) for precision in ("fp32", "bf16") for impl in ("polo", "hf")]
+    rates: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
+    tokens: dict[tuple[str, str], list[int]] = {case: [] for case in cases}
+    busiest = 0.0
+    for rep in range(args.reps + 1):
+        for impl, precision in cases:
+            torch.manual_seed(1000 + rep)
+            foreign = ForeignLoad()
+            started = time.perf_counter()
+            if impl == "polo":
+                count = polo_generate(model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature, precision)
+            else:
+                count = hf_generate(model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature, precision, stop_ids)
+            seconds = time.perf_counter() - started
+            others = foreign.cores()
+            label = "warm-up" if rep == 0 else f"rep {rep}"
+            print(f"  {label:<7} {impl:<4} {precision}: {count:5d} tokens in {seconds:6.2f} s = {count / seconds:7.1f} tokens/s (other processes {others:.2f} cores)", flush=True)
+            if rep > 0:
+                rates[(impl, precision)].append(count / seconds)
+                tokens[(impl, precision)].append(count)
+                busiest = max(busiest, others)
+
+    print()
+    print(f"{'sampler':<16} {'precision':<9} {'median tokens/s':>15} {'median tokens':>13}")
+    for impl, precision in cases:
+        name = "polo rollout" if impl == "polo" else "HF generate"
+        print(f"{name:<16} {precision:<9} {median(rates[(impl, precision)]):>15.1f} {median(tokens[(impl, precision)]):>13.0f}")
+    fp32_ratio = median(rates[("polo", "fp32")]) / median(rates[("hf", "fp32")])
+    bf16_ratio = median(rates[("polo", "bf16")]) / median(rates[("hf", "bf16")])
+    print(f"polo/HF tokens/s: fp32 {fp32_ratio:.3f}, bf16 {bf16_ratio:.3f}")
+    if busiest > 0.2:
+        print(f"WARNING: other processes used up to {busiest:.2f} CPU cores during timed reps; timings are inflated")
+    print(f"generation polo_vs_hf tokens_per_s_ratio={bf16_ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""Per-token log-probs and entropy from the lm_head without materialising the full logits.
+
+For a completion token y_t with trunk hidden state h_t (d,) and output matrix W (V, d),
+
+    z_t = W h_t                      logits, (V,)
+    log π(y_t) = z_t[y_t]/T − logsumexp(z_t/T)
+    H_t = logsumexp(z_t/T) − Σ_v p_v z_t[v]/T,    p = softmax(z_t/T)
+
+The naive route builds the (tokens, V) logits tensor in float32 and keeps it (plus the
+log-softmax temporaries) alive for backward: gigabytes for V ≈ 50k. Here the tokens are
+processed in chunks; only one chunk of logits exists at a time, and backward recomputes
+each chunk's logits from the saved hidden states and the per-token logsumexp:
+
+    ∂ log π(y_t) / ∂z_t = (onehot(y_t) − p_t) / T
+    ∂L/∂h_t = g_t (onehot(y_t) − p_t)/T · W          ∂L/∂W = Σ_t g_t ((onehot(y_t) − p_t)/T)ᵀ h_t
+
+`completion_logprobs_fused` applies this to a Hugging Face causal LM by running the trunk
+(`model.get_decoder()`) and using the output embedding matrix directly; it is only valid for
+models whose logits are exactly `lm_head(last_hidden_state)` (see `supports_fused_logprobs`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    "ChunkedTokenLogprobs",
+    "completion_logprobs_fused",
+    "supports_fused_logprobs",
+    "token_logprobs",
+]
+
+# Decoder-only families whose `*ForCausalLM.forward` (transformers 5.x) computes
+# `logits = lm_head(last_hidden_state[slice])` with nothing in between or after (apart from the
+# loss and the MoE router auxiliary loss). Families outside this list are refused rather than
+# guessed at: several scale the hidden states or the logits under names we could not list
+# exhaustively (minicpm3 divides hidden states by `logits_scaling`, hyperclovax multiplies the
+# logits by it, falcon_h1 uses a module attribute, modernbert-decoder adds a head after
+# lm_head, chameleon masks token ranges, ...). tests/lm/test_logprobs.py re-checks the source.
+FUSED_MODEL_TYPES = frozenset({
+    "llama", "mistral", "ministral", "mixtral",
+    "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+    "phi", "phi3", "gemma",
+    "olmo", "olmo2", "olmo3", "olmoe",
+    "smollm3", "starcoder2", "stablelm", "helium", "glm", "glm4",
+    "gpt2", "gpt_neox", "gpt_bigcode",
+})
+
+# Config fields that mean the logits are post-processed after lm_head (soft-capping, scaling).
+# Checked on the config and on its `text_config`, whatever the model type.
+LOGIT_POSTPROCESSING_FIELDS = (
+    "final_logit_softcapping",  # gemma2/3/4, vaultgemma, nanochat, t5gemma
+    "logit_softcapping",
+    "output_logit_soft_cap",  # xlstm
+    "logit_scale",  # cohere, cohere2
+    "logits_scaling",  # granite*, hyperclovax, minicpm3
+    "output_multiplier",
+    "lm_head_multiplier",  # falcon_h1
+    "dim_model_base",  # minicpm (hidden states scaled before lm_head)
+)
+
+
+def _accumulation_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """Return the dtype softmax statistics are taken in: float32, or float64 for float64 inputs."""
+    return torch.promote_types(compute_dtype, torch.float32)
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """log π(target) (with gradient) and entropy (without) from hidden states and lm_head weight, chunked over tokens.
+
+    forward(hidden (N, d), weight (V, d), targets (N,) long, temperature, chunk_size,
+    compute_dtype, with_entropy=True) -> (logprobs (N,), entropy (N,)), both float32
+    (float64 when compute_dtype is float64). The logits matmul runs in `compute_dtype` (bf16
+    for bf16 training; the chunk's logits are then upcast to float32 before the softmax
+    statistics); autocast is switched off inside both passes so forward and backward use
+    exactly `compute_dtype` regardless of the surrounding autocast state. Only hidden,
+    weight, targets and the per-token logsumexp (N,) are saved for backward. Entropy is not
+    differentiable; with `with_entropy=False` it is returned as zeros and not computed.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype, with_entropy=True):
+        if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+            raise ValueError(f"expected hidden (N, d) and weight (V, d), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        if targets.shape != hidden.shape[:1]:
+            raise ValueError(f"targets must have shape ({hidden.shape[0]},), got {tuple(targets.shape)}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        acc_dtype = _accumulation_dtype(compute_dtype)
+        n = hidden.shape[0]
+        logprobs = torch.empty(n, dtype=acc_dtype, device=hidden.device)
+        entropy = torch.zeros(n, dtype=acc_dtype, device=hidden.device)
+        lse = torch.empty(n, dtype=acc_dtype, device=hidden.device)
+        inv_t = 1.0 / float(temperature)
+        with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
+            w = weight.to(compute_dtype)  # one cast of (V, d), not one per chunk
+            for start in range(0, n, chunk_size):
+                stop = min(start + chunk_size, n)
+                z = (hidden[start:stop].to(compute_dtype) @ w.T).to(acc_dtype)
+                if inv_t != 1.0:
+                    z.mul_(inv_t)
+                target_logit = z.gather(1, targets[start:stop, None]).squeeze(1)
+                if with_entropy:
+                    # One exp pass serves both: with m = max z, e = exp(z − m), s = Σ e,
+                    # lse = m + log s and H = log s − Σ e (z − m) / s.
+                    m = z.amax(dim=1, keepdim=True)
+                    z.sub_(m)
+                    e = torch.exp(z)
+                    s = e.sum(dim=1)
+                    log_s = torch.log(s)
+                    chunk_lse = m.squeeze(1) + log_s
+                    entropy[start:stop] = log_s - (e * z).sum(dim=1) / s
+                    del e
+                else:
+                    chunk_lse = torch.logsumexp(z, dim=1)
+                lse[start:stop] = chunk_lse
+                logprobs[start:stop] = target_logit - chunk_lse
+                del z
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature = float(temperature)
+        ctx.chunk_size = int(chunk_size)
+        ctx.compute_dtype = compute_dtype
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_logprobs is None or not (need_hidden or need_weight):
+            return None, None, None, None, None, None, None
+        compute_dtype = ctx.compute_dtype
+        acc_dtype = lse.dtype
+        inv_t = 1.0 / ctx.temperature
+        n = hidden.shape[0]
+        with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
+            w = weight.to(compute_dtype)
+            g = grad_logprobs.to(acc_dtype) * inv_t  # (N,): g_t / T
+            grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+            grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+            for start in range(0, n, ctx.chunk_size):
+                stop = min(start + ctx.chunk_size, n)
+                h = hidden[start:stop].to(compute_dtype)
+                z = (h @ w.T).to(acc_dtype)
+                if inv_t != 1.0:
+                    z.mul_(inv_t)
+                # grad_z = g/T · (onehot(y) − p), built in place in the buffer that held z.
+                p = z.sub_(lse[start:stop, None]).exp_()
+                g_chunk = g[start:stop]
+                grad_z = p.mul_(-g_chunk[:, None])
+                grad_z.scatter_add_(1, targets[start:stop, None], g_chunk[:, None])
+                grad_z = grad_z.to(compute_dtype)
+                if need_hidden:
+                    grad_hidden[start:stop] = (grad_z @ w).to(hidden.dtype)
+                if need_weight:
+                    grad_weight += (grad_z.T @ h).to(acc_dtype)
+                del z, p, grad_z
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _default_compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """Return bf16 under bf16 autocast for `hidden`'s device, else `hidden`'s own dtype."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.bfloat16:
+        return torch.bfloat16
+    return hidden.dtype
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    compute_dtype: torch.dtype | None = None,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return (log π(targets), entropy) per token, each (batch, seq) float32, without full logits.
+
+        z = hidden · weightᵀ                  (batch, seq, V), never held beyond `chunk_size` tokens
+        logprobs = z[target]/T − logsumexp(z/T)          differentiable w.r.t. hidden and weight
+        entropy  = logsumexp(z/T) − Σ_v softmax(z/T)_v · z_v/T     no gradient; None unless with_entropy
+
+    Shapes: hidden (batch, seq, d), weight (V, d) (an lm_head / tied embedding matrix, no bias),
+    targets (batch, seq) integer ids. The matmul runs in `compute_dtype`; None means bf16 when
+    bf16 autocast is active on hidden's device, else hidden's dtype. Softmax statistics are
+    always taken in float32 (float64 for float64 inputs). Gradients come back in the dtypes of
+    `hidden` and `weight`.
+    """
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be (batch, seq, d), got shape {tuple(hidden.shape)}")
+    if targets.shape != hidden.shape[:2]:
+        raise ValueError(f"targets must have shape {tuple(hidden.shape[:2])}, got {tuple(targets.shape)}")
+    if compute_dtype is None:
+        compute_dtype = _default_compute_dtype(hidden)
+    batch, seq, d = hidden.shape
+    logprobs, entropy = ChunkedTokenLogprobs.apply(
+        hidden.reshape(batch * seq, d), weight, targets.reshape(-1).long(),
+        float(temperature), int(chunk_size), compute_dtype, bool(with_entropy),
+    )
+    logprobs = logprobs.view(batch, seq)
+    return logprobs, (entropy.view(batch, seq) if with_entropy else None)
+
+
+def _configs(model) -> list:
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    configs = [config]
+    get_text_config = getattr(config, "get_text_config", None)
+    text_config = get_text_config() if callable(get_text_config) else getattr(config, "text_config", None)
+    if text_config is not None and text_config is not config:
+        configs.append(text_config)
+    return configs
+
+
+def supports_fused_logprobs(model) -> bool:
+    """Return True when `model`'s logits are exactly `output_embeddings(decoder(...).last_hidden_state)`.
+
+    Requires a known plain decoder-only family (`FUSED_MODEL_TYPES`), `get_decoder` returning
+    a trunk distinct from the model, a bias-free `nn.Linear` output layer with a (V, d) weight,
+    and no logit post-processing field in the config (`LOGIT_POSTPROCESSING_FIELDS`). When it
+    returns False, callers should use the full-logits path.
+    """
+    get_decoder = getattr(model, "get_decoder", None)
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    if not callable(get_decoder) or not callable(get_output_embeddings):
+        return False
+    configs = _configs(model)
+    if not configs or getattr(configs[0], "model_type", None) not in FUSED_MODEL_TYPES:
+        return False
+    for config in configs:
+        for field in LOGIT_POSTPROCESSING_FIELDS:
+            if getattr(config, field, None) is not None:
+                return False
+    try:
+        decoder = get_decoder()
+        head = get_output_embeddings()
+    except (AttributeError, NotImplementedError, ValueError):
+        return False
+    if decoder is None or decoder is model or not isinstance(head, torch.nn.Linear):
+        return False
+    if head.bias is not None or head.weight.dim() != 2:
+        return False
+    return True
+
+
+def completion_logprobs_fused(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    completion_len: int,
+    completion_ids: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    *,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return (log-probs, entropy or None) of the completion tokens, each (batch, completion_len) float32.
+
+    Same values as the full-logits path `model(..., logits_to_keep=completion_len + 1).logits[:, :-1]`
+    → log_softmax(·/T) → gather, but runs only the trunk and scores the completion positions with
+    `token_logprobs`, so no (batch, completion_len, V) logits tensor is built. `input_ids`,
+    `attention_mask`, `position_ids` are (batch, prompt_len + completion_len) with the completion
+    last; the hidden state at position i predicts token i + 1, hence positions
+    [-completion_len - 1, -1). Only valid when `supports_fused_logprobs(model)`.
+    """
+    if completion_len < 1:
+        raise ValueError(f"completion_len must be positive, got {completion_len}")
+    if completion_ids.shape[-1] != completion_len:
+        raise ValueError(f"completion_ids has {completion_ids.shape[-1]} columns, expected completion_len={completion_len}")
+    hidden = model.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
+    hidden = hidden[:, -completion_len - 1 : -1]
+    weight = model.get_output_embeddings().weight
+    return token_logprobs(
+        hidden, weight, completion_ids, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+    )

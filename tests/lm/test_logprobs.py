@@ -1,0 +1,334 @@
+"""Chunked lm_head log-probs: values, entropy and gradients match the full-logits computation."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+import pytest
+import torch
+
+from polo.lm.logprobs import (
+    FUSED_MODEL_TYPES,
+    ChunkedTokenLogprobs,
+    completion_logprobs_fused,
+    supports_fused_logprobs,
+    token_logprobs,
+)
+
+
+def naive(hidden, weight, targets, temperature, matmul_dtype=None):
+    """Full-logits reference: (logprobs, entropy) over the last dim, softmax in hidden's float dtype."""
+    if matmul_dtype is None:
+        logits = hidden @ weight.T
+    else:
+        logits = (hidden.to(matmul_dtype) @ weight.to(matmul_dtype).T).float()
+    logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def random_case(batch=1, seq=37, vocab=101, d=16, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, seq, d, generator=generator, dtype=dtype)
+    weight = torch.randn(vocab, d, generator=generator, dtype=dtype) * 0.5
+    targets = torch.randint(0, vocab, (batch, seq), generator=generator)
+    upstream = torch.randn(batch, seq, generator=generator, dtype=dtype)
+    return hidden, weight, targets, upstream
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("shape", [(1, 37), (3, 5)])
+def test_forward_and_gradients_match_full_logits(temperature, shape):
+    hidden, weight, targets, upstream = random_case(*shape)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+
+    logprobs, entropy = token_logprobs(h1, w1, targets, temperature=temperature, chunk_size=8)
+    ref_logprobs, ref_entropy = naive(h2, w2, targets, temperature)
+    assert logprobs.shape == entropy.shape == targets.shape and logprobs.dtype == torch.float32
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), atol=1e-5, rtol=1e-5)
+    assert not entropy.requires_grad
+
+    (logprobs * upstream).sum().backward()
+    (ref_logprobs * upstream).sum().backward()
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_float64_matches_reference_tightly():
+    hidden, weight, targets, _ = random_case(dtype=torch.float64)
+    logprobs, entropy = token_logprobs(hidden, weight, targets, temperature=1.3, chunk_size=8)
+    ref_logprobs, ref_entropy = naive(hidden, weight, targets, 1.3)
+    assert logprobs.dtype == torch.float64
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-12, rtol=0)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-12, rtol=0)
+
+
+def test_gradcheck_float64():
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (5,), generator=generator)
+
+    def logprobs_only(h, w):
+        return ChunkedTokenLogprobs.apply(h, w, targets, 0.7, 2, torch.float64, True)[0]
+
+    assert torch.autograd.gradcheck(logprobs_only, (hidden, weight))
+
+
+def test_chunk_size_does_not_change_the_result():
+    hidden, weight, targets, _ = random_case()
+    results = [token_logprobs(hidden, weight, targets, chunk_size=size) for size in (1, 8, 37, 4096)]
+    for logprobs, entropy in results[1:]:
+        torch.testing.assert_close(logprobs, results[0][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, results[0][1], atol=1e-5, rtol=0)
+
+
+def test_without_entropy_returns_none_and_same_logprobs():
+    hidden, weight, targets, _ = random_case()
+    with_entropy, _ = token_logprobs(hidden, weight, targets, chunk_size=8)
+    logprobs, entropy = token_logprobs(hidden, weight, targets, chunk_size=8, with_entropy=False)
+    assert entropy is None
+    torch.testing.assert_close(logprobs, with_entropy, atol=1e-6, rtol=0)
+
+
+def test_frozen_weight_gets_no_gradient_and_hidden_gradient_is_unchanged():
+    hidden, weight, targets, upstream = random_case()
+    h1 = hidden.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    (token_logprobs(h1, weight, targets, chunk_size=8)[0] * upstream).sum().backward()
+    (token_logprobs(h2, w2, targets, chunk_size=8)[0] * upstream).sum().backward()
+    assert weight.grad is None
+    torch.testing.assert_close(h1.grad, h2.grad, atol=0, rtol=0)
+
+
+def test_bf16_compute_matches_bf16_matmul_with_fp32_softmax():
+    hidden, weight, targets, upstream = random_case()
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logprobs, entropy = token_logprobs(h1, w1, targets, chunk_size=8, compute_dtype=torch.bfloat16)
+    ref_logprobs, ref_entropy = naive(h2, w2, targets, 1.0, matmul_dtype=torch.bfloat16)
+    assert logprobs.dtype == torch.float32
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), atol=1e-2, rtol=1e-2)
+
+    (logprobs * upstream).sum().backward()
+    (ref_logprobs * upstream).sum().backward()
+    assert h1.grad.dtype == torch.float32 and w1.grad.dtype == torch.float32
+    torch.testing.assert_close(h1.grad, h2.grad, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(w1.grad, w2.grad, atol=2e-2, rtol=2e-2)
+
+
+def test_autocast_selects_bf16_and_backward_outside_autocast_works():
+    hidden, weight, targets, upstream = random_case()
+    explicit, _ = token_logprobs(hidden, weight, targets, chunk_size=8, compute_dtype=torch.bfloat16)
+    h = hidden.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs, _ = token_logprobs(h, weight, targets, chunk_size=8)
+    torch.testing.assert_close(logprobs, explicit, atol=0, rtol=0)
+    (logprobs * upstream).sum().backward()
+    assert h.grad.dtype == torch.float32 and torch.isfinite(h.grad).all()
+
+
+def test_bf16_inputs_return_bf16_gradients():
+    hidden, weight, targets, upstream = random_case(dtype=torch.bfloat16)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    logprobs, entropy = token_logprobs(hidden, weight, targets, chunk_size=8)
+    assert logprobs.dtype == entropy.dtype == torch.float32
+    (logprobs * upstream.float()).sum().backward()
+    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+
+
+def test_shape_errors_are_clear():
+    hidden, weight, targets, _ = random_case()
+    with pytest.raises(ValueError, match="targets must have shape"):
+        token_logprobs(hidden, weight, targets[:, :-1])
+    with pytest.raises(ValueError, match=r"\(batch, seq, d\)"):
+        token_logprobs(hidden[0], weight, targets)
+
+
+# --- Hugging Face integration -------------------------------------------------------------
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        bos_token_id=None, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def left_padded_batch(prompt_lengths=(6, 3, 1), prompt_width=6, completion_len=5, vocab=97, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    batch = len(prompt_lengths)
+    prompt_ids = torch.randint(2, vocab, (batch, prompt_width), generator=generator)
+    prompt_mask = torch.zeros(batch, prompt_width, dtype=torch.long)
+    for row, length in enumerate(prompt_lengths):
+        prompt_mask[row, prompt_width - length :] = 1
+    prompt_ids = prompt_ids.masked_fill(prompt_mask == 0, 0)
+    completion_ids = torch.randint(2, vocab, (batch, completion_len), generator=generator)
+    completion_mask = torch.ones(batch, completion_len, dtype=torch.long)
+    completion_mask[1, -2:] = 0  # a finished row padded on the right
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids, completion_ids
+
+
+def full_logits_path(model, input_ids, attention_mask, position_ids, completion_ids, temperature):
+    completion_len = completion_ids.shape[1]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        use_cache=False, logits_to_keep=completion_len + 1,
+    ).logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1).detach()
+    return logp.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def tracked_grads(model) -> dict[str, torch.Tensor]:
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight"]
+    params = dict(model.named_parameters())
+    return {name: params[name].grad.clone() for name in names}
+
+
+def test_decoder_is_the_trunk_and_head_is_tied():
+    model = tiny_llama()
+    assert model.get_decoder() is model.model
+    assert model.get_output_embeddings().weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_fused_completion_logprobs_match_full_logits_path(temperature):
+    model = tiny_llama()
+    input_ids, attention_mask, position_ids, completion_ids = left_padded_batch()
+    completion_len = completion_ids.shape[1]
+    upstream = torch.randn(completion_ids.shape, generator=torch.Generator().manual_seed(3))
+
+    logprobs, entropy = completion_logprobs_fused(
+        model, input_ids, attention_mask, position_ids, completion_len, completion_ids,
+        temperature, True, chunk_size=4,
+    )
+    (logprobs * upstream).sum().backward()
+    fused_grads = tracked_grads(model)
+    model.zero_grad(set_to_none=True)
+
+    ref_logprobs, ref_entropy = full_logits_path(model, input_ids, attention_mask, position_ids, completion_ids, temperature)
+    (ref_logprobs * upstream).sum().backward()
+    ref_grads = tracked_grads(model)
+
+    assert logprobs.shape == entropy.shape == completion_ids.shape
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_fused_completion_logprobs_under_bf16_autocast_track_full_path():
+    model = tiny_llama()
+    input_ids, attention_mask, position_ids, completion_ids = left_padded_batch()
+    completion_len = completion_ids.shape[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs, entropy = completion_logprobs_fused(
+            model, input_ids, attention_mask, position_ids, completion_len, completion_ids, 1.0, False
+        )
+        ref_logprobs, _ = full_logits_path(model, input_ids, attention_mask, position_ids, completion_ids, 1.0)
+    assert entropy is None and logprobs.dtype == torch.float32
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-2, rtol=1e-2)
+    logprobs.sum().backward()
+    fused = model.model.embed_tokens.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    ref_logprobs.sum().backward()
+    torch.testing.assert_close(fused, model.model.embed_tokens.weight.grad, atol=2e-2, rtol=5e-2)
+
+
+def test_supports_fused_for_llama():
+    assert supports_fused_logprobs(tiny_llama())
+
+
+def test_no_fused_path_when_lm_head_has_a_bias():
+    model = tiny_llama()
+    model.config.tie_word_embeddings = False
+    model.lm_head = torch.nn.Linear(32, 97, bias=True)
+    assert model.get_output_embeddings().bias is not None
+    assert not supports_fused_logprobs(model)
+
+
+@pytest.mark.parametrize("field, value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.0625), ("logits_scaling", 8.0)])
+def test_no_fused_path_when_config_post_processes_logits(field, value):
+    model = tiny_llama()
+    setattr(model.config, field, value)
+    assert not supports_fused_logprobs(model)
+
+
+def test_no_fused_path_for_unlisted_model_types_or_plain_modules():
+    from transformers import CohereConfig, CohereForCausalLM
+
+    cohere = CohereForCausalLM(CohereConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+    ))
+    assert not supports_fused_logprobs(cohere)  # logits * logit_scale
+    assert not supports_fused_logprobs(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("model_type", sorted(FUSED_MODEL_TYPES))
+def test_listed_model_types_compute_plain_logits(model_type):
+    """Re-read transformers' source: the listed families must still do `logits = lm_head(last_hidden_state)`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    source = inspect.getsource(getattr(module, class_name).forward)
+    code = [line.strip() for line in source.split('"""')[-1].splitlines() if line.strip() and not line.strip().startswith("#")]
+    head_calls = [line for line in code if re.fullmatch(r"logits = self\.\w+\(hidden_states(\[:, slice_indices, :\])?\)", line)]
+    assert len(head_calls) == 1, head_calls
+    suspicious = [
+        line for line in code
+        if (re.match(r"logits\s*[*/]?=\s", line) and line not in head_calls)
+        or re.search(r"hidden_states\s*(=|\*=|/=)\s*hidden_states", line)
+        or re.search(r"softcap|logit_scale|logits_scaling|multiplier", line)
+    ]
+    assert not suspicious, suspicious
+
+
+def other_families():
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(
+        vocab_size=97, n_embd=32, n_layer=1, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=1,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    ))
+    qwen2_untied = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    ))
+    return {"gpt2": gpt2, "qwen2_untied": qwen2_untied}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2_untied"])
+def test_fused_path_matches_on_other_families(name):
+    model = other_families()[name]
+    assert supports_fused_logprobs(model)
+    input_ids, attention_mask, position_ids, completion_ids = left_padded_batch()
+    logprobs, _ = completion_logprobs_fused(
+        model, input_ids, attention_mask, position_ids, completion_ids.shape[1], completion_ids, 1.0, False
+    )
+    logprobs.sum().backward()
+    head = model.get_output_embeddings().weight
+    fused_head_grad = head.grad.clone()
+    model.zero_grad(set_to_none=True)
+    ref_logprobs, _ = full_logits_path(model, input_ids, attention_mask, position_ids, completion_ids, 1.0)
+    ref_logprobs.sum().backward()
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_head_grad, head.grad, atol=1e-5, rtol=1e-4)
