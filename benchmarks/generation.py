@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ForeignLoad, matmul_rate, median, wait_for_quiet  # noqa: E402
+from bench_common import matmul_rates, measure_quietly, median, wait_for_quiet  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 
@@ -78,9 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     from polo.lm.rollout import stop_token_ids
     from polo.lm.trainer import batch_rows, instruction_for, make_task
 
-    wait_for_quiet(args.max_wait)
-    rate_bf16 = matmul_rate(torch.bfloat16)
-    rate_fp32 = matmul_rate(torch.float32)
+    rate_bf16, rate_fp32 = matmul_rates(args.max_wait)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"matmul 2048^3 best rate: bf16 {rate_bf16 / 1e9:,.1f} GFLOP/s, fp32 {rate_fp32 / 1e9:,.1f} GFLOP/s")
 
@@ -100,17 +98,20 @@ def main(argv: list[str] | None = None) -> None:
     rates: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
     tokens: dict[tuple[str, str], list[int]] = {case: [] for case in cases}
     busiest = 0.0
+    wait_for_quiet(args.max_wait)
     for rep in range(args.reps + 1):
         for impl, precision in cases:
-            torch.manual_seed(1000 + rep)
-            foreign = ForeignLoad()
-            started = time.perf_counter()
-            if impl == "polo":
-                count = polo_generate(model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature, precision)
-            else:
-                count = hf_generate(model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature, precision, stop_ids)
-            seconds = time.perf_counter() - started
-            others = foreign.cores()
+
+            def measure(rep=rep, impl=impl, precision=precision):
+                torch.manual_seed(1000 + rep)
+                started = time.perf_counter()
+                if impl == "polo":
+                    count = polo_generate(model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature, precision)
+                else:
+                    count = hf_generate(model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature, precision, stop_ids)
+                return count, time.perf_counter() - started
+
+            (count, seconds), others = measure_quietly(measure, args.max_wait)
             label = "warm-up" if rep == 0 else f"rep {rep}"
             print(f"  {label:<7} {impl:<4} {precision}: {count:5d} tokens in {seconds:6.2f} s = {count / seconds:7.1f} tokens/s (other processes {others:.2f} cores)", flush=True)
             if rep > 0:

@@ -62,3 +62,24 @@ def test_logprobs_do_not_depend_on_padding(tiny_model_dir):
     rescored, _ = completion_logprobs(model, prompt_garbage, prompt_mask, garbage, completion_mask)
     torch.testing.assert_close(rescored[0, :3], batched[0, :3], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rescored[1], batched[1], atol=1e-5, rtol=1e-5)
+
+
+def test_inverse_cdf_sampling_matches_the_distribution_and_skips_zero_weights():
+    from polo.lm.rollout import inverse_cdf_sample
+
+    torch.manual_seed(0)
+    weights = torch.tensor([[0.5, 0.0, 0.2, 0.3, 0.0]]).repeat(20000, 1)
+    draws = inverse_cdf_sample(weights)
+    counts = torch.bincount(draws, minlength=5).float() / len(draws)
+    assert counts[1] == 0 and counts[4] == 0
+    torch.testing.assert_close(counts, torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0]), atol=0.015, rtol=0)
+
+
+def test_top_p_keeps_only_the_nucleus():
+    from polo.lm.rollout import sample_next_token
+
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.6, 0.25, 0.1, 0.05]])).repeat(5000, 1)
+    draws = sample_next_token(logits, temperature=1.0, top_p=0.8)
+    assert set(draws.tolist()) == {0, 1}  # 0.6 < 0.8 <= 0.85: the first two tokens form the nucleus
+    assert abs((draws == 0).float().mean().item() - 0.6 / 0.85) < 0.03

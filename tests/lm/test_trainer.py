@@ -56,7 +56,7 @@ def test_train_writes_metrics_checkpoints_and_plots(tiny_model_dir, tmp_path):
     }
     assert expected <= set(rows[0]), expected - set(rows[0])
     assert all(row["kl"] >= 0 for row in rows)
-    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # first step: policy == reference
+    assert rows[-1]["kl"] > 0  # the policy has moved away from the reference
     assert 1 <= rows[0]["completion_length/min"] <= rows[0]["completion_length/mean"] <= rows[0]["completion_length/max"] <= 8
     evals = [row for row in result.metrics if "eval/accuracy" in row]
     assert [row["step"] for row in evals] == [0, 4]
@@ -205,3 +205,9 @@ def test_metrics_file_is_json_lines(tiny_model_dir, tmp_path):
     result = train(tiny_config(tiny_model_dir, tmp_path / "run", train={"steps": 1}, eval={"before": False, "after": False}))
     lines = (result.output_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["step"] == 1
+
+
+def test_kl_is_zero_while_the_policy_equals_the_reference(tiny_model_dir, tmp_path):
+    """With one pass per batch, step 1 is scored before any update: the k3 KL is exactly 0."""
+    result = train(tiny_config(tiny_model_dir, tmp_path / "run", train={"steps": 1}, eval={"before": False, "after": False}), ["algorithm.beta=0.1"])
+    assert result.metrics[0]["kl"] == pytest.approx(0.0, abs=1e-6)

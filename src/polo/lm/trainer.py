@@ -257,6 +257,8 @@ def train(
     seed_everything(train_config.seed)
     model, tokenizer = load_policy(str(resume_from) if resume_from else config.model.name, attn_implementation=config.model.attn_implementation)
     model.train()
+    if train_config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reference = None
     if alg.beta > 0:
         # The reference is never trained: under bf16 it is kept in bf16 (half the memory, no casts).
