@@ -4,6 +4,8 @@ Same model (polo's built-in SmolLM2-135M-Instruct), same chat-templated prompts,
 length and temperature; each in fp32 and in bf16 autocast. The four cases alternate within every
 repetition; the first repetition is a warm-up. Throughput is generated tokens (up to and
 including the stop token) per second of wall-clock time; the median over repetitions is reported.
+On a shared machine it waits for other processes to go quiet and redoes any measurement during
+which they used the CPU.
 
 Usage:
   python benchmarks/generation.py                       # 8 prompts x 8, 64 tokens, 3 timed reps

@@ -11,8 +11,12 @@ Runs, each in its own subprocess so peak RSS is per run:
   polo      polo's defaults (precision "auto": bf16 autocast where the CPU has native bf16)
   trl_fast  TRL GRPOTrainer, bf16 autocast, no gradient checkpointing (its fastest)
   trl_lean  TRL GRPOTrainer, fp32, gradient checkpointing (its leanest)
+(`--only ... trl_default` adds TRL's own defaults, bf16 autocast + gradient checkpointing.)
 They alternate (polo, trl_fast, trl_lean, repeated --rounds times). The first step of every run
 is a warm-up and is dropped; the step time is the median over the remaining steps of all rounds.
+Peak RSS is ru_maxrss as of the end of the last step (polo writes a final checkpoint after it;
+TRL, with saving off, does not). On a shared machine the script waits for other processes to go
+quiet before each run and runs again any run during which they used the CPU (--retries).
 
 The compute floor is FLOPs / rate with FLOPs = (6 + 2 + 2) * N * T per step (policy update,
 reference forward, sampling), N the parameter count, T the prompt + completion tokens of the
@@ -50,12 +54,18 @@ MAX_NEW_TOKENS = 64
 TEMPERATURE = 1.0
 BETA = 0.04
 LEARNING_RATE = 1e-6
-MICRO_BATCH = 16  # polo's default train.micro_batch_size; TRL gets the same per-device batch
 RUNS = ("polo", "trl_fast", "trl_lean")
+EXTRA_RUNS = ("trl_default",)  # only with --only: TRL's own defaults, bf16 autocast + gradient checkpointing
+TRL_SETTINGS = {  # run -> (bf16 autocast, gradient checkpointing)
+    "trl_fast": (True, False),
+    "trl_lean": (False, True),
+    "trl_default": (True, True),
+}
 DESCRIPTIONS = {
     "polo": "polo defaults (precision auto)",
     "trl_fast": "TRL bf16, no grad ckpt",
     "trl_lean": "TRL fp32, grad ckpt",
+    "trl_default": "TRL bf16, grad ckpt (defaults)",
 }
 
 
@@ -71,6 +81,15 @@ def polo_config(steps: int, output_dir: Path) -> dict:
         "eval": {"before": False, "after": False},
         "output": {"dir": str(output_dir), "save_every": 0, "tensorboard": False, "plots": False, "progress": False},
     }
+
+
+def trl_micro_batch(config, requested: int | None = None) -> int:
+    """Return TRL's per-device batch: `requested`, else polo's micro-batch size, as a divisor of the step's sequences."""
+    sequences = PROMPTS_PER_STEP * GROUP_SIZE
+    size = max(min(requested or config.train.micro_batch_size, sequences), 1)
+    while sequences % size:
+        size -= 1
+    return size
 
 
 def step_prompts(config, tokenizer, steps: int):
@@ -147,6 +166,8 @@ def run_polo(steps: int, out_dir: Path) -> dict:
             token_source = "completion_length/mean x 32 + prompt tokens"
     return {
         "precision": resolve_precision(config.train.precision),
+        "gradient_checkpointing": getattr(config.train, "gradient_checkpointing", False),
+        "micro_batch": config.train.micro_batch_size,
         "step_times": times,
         "time_source": time_source,
         "phase_times": {key: [row.get(f"time/{key}") for row in rows] for key in ("generation", "reward", "reference", "update")},
@@ -157,7 +178,7 @@ def run_polo(steps: int, out_dir: Path) -> dict:
     }
 
 
-def run_trl(variant: str, steps: int, out_dir: Path) -> dict:
+def run_trl(variant: str, steps: int, out_dir: Path, requested_micro_batch: int | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local directory; never ask a hub
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -182,12 +203,13 @@ def run_trl(variant: str, steps: int, out_dir: Path) -> dict:
     def r1_format_reward(completions, row_index, **kwargs):
         return [r1_format(text, rows[index]) for text, index in zip(completions, row_index)]
 
-    fast = variant == "trl_fast"
+    bf16, checkpointing = TRL_SETTINGS[variant]
+    micro_batch = trl_micro_batch(config, requested_micro_batch)  # by default the same as polo's
     args = GRPOConfig(
         output_dir=str(out_dir / "run"),
         max_steps=steps,
-        per_device_train_batch_size=MICRO_BATCH,
-        gradient_accumulation_steps=PROMPTS_PER_STEP * GROUP_SIZE // MICRO_BATCH,
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=PROMPTS_PER_STEP * GROUP_SIZE // micro_batch,
         generation_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,  # one generation per optimizer step
         num_generations=GROUP_SIZE,
         max_completion_length=MAX_NEW_TOKENS,
@@ -195,8 +217,8 @@ def run_trl(variant: str, steps: int, out_dir: Path) -> dict:
         beta=BETA,
         num_iterations=1,
         learning_rate=LEARNING_RATE,
-        bf16=fast,
-        gradient_checkpointing=not fast,
+        bf16=bf16,
+        gradient_checkpointing=checkpointing,
         use_cpu=True,
         shuffle_dataset=False,  # keep polo's prompt order
         seed=0,
@@ -240,8 +262,9 @@ def run_trl(variant: str, steps: int, out_dir: Path) -> dict:
     trainer.train()
     times = [timer.ends[0] - timer.first_begin] + [b - a for a, b in zip(timer.ends, timer.ends[1:])]
     return {
-        "precision": "bf16" if fast else "fp32",
-        "gradient_checkpointing": not fast,
+        "precision": "bf16" if bf16 else "fp32",
+        "gradient_checkpointing": checkpointing,
+        "micro_batch": micro_batch,
         "step_times": times,
         "time_source": "TrainerCallback on_step_end differences",
         "same_prompt_tokens": same_prompt_tokens,
@@ -258,7 +281,7 @@ def child_main(args) -> None:
     if args.child == "polo":
         result = run_polo(args.steps, out_dir)
     else:
-        result = run_trl(args.child, args.steps, out_dir)
+        result = run_trl(args.child, args.steps, out_dir, args.trl_micro_batch)
     import torch
 
     result.update(
@@ -288,11 +311,13 @@ def parameter_count() -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_child(name: str, steps: int, out_dir: Path) -> dict:
+def run_child(name: str, steps: int, out_dir: Path, trl_micro_batch: int | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "result.json").unlink(missing_ok=True)  # a retry must not read an earlier attempt's result
     log_path = out_dir / "child.log"
     command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--steps", str(steps), "--out", str(out_dir)]
+    if trl_micro_batch:
+        command += ["--trl-micro-batch", str(trl_micro_batch)]
     started = time.perf_counter()
     with log_path.open("w") as log:
         code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
@@ -312,13 +337,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is a warm-up (default 4)")
     parser.add_argument("--rounds", type=int, default=1, help="times to repeat the alternating runs (default 1)")
-    parser.add_argument("--only", nargs="+", choices=RUNS, default=list(RUNS), help="run only these")
+    parser.add_argument("--only", nargs="+", choices=RUNS + EXTRA_RUNS, default=list(RUNS),
+                        help="run only these (trl_default, TRL's own bf16 + gradient checkpointing defaults, runs only when named)")
     parser.add_argument("--out", default=None, help="where runs write (default: a new temporary directory)")
     parser.add_argument("--max-wait", type=float, default=900.0,
                         help="seconds to wait for other processes to go quiet before each measurement (default 900)")
     parser.add_argument("--retries", type=int, default=2,
                         help="times to redo a run during which other processes used the CPU (default 2)")
-    parser.add_argument("--child", choices=RUNS, help=argparse.SUPPRESS)
+    parser.add_argument("--trl-micro-batch", type=int, default=None,
+                        help="TRL's per_device_train_batch_size (default: polo's train.micro_batch_size); "
+                        "gradient accumulation makes up the 32 sequences of a step")
+    parser.add_argument("--child", choices=RUNS + EXTRA_RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         child_main(args)
@@ -329,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="polo-vs-trl-"))
-    order = [name for name in RUNS if name in args.only]
+    order = [name for name in RUNS + EXTRA_RUNS if name in args.only]
     print(f"polo vs TRL GRPO step on {MODEL}: {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} completions, "
           f"<= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, beta={BETA}, mu=1, rewards correct + r1_format")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} round(s) of {order}, "
@@ -352,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
             for attempt in range(args.retries + 1):
                 wait_for_quiet(args.max_wait)
                 print(f"round {round_index + 1}/{args.rounds}: {name} ...", flush=True)
-                result = run_child(name, args.steps, root / f"round{round_index + 1}-{name}")
+                result = run_child(name, args.steps, root / f"round{round_index + 1}-{name}", args.trl_micro_batch)
                 if result["foreign_cores"] < 0.2 or attempt == args.retries:
                     break
                 print(f"  other processes used {result['foreign_cores']:.2f} CPU cores during that run "
@@ -367,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
             )
 
     print()
-    header = f"{'run':<9} {'setting':<31} {'round':>5} {'median step':>11} {'timed steps (s)':<22} {'mean len':>8} {'peak RSS train':>14} {'peak RSS proc':>13} {'others':>6}"
+    header = f"{'run':<11} {'setting':<31} {'round':>5} {'median step':>11} {'timed steps (s)':<22} {'mean len':>8} {'peak RSS train':>14} {'peak RSS proc':>13} {'others':>6}"
     print(header)
     print("-" * len(header))
     summary = {}
@@ -381,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
             peaks.append(result["peak_rss"])
             lengths = [x for x in result["completion_length"][1:] if x == x]
             print(
-                f"{name:<9} {DESCRIPTIONS[name]:<31} {round_index + 1:>5} {median(timed):>10.2f}s "
+                f"{name:<11} {DESCRIPTIONS[name]:<31} {round_index + 1:>5} {median(timed):>10.2f}s "
                 f"{', '.join(f'{t:.1f}' for t in timed):<22} {fmt(sum(lengths) / len(lengths) if lengths else float('nan'), '.1f'):>8} "
                 f"{mib(train_peak):>14} {mib(result['peak_rss']):>13} {result['foreign_cores']:>6.2f}"
             )
@@ -389,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     print()
     for name in order:
         s = summary[name]
-        print(f"{name:<9} median step {s['median']:.2f} s over {args.rounds} round(s); peak RSS {mib(s['peak_train'])} "
+        print(f"{name:<11} median step {s['median']:.2f} s over {args.rounds} round(s); peak RSS {mib(s['peak_train'])} "
               f"at the last step, {mib(s['peak'])} whole process")
 
     step_ratio = rss_ratio = floor_fraction = float("nan")
@@ -408,7 +437,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{source}), 10*N*T = {flops / 1e12:.2f} TFLOP at {rate_bf16 / 1e9:,.1f} GFLOP/s bf16 = {floor:.2f} s "
             f"= {floor_fraction:.1%} of polo's median step"
         )
-        print(f"polo precision: {results['polo'][0]['precision']}; step time from {results['polo'][0]['time_source']}")
+        first = results["polo"][0]
+        print(f"polo settings: precision {first['precision']}, gradient checkpointing {first['gradient_checkpointing']}, "
+              f"micro-batch {first['micro_batch']}; step time from {first['time_source']}")
         phases = results["polo"][0].get("phase_times", {})
         if phases:
             print("polo phase medians (timed steps): " + ", ".join(
@@ -421,7 +452,8 @@ def main(argv: list[str] | None = None) -> None:
             step_ratio = summary[fastest]["median"] / polo_median
             rss_ratio = summary["polo"]["peak_train"] / summary[leanest]["peak_train"]
             same = all(r.get("same_prompt_tokens") for name in trl_runs for r in results[name])
-            print(f"TRL prompt tokens identical to polo's: {same}")
+            print(f"TRL prompt tokens identical to polo's: {same}; TRL micro-batch "
+                  f"{results[trl_runs[0]][0]['micro_batch']} x {PROMPTS_PER_STEP * GROUP_SIZE // results[trl_runs[0]][0]['micro_batch']} accumulation steps")
             print(f"TRL fastest: {fastest} ({summary[fastest]['median']:.2f} s); TRL lowest peak: {leanest} "
                   f"({mib(summary[leanest]['peak_train'])}); peak RSS compared at the end of the last step")
     busy = [f"{name} round {i + 1} ({r['foreign_cores']:.2f} cores)" for name in order for i, r in enumerate(results[name]) if r["foreign_cores"] > 0.2]
