@@ -258,7 +258,11 @@ def train(
     model, tokenizer = load_policy(str(resume_from) if resume_from else config.model.name, attn_implementation=config.model.attn_implementation)
     model.train()
     if train_config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing_kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
     reference = None
     if alg.beta > 0:
         # The reference is never trained: under bf16 it is kept in bf16 (half the memory, no casts).
