@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
 
             for path in plot_run(args.run_dir):
                 print(path)
+    except KeyboardInterrupt:
+        print("polo: interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, FileNotFoundError) as error:
         print(f"polo: error: {error}", file=sys.stderr)
         return 2
