@@ -209,7 +209,7 @@ def test_tag_count_partial_credit(completion, expected):
 
 def test_builtin_rewards_resolve():
     task = make_task()
-    assert set(BUILTIN_REWARDS) == {"correct", "r1_format", "tag_count"}
+    assert set(BUILTIN_REWARDS) == {"code", "correct", "r1_format", "tag_count"}
     assert resolve_reward("correct", task) == ("correct", task.correctness)
     assert resolve_reward("r1_format", task) == ("r1_format", r1_format)
     assert resolve_reward("tag_count", task) == ("tag_count", tag_count)
@@ -292,7 +292,7 @@ def test_unknown_plain_name_lists_builtins_and_import_form():
         resolve_reward("accuracy", make_task())
     message = str(info.value)
     assert "'accuracy'" in message
-    assert "['correct', 'r1_format', 'tag_count']" in message
+    assert "['code', 'correct', 'r1_format', 'tag_count']" in message
     assert "module:function" in message
 
 

@@ -359,7 +359,7 @@ def test_jsonl_empty_file_is_an_error(tmp_path):
 
 
 def test_registry_builds_each_task(tmp_path):
-    assert set(TASKS) == {"arithmetic", "gsm8k", "jsonl"}
+    assert set(TASKS) == {"arithmetic", "code", "gsm8k", "jsonl"}
     task = build_task("arithmetic", seed=2, num_train=10, num_eval=2)
     assert isinstance(task, Task) and task.name == "arithmetic"
     assert task.train_rows == arithmetic_task(seed=2, num_train=10, num_eval=2).train_rows
@@ -369,7 +369,7 @@ def test_registry_builds_each_task(tmp_path):
 
 
 def test_registry_unknown_task_names_valid_ones():
-    with pytest.raises(ValueError, match=r"'countdown'.*\['arithmetic', 'gsm8k', 'jsonl'\]"):
+    with pytest.raises(ValueError, match=r"'countdown'.*\['arithmetic', 'code', 'gsm8k', 'jsonl'\]"):
         build_task("countdown")
 
 

@@ -27,6 +27,7 @@ from polo.lm.rewards.answers import (
     math_verify_answer,
     parse_number,
 )
+from polo.lm.rewards.code import code_reward
 from polo.lm.rewards.format import r1_format, tag_count
 
 if TYPE_CHECKING:  # only for annotations: tasks import rewards, so no runtime cycle
@@ -51,6 +52,8 @@ def _ignoring_task(reward: RewardFn) -> Callable[[Task], RewardFn]:
 # entry is a factory rather than the function itself.
 BUILTIN_REWARDS: dict[str, Callable[[Task], RewardFn]] = {
     "correct": _task_correctness,
+    # The shared instance, so its result cache also serves the code task's correctness check.
+    "code": _ignoring_task(code_reward),
     "r1_format": _ignoring_task(r1_format),
     "tag_count": _ignoring_task(tag_count),
 }
@@ -140,18 +143,33 @@ def _checked_value(value: object, name: str, index: int, completion: str) -> flo
 
 
 def _score_column(
-    name: str, function: RewardFn, completions: Sequence[str], rows: Sequence[dict]
+    name: str,
+    function: RewardFn,
+    completions: Sequence[str],
+    rows: Sequence[dict],
+    errors: list[RewardFunctionError] | None = None,
 ) -> torch.Tensor:
-    """Return one reward function's values for the batch, shape (batch,) float32."""
+    """Return one reward function's values for the batch, shape (batch,) float32.
+
+    A sample whose function raises (or returns a non-finite or non-number value) stops the
+    batch with `RewardFunctionError`, unless `errors` is a list: then it scores 0 and its
+    error is appended there.
+    """
     values = []
     for index, (completion, row) in enumerate(zip(completions, rows)):
         try:
-            value = function(completion, row)
-        except Exception as exc:
-            raise RewardFunctionError(
-                name, index, completion, f"{type(exc).__name__}: {exc}"
-            ) from exc
-        values.append(_checked_value(value, name, index, completion))
+            try:
+                value = function(completion, row)
+            except Exception as exc:
+                raise RewardFunctionError(
+                    name, index, completion, f"{type(exc).__name__}: {exc}"
+                ) from exc
+            values.append(_checked_value(value, name, index, completion))
+        except RewardFunctionError as error:
+            if errors is None:
+                raise
+            errors.append(error)
+            values.append(0.0)
     return torch.tensor(values, dtype=torch.float32)
 
 
@@ -179,12 +197,17 @@ class RewardSet:
     being optimised.
     """
 
-    def __init__(self, weights: Mapping[str | RewardFn, float], task: Task) -> None:
+    def __init__(self, weights: Mapping[str | RewardFn, float], task: Task, on_error: str = "raise") -> None:
         if not weights:
             raise ValueError(
                 f"a RewardSet needs at least one reward; builtin rewards: {sorted(BUILTIN_REWARDS)}"
             )
+        if on_error not in ("raise", "zero"):
+            raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
         self.task = task
+        self.on_error = on_error
+        # The errors of the last `score` call (on_error="zero"), for the caller to count and log.
+        self.last_errors: list[RewardFunctionError] = []
         self._functions: dict[str, RewardFn] = {}
         self._weights: dict[str, float] = {}
         for reward, weight in weights.items():
@@ -214,17 +237,29 @@ class RewardSet:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Return the weighted total (batch,) float32 and each reward's raw values (batch,).
 
-        ``total[i] = sum_k weight_k * reward_k(completions[i], rows[i])``.
+        ``total[i] = sum_k weight_k * reward_k(completions[i], rows[i])``. With
+        ``on_error="zero"`` a failing sample scores 0 for that function and the error is kept
+        in ``last_errors``; otherwise the first failure raises `RewardFunctionError`.
         """
         _check_batch(completions, rows)
+        self.last_errors = []
+        errors = self.last_errors if self.on_error == "zero" else None
         columns = {
-            name: _score_column(name, function, completions, rows)
+            name: _score_column(name, function, completions, rows, errors)
             for name, function in self._functions.items()
         }
         total = torch.zeros(len(completions), dtype=torch.float32)
         for name, column in columns.items():
             total += self._weights[name] * column
         return total, columns
+
+    def failure_counts(self) -> dict[str, dict[str, int]]:
+        """Return, per reward that reports them (like ``code``), its failure counts by kind since the last call."""
+        return {
+            name: function.pop_failure_counts()
+            for name, function in self._functions.items()
+            if callable(getattr(function, "pop_failure_counts", None))
+        }
 
     def correctness(self, completions: Sequence[str], rows: Sequence[dict]) -> torch.Tensor:
         """Return the task's correctness per completion, (batch,) float32 (the accuracy metric)."""

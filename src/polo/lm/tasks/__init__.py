@@ -20,11 +20,13 @@ from polo.lm.tasks.base import (
     format_prompt,
     read_jsonl,
 )
+from polo.lm.tasks.code import code_task
 from polo.lm.tasks.gsm8k import gsm8k_task
 from polo.lm.tasks.jsonl import jsonl_task
 
 TASKS: dict[str, Callable[..., Task]] = {
     "arithmetic": arithmetic_task,
+    "code": code_task,
     "gsm8k": gsm8k_task,
     "jsonl": jsonl_task,
 }
@@ -52,6 +54,7 @@ __all__ = [
     "TaskDataError",
     "arithmetic_task",
     "build_task",
+    "code_task",
     "default_instruction",
     "fill_instruction",
     "format_prompt",
