@@ -133,7 +133,7 @@ def run_polo(steps: int, out_dir: Path) -> dict:
     # Peak RSS as of the end of each step (polo saves a final checkpoint after the last step,
     # which TRL with saving off does not; this keeps the comparison to training itself).
     rss_after_step: list[int] = []
-    original_step = getattr(trainer_module, "grpo_step", None)
+    original_step = getattr(trainer_module, "rl_step", None)
     if original_step is not None:
 
         def measured_step(*args, **kwargs):

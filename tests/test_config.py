@@ -14,7 +14,14 @@ RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.name)
 def test_every_recipe_loads(recipe):
-    assert isinstance(load_config(recipe), Config)
+    import yaml
+
+    if "env" in yaml.safe_load(recipe.read_text()):  # a Gymnasium control recipe (`polo control`)
+        from polo.control.config import ControlConfig, load_control_config
+
+        assert isinstance(load_control_config(recipe), ControlConfig)
+    else:
+        assert isinstance(load_config(recipe), Config)
 
 
 def test_overrides_set_typed_values():
@@ -77,3 +84,24 @@ def test_cli_reports_missing_model_in_one_line(tmp_path, capsys):
 def test_reward_override_accepts_import_paths_with_dots():
     config = load_config(None, ["rewards.my_pkg.scoring:length_penalty=0.25"])
     assert config.rewards == {"my_pkg.scoring:length_penalty": 0.25}
+
+
+def test_algorithm_presets_fill_fields_and_explicit_keys_win():
+    from polo.config import PRESETS
+
+    dapo = load_config({"algorithm": {"name": "dapo"}}).algorithm
+    assert (dapo.clip_eps_high, dapo.dynamic_sampling, dapo.loss_aggregation, dapo.overlong_buffer) == (0.28, True, "dapo", 0.2)
+    mine = load_config({"algorithm": {"name": "dapo", "clip_eps_high": 0.3}}, ["algorithm.dynamic_sampling=false"]).algorithm
+    assert (mine.clip_eps_high, mine.dynamic_sampling, mine.loss_aggregation) == (0.3, False, "dapo")
+    assert load_config(None, ["algorithm.name=ppo"]).algorithm.advantage_estimator == "gae"
+    assert load_config(None, ["algorithm.name=dr_grpo"]).algorithm.scale_rewards is False
+    assert load_config(None, ["algorithm.name=gspo"]).algorithm.policy_loss == "gspo"
+    for name in PRESETS:  # every preset is a valid configuration on its own
+        assert load_config({"algorithm": {"name": name}}).algorithm.name == name
+
+
+def test_unknown_algorithm_names_the_valid_ones():
+    with pytest.raises(ConfigError, match="algorithm.name: 'ppo2' is not one of grpo, dr_grpo, dapo, rloo, reinforce_pp, gspo, ppo"):
+        load_config(None, ["algorithm.name=ppo2"])
+    with pytest.raises(ConfigError, match="kl_in_reward needs algorithm.beta > 0"):
+        load_config(None, ["algorithm.name=ppo", "algorithm.beta=0"])

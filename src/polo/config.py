@@ -63,9 +63,12 @@ class SamplingConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """The policy-optimization estimator and loss (GRPO by default)."""
+    """The policy-optimization estimator and loss. `name` picks a preset (see `PRESETS`); any field set
+    in the recipe or on the command line wins over the preset's value."""
 
-    name: str = "grpo"
+    name: str = "grpo"  # grpo | dr_grpo | dapo | rloo | reinforce_pp | gspo | ppo
+    advantage_estimator: str = "grpo"  # grpo | rloo | reinforce_pp | gae
+    policy_loss: str = "ppo_clip"  # ppo_clip (token ratio) | gspo (sequence ratio)
     group_size: int = 8  # G completions per prompt
     scale_rewards: bool = True  # divide group-centred rewards by the group std
     advantage_eps: float = 1e-4
@@ -73,8 +76,60 @@ class AlgorithmConfig:
     clip_eps_high: float = 0.2
     beta: float = 0.0  # KL coefficient; a reference model is kept only when beta > 0
     kl_estimator: str = "k3"
+    kl_in_reward: bool = False  # fold -beta*KL into per-token rewards (REINFORCE++, PPO) instead of the loss
     loss_aggregation: str = "grpo"  # grpo | bnpo | dapo | dr_grpo
     update_epochs: int = 1  # mu: passes over each batch; old log-probs are computed when > 1
+    # DAPO
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, sample more prompts to refill
+    max_sampling_rounds: int = 3  # cap on sampling rounds per step under dynamic sampling
+    overlong_buffer: float = 0.0  # soft overlong penalty over the last fraction of max_new_tokens (DAPO: 0.2); 0 = off
+    overlong_penalty: float = 1.0  # the penalty reached at max_new_tokens
+    mask_truncated: bool = False  # leave completions cut by max_new_tokens out of the loss
+    # returns and the critic (REINFORCE++, PPO)
+    gamma: float = 1.0
+    lam: float = 0.95  # GAE lambda
+    critic: str = "separate"  # separate (own trunk) | head (value head on the policy trunk)
+    critic_learning_rate: float = 1e-5
+    critic_warmup_steps: int = 0  # steps that train only the critic before the policy moves
+    value_clip: float | None = 0.2
+    value_coef: float = 0.5  # weight of the value loss (matters when the trunk is shared)
+
+
+# Each algorithm is a set of AlgorithmConfig values over the one loop. References: GRPO (Shao et al.
+# 2024, DeepSeekMath); Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"); DAPO
+# (Yu et al. 2025: eps_high 0.28, dynamic sampling, token-level loss, soft overlong punishment with
+# a 4096-token buffer under a 20480 cap = 0.2); RLOO (Ahmadian et al. 2024); REINFORCE++ (Hu 2025:
+# KL in the reward, batch-normalised returns); GSPO (Zheng et al. 2025: clip range 3e-4 / 4e-4);
+# PPO for LMs (Ouyang et al. 2022; Stiennon et al. 2020).
+PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    "dr_grpo": {"scale_rewards": False, "loss_aggregation": "dr_grpo"},
+    "dapo": {
+        "clip_eps_low": 0.2, "clip_eps_high": 0.28, "dynamic_sampling": True, "loss_aggregation": "dapo",
+        "overlong_buffer": 0.2, "beta": 0.0,
+    },
+    "rloo": {"advantage_estimator": "rloo"},
+    "reinforce_pp": {
+        "advantage_estimator": "reinforce_pp", "kl_in_reward": True, "beta": 0.01, "kl_estimator": "k1",
+        "loss_aggregation": "dapo",
+    },
+    "gspo": {"policy_loss": "gspo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4},
+    "ppo": {
+        "advantage_estimator": "gae", "kl_in_reward": True, "beta": 0.05, "kl_estimator": "k1",
+        "loss_aggregation": "dapo", "gamma": 1.0, "lam": 0.95,
+    },
+}
+
+
+def apply_preset(data: dict) -> dict:
+    """Return recipe data whose `algorithm` section is the named preset under the recipe's own keys."""
+    algorithm = data.get("algorithm") or {}
+    if not isinstance(algorithm, dict):
+        raise ConfigError(f"algorithm: expected a mapping of AlgorithmConfig fields, got {algorithm!r}")
+    name = algorithm.get("name", "grpo")
+    if name not in PRESETS:
+        raise ConfigError(f"algorithm.name: {name!r} is not one of {', '.join(PRESETS)}")
+    return {**data, "algorithm": {**PRESETS[name], **algorithm, "name": name}}
 
 
 @dataclass
@@ -97,6 +152,8 @@ class TrainConfig:
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     # Recompute activations in backward: with micro-batches of 32 as fast as 16 without it, at 60% of the memory.
     gradient_checkpointing: bool = True
+    on_reward_error: str = "raise"  # raise: stop naming the function and sample | zero: score 0, count, go on
+    max_nonfinite_steps: int = 3  # a NaN/inf loss skips its step; this many in a row stop the run
 
 
 @dataclass
@@ -239,8 +296,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def load_config(recipe: str | Path | dict | None = None, overrides: list[str] | None = None) -> Config:
-    """Return a validated `Config` from a recipe (path or mapping) plus dotted overrides."""
+def read_recipe(recipe: str | Path | dict | None, overrides: list[str] | None = None) -> dict:
+    """Return a recipe (YAML path, mapping or None) as a plain dict with the overrides applied."""
     if recipe is None:
         data: dict = {}
     elif isinstance(recipe, dict):
@@ -255,8 +312,17 @@ def load_config(recipe: str | Path | dict | None = None, overrides: list[str] | 
             raise ConfigError(f"recipe {path} is not valid YAML: {error}") from error
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
-    data = apply_overrides(data, overrides or [])
-    config = _build(Config, data)
+    return apply_overrides(data, overrides or [])
+
+
+def build_dataclass(cls: type, data: dict) -> Any:
+    """Return an instance of the dataclass `cls` built from nested dicts, every key and type checked."""
+    return _build(cls, data)
+
+
+def load_config(recipe: str | Path | dict | None = None, overrides: list[str] | None = None) -> Config:
+    """Return a validated `Config` from a recipe (path or mapping) plus dotted overrides."""
+    config = _build(Config, apply_preset(read_recipe(recipe, overrides)))
     validate(config)
     return config
 
@@ -264,9 +330,13 @@ def load_config(recipe: str | Path | dict | None = None, overrides: list[str] | 
 _CHOICES = {
     "train.precision": ("auto", "fp32", "bf16"),
     "train.lr_schedule": ("constant", "linear", "cosine"),
+    "train.on_reward_error": ("raise", "zero"),
     "algorithm.loss_aggregation": ("grpo", "bnpo", "dapo", "dr_grpo"),
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
-    "algorithm.name": ("grpo",),
+    "algorithm.name": tuple(PRESETS),
+    "algorithm.advantage_estimator": ("grpo", "rloo", "reinforce_pp", "gae"),
+    "algorithm.policy_loss": ("ppo_clip", "gspo"),
+    "algorithm.critic": ("separate", "head"),
 }
 
 
@@ -283,6 +353,7 @@ def validate(config: Config) -> None:
         "train.prompts_per_step": config.train.prompts_per_step,
         "train.num_minibatches": config.train.num_minibatches,
         "train.micro_batch_size": config.train.micro_batch_size,
+        "train.max_nonfinite_steps": config.train.max_nonfinite_steps,
         "sampling.max_new_tokens": config.sampling.max_new_tokens,
     }
     for key, value in positive.items():
@@ -290,7 +361,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{key} must be at least 1, got {value}")
     if config.train.steps < 0:
         raise ConfigError(f"train.steps must be >= 0, got {config.train.steps}")
-    if config.algorithm.group_size < 2 and config.algorithm.scale_rewards:
+    if config.algorithm.group_size < 2 and config.algorithm.scale_rewards and config.algorithm.advantage_estimator == "grpo":
         raise ConfigError("algorithm.group_size must be at least 2 for group-relative advantages")
     if config.train.prompts_per_step % config.train.num_minibatches:
         raise ConfigError(
@@ -303,5 +374,15 @@ def validate(config: Config) -> None:
         raise ConfigError(f"sampling.temperature must be > 0, got {config.sampling.temperature}")
     if config.algorithm.beta < 0:
         raise ConfigError(f"algorithm.beta must be >= 0, got {config.algorithm.beta}")
+    if not 0.0 <= config.algorithm.overlong_buffer < 1.0:
+        raise ConfigError(f"algorithm.overlong_buffer is a fraction of sampling.max_new_tokens in [0, 1), got {config.algorithm.overlong_buffer}")
+    if config.algorithm.max_sampling_rounds < 1:
+        raise ConfigError(f"algorithm.max_sampling_rounds must be at least 1, got {config.algorithm.max_sampling_rounds}")
+    if config.algorithm.advantage_estimator == "rloo" and config.algorithm.group_size < 2:
+        raise ConfigError("algorithm.group_size must be at least 2 for the RLOO leave-one-out baseline")
+    if config.algorithm.kl_in_reward and config.algorithm.advantage_estimator not in ("reinforce_pp", "gae"):
+        raise ConfigError("algorithm.kl_in_reward needs a token-level estimator (advantage_estimator reinforce_pp or gae)")
+    if config.algorithm.kl_in_reward and config.algorithm.beta == 0:
+        raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (the KL coefficient in the reward)")
     if not config.rewards:
         raise ConfigError("rewards: at least one reward function is needed, e.g. {correct: 1.0}")

@@ -19,7 +19,16 @@ def read_metrics(path: Path) -> list[dict]:
     """Return the rows of a metrics.jsonl file (empty when it does not exist)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break  # a process killed mid-write leaves a partial last line: that row was never logged
+            raise ValueError(f"{path}:{number} is not valid JSON") from None
+    return rows
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -63,6 +72,13 @@ class MetricsLogger:
                 if key not in ("step", "timestamp") and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(key, value, row["step"])
             self.writer.flush()
+
+    def log_samples(self, rows: list[dict]) -> None:
+        """Append sample completions (each row holds "step") to `<dir>/samples.jsonl`, for reports."""
+        if not self.main or not rows:
+            return
+        with (self.path.parent / "samples.jsonl").open("a") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
 
     def advance(self, step: int, summary: dict) -> None:
         """Move the progress bar to `step` and show the summary fields (step, reward, ...)."""

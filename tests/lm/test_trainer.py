@@ -81,7 +81,7 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
 
     from polo.lm import trainer
 
-    real_step, calls = trainer.grpo_step, []
+    real_step, calls = trainer.rl_step, []
 
     def interrupt_on_third_step(*args, **kwargs):
         calls.append(1)
@@ -90,10 +90,10 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
         return real_step(*args, **kwargs)
 
     interrupted = tiny_config(tiny_model_dir, tmp_path / "resumed", output={"save_every": 3})
-    monkeypatch.setattr(trainer, "grpo_step", interrupt_on_third_step)
+    monkeypatch.setattr(trainer, "rl_step", interrupt_on_third_step)
     with pytest.raises(KeyboardInterrupt):
         train(interrupted)
-    monkeypatch.setattr(trainer, "grpo_step", real_step)
+    monkeypatch.setattr(trainer, "rl_step", real_step)
     # Ctrl-C let step 3 finish and saved it (periodic saving alone would have kept nothing)
     assert [p.name for p in (tmp_path / "resumed" / "checkpoints").glob("step-*")] == ["step-000003"]
     resumed = train(interrupted, ["output.resume=true"])

@@ -3,13 +3,18 @@
 from polo.core.advantages import (
     discounted_returns,
     expand_to_tokens,
+    explained_variance,
     gae_advantages,
     group_advantages,
+    informative_rows,
+    reinforce_pp_advantages,
     rloo_advantages,
+    token_level_rewards,
     whiten,
     zero_spread_groups,
 )
 from polo.core.distributed import all_reduce_sum, global_count
+from polo.core.shaping import overlong_penalty
 from polo.core.kl import KL_ESTIMATORS, kl_estimate, kl_k1, kl_k2, kl_k3
 from polo.core.losses import (
     AGGREGATIONS,
@@ -31,9 +36,14 @@ __all__ = [
     "discounted_returns",
     "entropy_from_logits",
     "expand_to_tokens",
+    "explained_variance",
     "gae_advantages",
     "global_count",
     "group_advantages",
+    "informative_rows",
+    "overlong_penalty",
+    "reinforce_pp_advantages",
+    "token_level_rewards",
     "gspo_loss",
     "kl_estimate",
     "kl_k1",

@@ -165,3 +165,61 @@ def expand_to_tokens(sequence_values: torch.Tensor, mask: torch.Tensor) -> torch
             f"sequence_values must be (batch,) = ({mask.shape[0]},), got shape {tuple(sequence_values.shape)}"
         )
     return torch.where(mask.bool(), sequence_values.unsqueeze(-1), 0.0)
+
+
+def informative_rows(rewards: torch.Tensor, group_size: int, atol: float = 0.0) -> torch.Tensor:
+    """Return the row indices `(kept,)` of every group whose rewards are not all equal (DAPO's filter).
+
+    Dynamic sampling trains only on these rows: a zero-spread group has zero group-relative
+    advantage for every member, so it adds nothing but a smaller effective batch.
+    Shapes: rewards (batch,) → long indices (kept,), whole groups in their original order.
+    """
+    keep_group = ~zero_spread_groups(rewards, group_size, atol)
+    return keep_group.repeat_interleave(group_size).nonzero().squeeze(-1)
+
+
+def token_level_rewards(
+    sequence_rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None, beta: float = 0.0
+) -> torch.Tensor:
+    """Return per-token rewards `(batch, T)`: the sequence reward on the last valid token, −β·KL on every token.
+
+        r_t = −β · KL_t + [t = last valid token] · R
+
+    This is the reward of PPO for language models (Ziegler et al. 2019; Ouyang et al. 2022)
+    and of REINFORCE++: the KL to the reference is a per-token penalty in the reward rather
+    than a term of the loss. A row with no valid token gets no reward.
+    Shapes: sequence_rewards (batch,), mask (batch, T), kl (batch, T) or None → (batch, T).
+    """
+    is_valid = mask.bool()
+    lengths = is_valid.sum(-1)
+    last = (lengths - 1).clamp(min=0)
+    rewards = torch.zeros(mask.shape, dtype=sequence_rewards.dtype, device=mask.device)
+    rewards[torch.arange(mask.shape[0]), last] = torch.where(lengths > 0, sequence_rewards, 0.0)
+    if kl is not None and beta:
+        rewards = rewards - beta * kl.to(rewards.dtype)
+    return torch.where(is_valid, rewards, 0.0)
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Return REINFORCE++ advantages `(batch, T)`: reward-to-go whitened over the whole batch.
+
+        G_t = Σ_{k ≥ t} γ^{k−t} r_k,      A_t = (G_t − mean(G)) / std(G)
+
+    mean and std run over every valid token of the global batch (all ranks): the batch, not
+    a group or a critic, is the baseline (Hu 2025, "REINFORCE++").
+    Shapes: token_rewards, mask (batch, T) → (batch, T), 0 at padding.
+    """
+    return whiten(discounted_returns(token_rewards, mask, gamma), mask)
+
+
+def explained_variance(predicted: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> float:
+    """Return 1 − Var(target − predicted) / Var(target) over valid entries (1 is perfect, ≤ 0 is useless).
+
+    Shapes: predicted, target, mask (batch, T).
+    """
+    is_valid = mask.bool()
+    target_valid, residual = target[is_valid], (target - predicted)[is_valid]
+    if target_valid.numel() < 2:
+        return float("nan")
+    variance = target_valid.var(unbiased=False)
+    return float("nan") if variance == 0 else float(1.0 - residual.var(unbiased=False) / variance)

@@ -24,6 +24,7 @@ import yaml
 
 from polo import core
 from polo.config import Config, config_to_dict, load_config
+from polo.lm.critic import ValueModel, completion_values, logprobs_and_values, new_value_head
 from polo.lm.evaluate import greedy_accuracy
 from polo.lm.models import frozen_copy, load_policy
 from polo.lm.rewards import RewardSet
@@ -81,6 +82,7 @@ TASK_OPTIONS = {
     "arithmetic": ("seed", "operators", "min_digits", "max_digits", "num_train", "num_eval", "answer_in_tags"),
     "gsm8k": ("train_path", "eval_path", "num_train", "num_eval", "answer_in_tags"),
     "jsonl": ("train_path", "eval_path", "prompt_field", "answer_field", "num_train", "num_eval", "answer_in_tags", "checker"),
+    "code": ("num_train", "num_eval", "seed"),
 }
 
 
@@ -92,10 +94,12 @@ def make_task(config: Config) -> Task:
     return build_task(task_config.name, **options)
 
 
-def instruction_for(config: Config) -> str:
-    """Return the prompt instruction template: the configured one, else the task form's default."""
+def instruction_for(config: Config, task: Task | None = None) -> str:
+    """Return the prompt instruction template: the configured one, else the task's own, else the form's default."""
     if config.task.instruction is not None:
         return config.task.instruction
+    if task is not None and task.instruction:
+        return task.instruction
     return DEFAULT_INSTRUCTION if config.task.answer_in_tags else PLAIN_INSTRUCTION
 
 
@@ -126,16 +130,17 @@ def lr_lambda(config: Config) -> Callable[[int], float]:
     return multiplier
 
 
-def batch_rows(rows: list[dict], step: int, prompts_per_step: int, seed: int) -> list[dict]:
+def batch_rows(rows: list[dict], step: int, prompts_per_step: int, seed: int, stream: int = 0) -> list[dict]:
     """Return the prompts for `step`: consecutive slices of a per-epoch shuffle, a pure function of step.
 
     Because the data position is derived from the step number, resuming needs no sampler state.
+    `stream` > 0 gives independent extra draws for the same step (DAPO's extra sampling rounds).
     """
     picked = []
     start = step * prompts_per_step
     for position in range(start, start + prompts_per_step):
         epoch, index = divmod(position, len(rows))
-        order = np.random.default_rng([seed, epoch]).permutation(len(rows))
+        order = np.random.default_rng([seed, epoch] if stream == 0 else [seed, epoch, stream]).permutation(len(rows))
         picked.append(rows[int(order[index])])
     return picked
 
@@ -244,15 +249,16 @@ def train(
     task = make_task(config)
     weights: dict = dict(config.rewards)
     weights.update(reward_functions or {})
-    reward_set = RewardSet(weights, task)
-    instruction = instruction_for(config)
+    reward_set = RewardSet(weights, task, on_error=train_config.on_reward_error)
+    instruction = instruction_for(config, task)
 
     checkpointer = Checkpointer(output_dir, config.output.keep_checkpoints)
     resume_from = checkpointer.latest() if config.output.resume else None
     if config.output.resume and resume_from is None:
         print(f"polo: resume=true but no checkpoint in {checkpointer.root}; starting from step 0")
-    if resume_from is None and (output_dir / "metrics.jsonl").exists() and is_main_process():
-        (output_dir / "metrics.jsonl").unlink()  # a fresh run must not mix with an old run's rows
+    if resume_from is None and is_main_process():
+        for old_log in ("metrics.jsonl", "samples.jsonl"):
+            (output_dir / old_log).unlink(missing_ok=True)  # a fresh run must not mix with an old run's rows
 
     seed_everything(train_config.seed)
     model, tokenizer = load_policy(str(resume_from) if resume_from else config.model.name, attn_implementation=config.model.attn_implementation)
@@ -276,6 +282,7 @@ def train(
         weight_decay=train_config.weight_decay,
         fused=True,  # one kernel per step on CPU: faster, and no full-size temporaries
     )
+    critic = build_critic(config, model, optimizer)  # before the scheduler: a value head joins the optimizer
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     start_step, eval_before = 0, None
     if resume_from is not None:
@@ -285,8 +292,10 @@ def train(
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
+        load_critic_state(critic, state)
         start_step, eval_before = state["step"], state.get("eval_before")
         truncate_metrics(output_dir / "metrics.jsonl", start_step)
+        truncate_metrics(output_dir / "samples.jsonl", start_step)
 
     if is_main_process():
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -314,15 +323,30 @@ def train(
     if eval_before is None and config.eval.before and task.eval_rows:
         eval_before = evaluate(0)
 
-    saved_step = start_step
-    extra_state = lambda: {"eval_before": eval_before}  # noqa: E731
+    saved_step, nonfinite_streak = start_step, 0
+    extra_state = lambda: {"eval_before": eval_before, **critic_state(critic)}  # noqa: E731
     with StopRequest(logger.write) as stop:
         for step in range(start_step + 1, train_config.steps + 1):
-            row_batch = batch_rows(task.train_rows, step - 1, train_config.prompts_per_step, train_config.seed)
-            metrics = grpo_step(model, reference, tokenizer, optimizer, scheduler, task, reward_set, row_batch, instruction, config, precision)
+            try:
+                metrics, samples = rl_step(model, reference, tokenizer, optimizer, scheduler, task, reward_set, step, instruction, config, precision, critic)
+                nonfinite_streak = 0
+            except NonFiniteLossError as error:
+                nonfinite_streak += 1
+                if nonfinite_streak >= train_config.max_nonfinite_steps:
+                    logger.close()
+                    raise NonFiniteLossError(
+                        f"{nonfinite_streak} steps in a row had a non-finite loss, stopping at step {step} "
+                        f"(train.max_nonfinite_steps={train_config.max_nonfinite_steps}); the last good checkpoint is "
+                        f"{checkpointer.latest()}. Last error: {error}"
+                    ) from error
+                logger.write(f"polo: warning: step {step} skipped: {error}")
+                metrics, samples = {"skipped_nonfinite": 1.0}, []
+            for message in metrics.pop("_messages", []):
+                logger.write(message)
             metrics["step"] = step
             logger.log(metrics)
-            logger.advance(step, {"reward": metrics["reward/mean"], "acc": metrics["accuracy"], "len": metrics["completion_length/mean"]})
+            logger.log_samples(samples)
+            logger.advance(step, {"reward": metrics.get("reward/mean", float("nan")), "acc": metrics.get("accuracy", float("nan")), "len": metrics.get("completion_length/mean", float("nan"))})
             if config.eval.every and step % config.eval.every == 0 and step != train_config.steps:
                 evaluate(step)
             if (config.output.save_every and step % config.output.save_every == 0) or stop.requested:
@@ -344,38 +368,147 @@ def train(
     return TrainResult(output_dir, train_config.steps, eval_before, eval_after, read_metrics(output_dir / "metrics.jsonl"))
 
 
-def grpo_step(model, reference, tokenizer, optimizer, scheduler, task: Task, reward_set: RewardSet, row_batch: list[dict], instruction: str, config: Config, precision: str) -> dict:
-    """Run one sampling + update step in place and return its metrics row."""
-    alg, train_config, sampling = config.algorithm, config.train, config.sampling
-    group_size = alg.group_size
-    timings = {}
+@dataclass
+class Critic:
+    """The value function of PPO and its optimizer: a separate `ValueModel`, or a head on the policy trunk."""
 
-    started = time.perf_counter()
-    prompts = task.prompts(tokenizer, row_batch, instruction, config.task.system_prompt)
-    rollouts = rollout(
-        model, tokenizer, prompts, group_size,
-        max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p, precision=precision,
+    layout: str  # "separate" | "head"
+    module: torch.nn.Module  # ValueModel (separate) or nn.Linear (head)
+    optimizer: torch.optim.Optimizer | None  # None for "head": its parameters sit in the policy optimizer
+    scheduler: object | None
+    warmup_steps: int = 0
+
+
+def build_critic(config: Config, model, optimizer) -> Critic | None:
+    """Return the critic the config asks for (None unless the estimator is GAE)."""
+    alg, train_config = config.algorithm, config.train
+    if alg.advantage_estimator != "gae":
+        return None
+    if alg.critic == "head":
+        head = new_value_head(model)
+        optimizer.add_param_group({"params": list(head.parameters()), "lr": alg.critic_learning_rate, "initial_lr": alg.critic_learning_rate})
+        return Critic("head", head, None, None, alg.critic_warmup_steps)
+    value_model = ValueModel.from_policy(model)
+    value_model.train()
+    if train_config.gradient_checkpointing:
+        value_model.trunk.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    critic_optimizer = torch.optim.AdamW(
+        value_model.parameters(), lr=alg.critic_learning_rate, betas=(train_config.adam_beta1, train_config.adam_beta2),
+        weight_decay=train_config.weight_decay, fused=True,
     )
-    timings["generation"] = time.perf_counter() - started
+    critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_lambda(config))
+    return Critic("separate", value_model, critic_optimizer, critic_scheduler, alg.critic_warmup_steps)
 
-    started = time.perf_counter()
-    rows = [row for row in row_batch for _ in range(group_size)]
-    rewards, reward_columns = reward_set.score(rollouts.texts, rows)
-    correct = reward_set.correctness(rollouts.texts, rows)
-    advantages = core.group_advantages(rewards, group_size, scale_by_std=alg.scale_rewards, eps=alg.advantage_eps)
-    timings["reward"] = time.perf_counter() - started
 
-    started = time.perf_counter()
-    ref_logprobs = score_completions(reference, rollouts, train_config.micro_batch_size, precision, sampling.temperature) if alg.beta > 0 else None
-    old_logprobs = score_completions(model, rollouts, train_config.micro_batch_size, precision, sampling.temperature) if alg.update_epochs > 1 else None
-    timings["reference"] = time.perf_counter() - started
+def critic_state(critic: Critic | None) -> dict:
+    """Return what a checkpoint needs to restore the critic."""
+    if critic is None:
+        return {}
+    state = {"critic": critic.module.state_dict()}
+    if critic.optimizer is not None:
+        state["critic_optimizer"] = critic.optimizer.state_dict()
+        state["critic_scheduler"] = critic.scheduler.state_dict()
+    return state
 
-    started = time.perf_counter()
-    update_metrics = policy_update(model, optimizer, scheduler, rollouts, advantages, old_logprobs, ref_logprobs, config, precision)
-    timings["update"] = time.perf_counter() - started
 
-    lengths = rollouts.completion_lengths.float()
-    total_time = sum(timings.values())
+def load_critic_state(critic: Critic | None, state: dict) -> None:
+    if critic is None:
+        return
+    critic.module.load_state_dict(state["critic"])
+    if critic.optimizer is not None:
+        critic.optimizer.load_state_dict(state["critic_optimizer"])
+        critic.scheduler.load_state_dict(state["critic_scheduler"])
+
+
+@dataclass
+class Batch:
+    """The completions one step trains on, with their rewards (whole groups, contiguous)."""
+
+    rollouts: Rollouts
+    rewards: torch.Tensor  # (batch,) total reward, shaping included
+    prompts: list[str]  # one per group
+
+
+def concat_rollouts(parts: list[Rollouts]) -> Rollouts:
+    """Return the rows of several rollouts in one batch (prompts re-left-padded, completions re-right-padded)."""
+    if len(parts) == 1:
+        return parts[0]
+    prompt_len = max(part.prompt_ids.shape[1] for part in parts)
+    completion_len = max(part.completion_ids.shape[1] for part in parts)
+
+    def left(tensor, width):
+        return torch.nn.functional.pad(tensor, (width - tensor.shape[1], 0))
+
+    def right(tensor, width):
+        return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
+
+    return Rollouts(
+        prompt_ids=torch.cat([left(part.prompt_ids, prompt_len) for part in parts]),
+        prompt_mask=torch.cat([left(part.prompt_mask, prompt_len) for part in parts]),
+        completion_ids=torch.cat([right(part.completion_ids, completion_len) for part in parts]),
+        completion_mask=torch.cat([right(part.completion_mask, completion_len) for part in parts]),
+        truncated=torch.cat([part.truncated for part in parts]),
+        texts=[text for part in parts for text in part.texts],
+        group_size=parts[0].group_size,
+    )
+
+
+def collect_batch(
+    model, tokenizer, task: Task, reward_set: RewardSet, step: int, instruction: str, config: Config, precision: str, timings: dict
+) -> tuple[Batch | None, dict, list[dict]]:
+    """Sample and score this step's groups; return (batch to train on, sampling metrics, sample log rows).
+
+    With `algorithm.dynamic_sampling` (DAPO), groups whose rewards are all equal are dropped and
+    more prompts are sampled, up to `max_sampling_rounds` rounds, until `prompts_per_step`
+    informative groups are in hand (fewer if the cap is reached). Metrics describe every
+    completion sampled, so the reward curve is the policy's, not the filter's. Seconds spent
+    sampling and scoring are added to `timings["generation"]` and `timings["reward"]`.
+    """
+    timings.setdefault("generation", 0.0)
+    timings.setdefault("reward", 0.0)
+    alg, train_config, sampling = config.algorithm, config.train, config.sampling
+    group_size, wanted = alg.group_size, train_config.prompts_per_step
+    rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
+    kept: list[Rollouts] = []
+    kept_rewards, kept_prompts, seen, reward_errors = [], [], [], []
+    kept_groups = 0
+    for round_index in range(rounds):
+        row_batch = batch_rows(task.train_rows, step - 1, wanted, train_config.seed, stream=round_index)
+        started = time.perf_counter()
+        prompts = task.prompts(tokenizer, row_batch, instruction, config.task.system_prompt)
+        rollouts = rollout(
+            model, tokenizer, prompts, group_size,
+            max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p, precision=precision,
+        )
+        timings["generation"] += time.perf_counter() - started
+        started = time.perf_counter()
+        rows = [row for row in row_batch for _ in range(group_size)]
+        rewards, columns = reward_set.score(rollouts.texts, rows)
+        reward_errors.extend(reward_set.last_errors)
+        if alg.overlong_buffer > 0:
+            shaping = core.overlong_penalty(
+                rollouts.completion_lengths, sampling.max_new_tokens, alg.overlong_buffer * sampling.max_new_tokens, alg.overlong_penalty
+            )
+            rewards, columns = rewards + shaping, {**columns, "overlong": shaping}
+        correct = reward_set.correctness(rollouts.texts, rows)
+        timings["reward"] += time.perf_counter() - started
+        seen.append((rollouts, prompts, rewards, columns, correct))
+        keep = core.informative_rows(rewards, group_size) if alg.dynamic_sampling else torch.arange(len(rollouts))
+        keep = keep[: (wanted - kept_groups) * group_size]
+        if len(keep):
+            kept.append(rollouts.select(keep))
+            kept_rewards.append(rewards[keep])
+            kept_prompts.extend(prompts[int(i)] for i in keep[::group_size] // group_size)
+            kept_groups += len(keep) // group_size
+        if kept_groups >= wanted:
+            break
+    batch = Batch(concat_rollouts(kept), torch.cat(kept_rewards), kept_prompts) if kept else None
+
+    rewards = torch.cat([entry[2] for entry in seen])
+    correct = torch.cat([entry[4] for entry in seen])
+    lengths = torch.cat([entry[0].completion_lengths for entry in seen]).float()
+    truncated = torch.cat([entry[0].truncated for entry in seen])
+    columns = {name: torch.cat([entry[3][name] for entry in seen]) for name in seen[0][3]}
     metrics = {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -383,23 +516,153 @@ def grpo_step(model, reference, tokenizer, optimizer, scheduler, task: Task, rew
         "completion_length/mean": lengths.mean().item(),
         "completion_length/min": lengths.min().item(),
         "completion_length/max": lengths.max().item(),
-        "truncated_fraction": rollouts.truncated.float().mean().item(),
+        "truncated_fraction": truncated.float().mean().item(),
         "zero_spread_group_fraction": core.zero_spread_groups(rewards, group_size).float().mean().item(),
-        "advantage/abs_mean": advantages.abs().mean().item(),
+        **{f"reward/{name}/mean": column.float().mean().item() for name, column in columns.items()},
+        **{f"reward/{name}/std": column.float().std().item() if len(column) > 1 else 0.0 for name, column in columns.items()},
+    }
+    for name, counts in reward_set.failure_counts().items():
+        metrics.update({f"reward/{name}/failures/{kind}": float(count) for kind, count in counts.items()})
+    if reward_set.on_error == "zero":
+        metrics["reward/errors"] = float(len(reward_errors))
+        for name in reward_set.names:
+            metrics[f"reward/{name}/errors"] = float(sum(error.reward_name == name for error in reward_errors))
+        # Shown to the user by the training loop (first few only: one broken function can fail every sample).
+        metrics["_messages"] = [f"polo: warning: scored 0: {error}" for error in reward_errors[:3]]
+    if alg.dynamic_sampling:
+        metrics.update({"dynamic_sampling/rounds": len(seen), "dynamic_sampling/groups_kept": kept_groups})
+    rollouts, prompts, first_rewards, first_columns, first_correct = seen[0]
+    samples = sample_log_rows(step, rollouts, prompts, first_rewards, first_columns, first_correct)
+    return batch, metrics, samples
+
+
+def sample_log_rows(step: int, rollouts: Rollouts, prompts: list[str], rewards, columns: dict, correct) -> list[dict]:
+    """Return the best and the worst completion of the step as `samples.jsonl` rows (for reports)."""
+    picks = {"best": int(rewards.argmax()), "worst": int(rewards.argmin())}
+    return [
+        {
+            "step": step, "kind": kind, "prompt": prompts[index // rollouts.group_size], "completion": rollouts.texts[index],
+            "reward": float(rewards[index]), "rewards": {name: float(column[index]) for name, column in columns.items()},
+            "correct": float(correct[index]),
+        }
+        for kind, index in picks.items()
+    ]
+
+
+@torch.no_grad()
+def score_values(critic: Critic, model, rollouts: Rollouts, micro_batch_size: int, precision: str, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return (values, log-probs or None) of every completion token before the update, each (batch, completion_len).
+
+    The ``head`` critic shares the policy's forward, so its log-probs come for free; the
+    ``separate`` critic runs its own trunk and returns None for the log-probs.
+    """
+    values = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32)
+    logprobs = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32) if critic.layout == "head" else None
+    for rows in micro_batches(torch.arange(len(rollouts)), micro_batch_size):
+        part = trim_padding(rollouts.select(rows))
+        width = part.completion_ids.shape[1]
+        inputs = (part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
+        with autocast_context(precision):
+            if critic.layout == "head":
+                part_logprobs, _, part_values = logprobs_and_values(model, critic.module, *inputs, temperature=temperature)
+                logprobs[rows, :width] = part_logprobs.float()
+            else:
+                part_values = completion_values(critic.module, *inputs)
+        values[rows, :width] = part_values.float()
+    return values, logprobs
+
+
+def compute_advantages(batch: Batch, old_logprobs, ref_logprobs, old_values, config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return (per-token advantages (batch, completion_len), value targets or None) for the configured estimator."""
+    alg = config.algorithm
+    mask = batch.rollouts.completion_mask.float()
+    if alg.advantage_estimator == "grpo":
+        advantages = core.group_advantages(batch.rewards, alg.group_size, scale_by_std=alg.scale_rewards, eps=alg.advantage_eps)
+        return core.expand_to_tokens(advantages, mask), None
+    if alg.advantage_estimator == "rloo":
+        return core.expand_to_tokens(core.rloo_advantages(batch.rewards, alg.group_size), mask), None
+    kl = core.kl_estimate(old_logprobs, ref_logprobs, alg.kl_estimator) if alg.kl_in_reward else None
+    token_rewards = core.token_level_rewards(batch.rewards, mask, kl, alg.beta)
+    if alg.advantage_estimator == "reinforce_pp":
+        return core.reinforce_pp_advantages(token_rewards, mask, alg.gamma), None
+    advantages, returns = core.gae_advantages(token_rewards, old_values, mask, alg.gamma, alg.lam)
+    return core.whiten(advantages, mask), returns
+
+
+def rl_step(model, reference, tokenizer, optimizer, scheduler, task: Task, reward_set: RewardSet, step: int, instruction: str, config: Config, precision: str, critic: Critic | None = None) -> tuple[dict, list[dict]]:
+    """Run one sampling + update step in place; return (metrics row, sample log rows)."""
+    alg, train_config, sampling = config.algorithm, config.train, config.sampling
+    timings = {}
+
+    batch, metrics, samples = collect_batch(model, tokenizer, task, reward_set, step, instruction, config, precision, timings)
+    if batch is None:  # dynamic sampling found no informative group within its cap
+        metrics.update({"update_skipped": 1.0, "learning_rate": scheduler.get_last_lr()[0], **{f"time/{k}": v for k, v in timings.items()}})
+        metrics["time/step"] = sum(timings.values())
+        return metrics, samples
+    rollouts = batch.rollouts
+
+    started = time.perf_counter()
+    ref_logprobs = score_completions(reference, rollouts, train_config.micro_batch_size, precision, sampling.temperature) if alg.beta > 0 else None
+    old_logprobs = old_values = None
+    if critic is not None:
+        old_values, old_logprobs = score_values(critic, model, rollouts, train_config.micro_batch_size, precision, sampling.temperature)
+    if old_logprobs is None and (alg.update_epochs > 1 or alg.kl_in_reward):
+        old_logprobs = score_completions(model, rollouts, train_config.micro_batch_size, precision, sampling.temperature)
+    advantages, returns = compute_advantages(batch, old_logprobs, ref_logprobs, old_values, config)
+    timings["reference"] = time.perf_counter() - started
+
+    started = time.perf_counter()
+    value_targets = (old_values, returns) if critic is not None else None
+    update_metrics = policy_update(
+        model, optimizer, scheduler, rollouts, advantages, old_logprobs, ref_logprobs, config, precision,
+        critic=critic, value_targets=value_targets, train_policy=critic is None or step > critic.warmup_steps,
+    )
+    timings["update"] = time.perf_counter() - started
+
+    total_time = sum(timings.values())
+    metrics.update({
+        "advantage/abs_mean": core.masked_mean(advantages.abs(), rollouts.completion_mask).item(),
         "learning_rate": scheduler.get_last_lr()[0],
-        **{f"reward/{name}/mean": column.float().mean().item() for name, column in reward_columns.items()},
-        **{f"reward/{name}/std": column.float().std().item() if len(column) > 1 else 0.0 for name, column in reward_columns.items()},
         **update_metrics,
         **{f"time/{name}": seconds for name, seconds in timings.items()},
         "time/step": total_time,
         "tokens_per_second": float(rollouts.completion_mask.sum() + rollouts.prompt_mask.sum()) / max(total_time, 1e-9),
-    }
-    return metrics
+    })
+    if returns is not None:
+        metrics["value/explained_variance"] = core.explained_variance(old_values, returns, rollouts.completion_mask)
+        metrics["value/mean"] = core.masked_mean(old_values, rollouts.completion_mask).item()
+    return metrics, samples
 
 
-def policy_update(model, optimizer, scheduler, rollouts: Rollouts, advantages: torch.Tensor, old_logprobs, ref_logprobs, config: Config, precision: str) -> dict:
+def micro_value_loss(values: torch.Tensor, value_targets, micro: torch.Tensor, mask: torch.Tensor, alg, normalisers: dict) -> torch.Tensor:
+    """Return the clipped value loss of one micro-batch, token-mean over the whole minibatch."""
+    old_values, returns = value_targets
+    width = values.shape[1]
+    per_token = core.value_loss(values.float(), old_values[micro, :width], returns[micro, :width], mask, alg.value_clip)
+    return core.aggregate_loss(per_token, mask, "dapo", **normalisers)
+
+
+def backward_checked(loss: torch.Tensor, optimizer, scheduler) -> None:
+    """Backpropagate `loss`, or raise `NonFiniteLossError` (after dropping the gradients) when it is NaN or infinite."""
+    if not torch.isfinite(loss):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLossError(
+            f"loss is {loss.item()} (optimizer step {scheduler.last_epoch + 1}); the update was not applied and "
+            "the last checkpoint is intact. Try a lower train.learning_rate or check the reward functions."
+        )
+    if loss.requires_grad:
+        loss.backward()
+
+
+def policy_update(
+    model, optimizer, scheduler, rollouts: Rollouts, advantages: torch.Tensor, old_logprobs, ref_logprobs, config: Config, precision: str,
+    *, critic: Critic | None = None, value_targets: tuple[torch.Tensor, torch.Tensor] | None = None, train_policy: bool = True,
+) -> dict:
     """Apply `update_epochs` x `num_minibatches` optimizer steps and return averaged update metrics.
 
+    `advantages` is (batch,) per sequence or (batch, completion_len) per token. With a critic,
+    `value_targets` = (old values, returns), each (batch, completion_len), and the value loss is
+    trained alongside; `train_policy=False` (critic warm-up) leaves the policy untouched.
     Normalisers (sequences, valid tokens) are global per optimizer step: counted over the whole
     minibatch and all ranks through `polo.core.global_count`, so gradient accumulation over
     micro-batches gives exactly the full-minibatch gradient.
@@ -407,66 +670,94 @@ def policy_update(model, optimizer, scheduler, rollouts: Rollouts, advantages: t
     alg, train_config = config.algorithm, config.train
     group_size = rollouts.group_size
     num_groups = len(rollouts) // group_size
-    groups_per_minibatch = num_groups // train_config.num_minibatches
-    sums = {"kl": 0.0, "entropy": 0.0, "clip_low": 0.0, "clip_high": 0.0, "tokens": 0.0, "loss": 0.0, "grad_norm": 0.0}
+    groups_per_minibatch = max(math.ceil(num_groups / train_config.num_minibatches), 1)
+    loss_mask = rollouts.completion_mask.float()
+    if alg.mask_truncated:  # DAPO's overlong filtering: truncated completions teach nothing
+        loss_mask = loss_mask * (~rollouts.truncated).float().unsqueeze(-1)
+    kl_in_loss = ref_logprobs is not None and not alg.kl_in_reward
+    sums = {key: 0.0 for key in ("kl", "entropy", "clip_low", "clip_high", "tokens", "loss", "grad_norm", "value_loss", "critic_grad_norm")}
     optimizer_steps = 0
     for _ in range(alg.update_epochs):
-        for minibatch in range(train_config.num_minibatches):
-            first = minibatch * groups_per_minibatch * group_size
-            rows = torch.arange(first, first + groups_per_minibatch * group_size)
+        for first_group in range(0, num_groups, groups_per_minibatch):
+            rows = torch.arange(first_group * group_size, min(first_group + groups_per_minibatch, num_groups) * group_size)
             num_sequences = core.global_count(len(rows))
-            num_tokens = core.global_count(rollouts.completion_mask[rows].sum())
+            num_tokens = core.global_count(loss_mask[rows].sum().clamp(min=1.0))
+            normalisers = {"num_sequences": num_sequences, "num_tokens": num_tokens, "max_completion_length": config.sampling.max_new_tokens}
             optimizer.zero_grad(set_to_none=True)
+            if critic is not None and critic.optimizer is not None:
+                critic.optimizer.zero_grad(set_to_none=True)
             minibatch_loss = 0.0
             for micro in micro_batches(rows, train_config.micro_batch_size):
                 part = trim_padding(rollouts.select(micro))
                 width = part.completion_ids.shape[1]
-                mask = part.completion_mask.float()
+                mask = loss_mask[micro, :width]
+                inputs = (part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
+                loss = torch.zeros(())
+                values = None
                 with autocast_context(precision):
-                    logprobs, entropy = completion_logprobs(
-                        model, part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask,
-                        temperature=config.sampling.temperature, with_entropy=True,
-                    )
-                logprobs = logprobs.float()
-                old = old_logprobs[micro, :width] if old_logprobs is not None else logprobs.detach()
-                per_token, stats = core.ppo_clip_loss(logprobs, old, advantages[micro], mask, alg.clip_eps_low, alg.clip_eps_high)
-                if ref_logprobs is not None:
-                    kl = core.kl_estimate(logprobs, ref_logprobs[micro, :width], alg.kl_estimator)
-                    per_token = per_token + alg.beta * kl
-                    sums["kl"] += float((kl.detach() * mask).sum())
-                loss = core.aggregate_loss(
-                    per_token, mask, alg.loss_aggregation,
-                    num_sequences=num_sequences, num_tokens=num_tokens, max_completion_length=config.sampling.max_new_tokens,
-                )
-                if not torch.isfinite(loss):
-                    optimizer.zero_grad(set_to_none=True)
-                    raise NonFiniteLossError(
-                        f"loss is {loss.item()} (optimizer step {scheduler.last_epoch + 1}); the update was not applied and "
-                        "the last checkpoint is intact. Try a lower train.learning_rate or check the reward functions."
-                    )
-                loss.backward()
+                    if critic is not None and critic.layout == "head":
+                        logprobs, entropy, values = logprobs_and_values(
+                            model, critic.module, *inputs, temperature=config.sampling.temperature, with_entropy=True,
+                            detach_trunk_for_values=not train_policy,
+                        )
+                    elif train_policy:
+                        logprobs, entropy = completion_logprobs(model, *inputs, temperature=config.sampling.temperature, with_entropy=True)
+                if train_policy:
+                    logprobs = logprobs.float()
+                    old = old_logprobs[micro, :width] if old_logprobs is not None else logprobs.detach()
+                    token_advantages = advantages[micro, :width] if advantages.dim() == 2 else advantages[micro]
+                    loss_fn = core.gspo_loss if alg.policy_loss == "gspo" else core.ppo_clip_loss
+                    per_token, stats = loss_fn(logprobs, old, token_advantages, mask, alg.clip_eps_low, alg.clip_eps_high)
+                    if kl_in_loss:
+                        kl = core.kl_estimate(logprobs, ref_logprobs[micro, :width], alg.kl_estimator)
+                        per_token = per_token + alg.beta * kl
+                        sums["kl"] += float((kl.detach() * mask).sum())
+                    loss = core.aggregate_loss(per_token, mask, alg.loss_aggregation, **normalisers)
+                    sums["entropy"] += float((entropy * mask).sum())
+                    sums["clip_low"] += float(stats["clip_low_count"])
+                    sums["clip_high"] += float(stats["clip_high_count"])
+                if values is not None:  # value head on the shared trunk: one backward for both losses
+                    value_loss = micro_value_loss(values, value_targets, micro, mask, alg, normalisers)
+                    sums["value_loss"] += float(value_loss.detach())
+                    loss = loss + alg.value_coef * value_loss
+                backward_checked(loss, optimizer, scheduler)
                 minibatch_loss += loss.item()
-                sums["entropy"] += float((entropy * mask).sum())
-                sums["clip_low"] += float(stats["clip_low_count"])
-                sums["clip_high"] += float(stats["clip_high_count"])
+                if critic is not None and critic.layout == "separate":
+                    # The critic's graph is built only after the policy's is freed: half the peak activations.
+                    with autocast_context(precision):
+                        values = completion_values(critic.module, *inputs)
+                    value_loss = alg.value_coef * micro_value_loss(values, value_targets, micro, mask, alg, normalisers)
+                    backward_checked(value_loss, critic.optimizer, scheduler)
+                    sums["value_loss"] += float(value_loss.detach()) / alg.value_coef
+                    minibatch_loss += value_loss.item()
                 sums["tokens"] += float(mask.sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], train_config.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 optimizer.zero_grad(set_to_none=True)
                 raise NonFiniteLossError(f"gradient norm is {grad_norm.item()}; the update was not applied and the last checkpoint is intact")
-            optimizer.step()
+            if critic is not None and critic.optimizer is not None:
+                sums["critic_grad_norm"] += float(torch.nn.utils.clip_grad_norm_(critic.module.parameters(), train_config.max_grad_norm))
+                critic.optimizer.step()
+                critic.scheduler.step()
+            optimizer.step()  # parameters without a gradient (the policy during critic warm-up) are left alone
             scheduler.step()
             optimizer_steps += 1
             sums["loss"] += minibatch_loss
             sums["grad_norm"] += float(grad_norm)
     tokens = max(sums["tokens"], 1.0)
-    metrics = {
-        "loss": sums["loss"] / optimizer_steps,
-        "grad_norm": sums["grad_norm"] / optimizer_steps,
-        "entropy": sums["entropy"] / tokens,
-        "clip_fraction/low": sums["clip_low"] / tokens,
-        "clip_fraction/high": sums["clip_high"] / tokens,
-    }
-    if ref_logprobs is not None:
+    metrics = {"loss": sums["loss"] / optimizer_steps, "grad_norm": sums["grad_norm"] / optimizer_steps}
+    if train_policy:
+        metrics.update({
+            "entropy": sums["entropy"] / tokens,
+            "clip_fraction/low": sums["clip_low"] / tokens,
+            "clip_fraction/high": sums["clip_high"] / tokens,
+        })
+    if kl_in_loss and train_policy:
         metrics["kl"] = sums["kl"] / tokens
+    elif ref_logprobs is not None and old_logprobs is not None:
+        metrics["kl"] = core.masked_mean(old_logprobs - ref_logprobs, rollouts.completion_mask).item()  # k1 of the sampled batch
+    if critic is not None:
+        metrics["value/loss"] = sums["value_loss"] / optimizer_steps
+        if critic.optimizer is not None:
+            metrics["value/grad_norm"] = sums["critic_grad_norm"] / optimizer_steps
     return metrics
