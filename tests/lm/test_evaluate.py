@@ -1,0 +1,349 @@
+"""Tests for polo.lm.evaluate (pass@k, cons@k, answer keys, sampling) and the `polo eval` command."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import math
+
+import pytest
+
+from polo.lm.evaluate import (
+    answer_key_for,
+    cons_at_k,
+    default_ks,
+    evaluate_policy,
+    greedy_accuracy,
+    majority_vote,
+    math_answer_key,
+    number_answer_key,
+    pass_at_k,
+    sample_completions,
+    score_problem,
+    summarize,
+    text_answer_key,
+)
+from polo.lm.rewards.answers import exact_number, exact_string, math_verify_answer
+
+
+# ---------------------------------------------------------------- pass@k
+
+
+def brute_force_pass_at_k(correct: list[int], k: int) -> float:
+    """Return the fraction of k-subsets of the samples that hold at least one correct sample."""
+    subsets = list(itertools.combinations(correct, k))
+    return sum(any(subset) for subset in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k", "expected"),
+    [
+        (5, 0, 1, 0.0),
+        (5, 5, 1, 1.0),
+        (4, 1, 1, 0.25),
+        (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+        (4, 2, 2, 5 / 6),  # 1 - C(2,2)/C(4,2) = 1 - 1/6
+        (16, 1, 16, 1.0),  # k = n: one correct sample is enough
+        (16, 0, 16, 0.0),  # k = n: none correct
+        (10, 8, 3, 1.0),  # n - c < k: every draw holds a correct sample
+    ],
+)
+def test_pass_at_k_on_hand_made_counts(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_pass_at_k_matches_enumerating_every_subset():
+    for n in range(1, 8):
+        for c in range(n + 1):
+            correct = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(correct, k))
+
+
+def test_pass_at_1_is_the_mean_correctness():
+    assert pass_at_k(16, 5, 1) == pytest.approx(5 / 16)
+
+
+@pytest.mark.parametrize(("n", "c", "k"), [(4, 5, 1), (4, -1, 1), (4, 1, 0), (4, 1, 5)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="must be in"):
+        pass_at_k(n, c, k)
+
+
+def test_default_ks_are_powers_of_two_then_n():
+    assert default_ks(1) == [1]
+    assert default_ks(16) == [1, 2, 4, 8, 16]
+    assert default_ks(10) == [1, 2, 4, 8, 10]
+    assert default_ks(2) == [1, 2]
+
+
+# ---------------------------------------------------------------- majority vote and cons@k
+
+
+def test_majority_vote_picks_the_most_frequent_answer():
+    assert majority_vote(["3", "5", "5", "7"]) == 1  # first occurrence of the winner "5"
+
+
+def test_majority_vote_tie_goes_to_the_answer_seen_first():
+    assert majority_vote(["3", "5", "5", "3"]) == 0
+    assert majority_vote(["5", "3", "3", "5"]) == 0
+    assert majority_vote(["9", "3", "5"]) == 0  # all tied at one vote
+
+
+def test_majority_vote_ignores_samples_without_an_answer():
+    assert majority_vote([None, None, "4", None]) == 2
+    assert majority_vote([None, "2", None, "2", "7"]) == 1
+    assert majority_vote([None, None]) is None
+    assert majority_vote([]) is None
+
+
+def test_cons_at_k_with_n_samples_scores_the_single_vote():
+    answers = ["3", "5", "5", "3"]
+    correct = [1.0, 0.0, 0.0, 1.0]
+    assert cons_at_k(answers, correct, 4) == 1.0  # tie "3"/"5": "3" came first
+    assert cons_at_k(["5", "3", "3", "5"], [0.0, 1.0, 1.0, 0.0], 4) == 0.0  # same tie, "5" first
+
+
+def test_cons_at_k_averages_disjoint_blocks():
+    answers = ["3", "5", "5", "3", "5", "5"]
+    correct = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    # blocks of 2: ("3","5") -> "3" right; ("5","3") -> "5" wrong; ("5","5") -> wrong
+    assert cons_at_k(answers, correct, 2) == pytest.approx(1 / 3)
+    # blocks of 3: ("3","5","5") -> "5" wrong; ("3","5","5") -> "5" wrong
+    assert cons_at_k(answers, correct, 3) == 0.0
+    # k = 1 is the mean correctness
+    assert cons_at_k(answers, correct, 1) == pytest.approx(2 / 6)
+    # k = 4 does not divide 6: one block of the first four, a 2-2 tie that "3" wins
+    assert cons_at_k(answers, correct, 4) == 1.0
+
+
+def test_cons_at_k_majority_beats_a_lucky_minority():
+    answers = ["12", "12", "12", "10"]
+    correct = [0.0, 0.0, 0.0, 1.0]
+    assert cons_at_k(answers, correct, 4) == 0.0
+    assert pass_at_k(4, 1, 4) == 1.0
+
+
+def test_cons_at_k_block_without_answers_scores_zero():
+    assert cons_at_k([None, None, "1", "1"], [0.0, 0.0, 1.0, 1.0], 2) == 0.5
+
+
+def test_cons_at_k_rejects_bad_k_and_length_mismatch():
+    with pytest.raises(ValueError, match="k must be in"):
+        cons_at_k(["1"], [1.0], 2)
+    with pytest.raises(ValueError, match="answers"):
+        cons_at_k(["1", "2"], [1.0], 1)
+
+
+# ---------------------------------------------------------------- answer keys
+
+
+def test_number_key_reads_the_last_number_canonically():
+    assert number_answer_key("so 47 + 38 = 85.00") == "85"
+    assert number_answer_key("total: 1,234 apples") == "1234"
+    assert number_answer_key("0.50") == "1/2"
+    assert number_answer_key("no digits") is None
+    assert number_answer_key("<think>7</think> <answer>12</answer> then 99") == "12"
+    assert number_answer_key("the answer is 12", answer_in_tags=True) is None
+
+
+def test_math_key_treats_equal_numbers_alike():
+    assert math_answer_key("The answer is 72.00") == math_answer_key("$72$") == "72"
+    assert math_answer_key("$\\frac{1}{2}$") == math_answer_key("it is 0.5") == "1/2"
+    assert math_answer_key("no answer here") is None
+
+
+def test_text_key_folds_case_and_space():
+    assert text_answer_key("  Paris \n") == "paris"
+
+
+def test_answer_key_for_follows_the_checker_and_its_tags_setting():
+    tagged_number = answer_key_for(functools.partial(exact_number, answer_in_tags=True))
+    assert tagged_number("<answer>12</answer>") == "12"
+    assert tagged_number("12") is None
+    assert answer_key_for(functools.partial(exact_string))("A") == "a"
+    assert answer_key_for(functools.partial(math_verify_answer, answer_in_tags=False))("$0.5$") == "1/2"
+    assert answer_key_for(lambda completion, row: 1.0)("it is 0.5") == "1/2"  # unknown checker: math_verify reading
+
+
+# ---------------------------------------------------------------- scoring hand-made samples
+
+
+def fake_completions(texts: list[str]) -> list[dict]:
+    return [{"text": text, "length": len(text.split()), "truncated": False} for text in texts]
+
+
+def test_score_problem_on_hand_made_samples():
+    row = {"question": "What is 2 + 3?", "answer": "5"}
+    texts = ["<think>2+3</think> <answer>5</answer>", "it is 6", "it is 6", "5", "no idea"]
+    correctness = functools.partial(exact_number, answer_in_tags=False)
+    problem = score_problem(row, fake_completions(texts), correctness, answer_key_for(correctness), [1, 2, 5])
+    assert [sample["correct"] for sample in problem["samples"]] == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert [sample["answer"] for sample in problem["samples"]] == ["5", "6", "6", "5", None]
+    assert [sample["format"] for sample in problem["samples"]] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert problem["num_correct"] == 2
+    assert problem["pass@1"] == pytest.approx(0.4)
+    assert problem["pass@k"]["1"] == pytest.approx(0.4)
+    assert problem["pass@k"]["2"] == pytest.approx(1 - math.comb(3, 2) / math.comb(5, 2))
+    assert problem["pass@k"]["5"] == 1.0
+    # all five: "5" and "6" tie at two votes each, "5" came first -> correct
+    assert problem["cons@k"]["5"] == 1.0
+    assert problem["majority_answer"] == "5"
+    # blocks of two: ("5","6") -> "5" right, ("6","5") -> "6" wrong
+    assert problem["cons@k"]["2"] == 0.5
+
+
+def test_summarize_averages_over_problems():
+    correctness = functools.partial(exact_number, answer_in_tags=False)
+    key = answer_key_for(correctness)
+    problems = [
+        score_problem({"answer": "1"}, fake_completions(["1", "1", "2", "2"]), correctness, key, [1, 4]),
+        score_problem({"answer": "3"}, fake_completions(["4", "4", "4", "3"]), correctness, key, [1, 4]),
+    ]
+    summary = summarize(problems)
+    assert summary["num_problems"] == 2
+    assert summary["samples_per_problem"] == 4
+    assert summary["pass@1"] == pytest.approx((0.5 + 0.25) / 2)
+    assert summary["pass@k"] == {"1": pytest.approx(0.375), "4": 1.0}
+    assert summary["cons@k"] == {"1": pytest.approx(0.375), "4": 0.5}  # tie won by "1"; "4" outvotes "3"
+    assert summary["format_compliance"] == 0.0
+    assert summary["answered"] == 1.0
+    assert summary["mean_response_length"] == 1.0
+
+
+# ---------------------------------------------------------------- sampling with the tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tiny_model_dir):
+    from polo.lm.models import load_policy
+
+    return load_policy(str(tiny_model_dir))
+
+
+PROMPTS = ["What is 1 + 1?", "Hi", "A much longer prompt than the others, to force padding."]
+
+
+def test_sample_completions_returns_k_per_prompt_in_prompt_order(tiny_policy):
+    model, tokenizer = tiny_policy
+    batched = sample_completions(model, tokenizer, PROMPTS, 3, max_new_tokens=6, temperature=0.0, batch_size=4)
+    assert [len(samples) for samples in batched] == [3, 3, 3]
+    for prompt, samples in zip(PROMPTS, batched):
+        alone = sample_completions(model, tokenizer, [prompt], 1, max_new_tokens=6, temperature=0.0)[0][0]
+        # greedy: every sample of a prompt equals that prompt decoded on its own
+        assert all(sample == alone for sample in samples)
+        assert all(1 <= sample["length"] <= 6 for sample in samples)
+
+
+def test_evaluate_policy_scores_every_sample(tiny_policy):
+    model, tokenizer = tiny_policy
+    rows = [{"question": prompt, "answer": "2"} for prompt in PROMPTS]
+    result = evaluate_policy(
+        model, tokenizer, PROMPTS, rows, lambda completion, row: float(len(completion) % 2),
+        samples=4, max_new_tokens=5, temperature=1.0, batch_size=5,
+    )
+    assert len(result["problems"]) == 3
+    assert all(len(problem["samples"]) == 4 for problem in result["problems"])
+    assert set(result["summary"]["pass@k"]) == {"1", "2", "4"}
+    assert result["summary"]["pass@1"] == pytest.approx(
+        sum(sample["correct"] for problem in result["problems"] for sample in problem["samples"]) / 12
+    )
+    assert result["problems"][1]["prompt"] == PROMPTS[1]
+
+
+def test_evaluate_policy_rejects_k_above_samples(tiny_policy):
+    model, tokenizer = tiny_policy
+    with pytest.raises(ValueError, match="every k"):
+        evaluate_policy(model, tokenizer, ["a"], [{"answer": "1"}], exact_number, samples=2, max_new_tokens=2, temperature=1.0, ks=[4])
+
+
+def test_greedy_accuracy_keeps_its_contract(tiny_policy):
+    model, tokenizer = tiny_policy
+    rows = [{"question": prompt, "answer": "2"} for prompt in PROMPTS]
+    result = greedy_accuracy(model, tokenizer, PROMPTS, rows, lambda completion, row: 1.0, max_new_tokens=4, batch_size=2)
+    assert set(result) == {"accuracy", "completion_length", "truncated", "samples"}
+    assert result["accuracy"] == 1.0
+    assert 1 <= result["completion_length"] <= 4
+    assert [sample["question"] for sample in result["samples"]] == PROMPTS
+
+
+# ---------------------------------------------------------------- the command
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    from polo.lm.eval_cli import add_parsers
+
+    parser = argparse.ArgumentParser(prog="polo")
+    add_parsers(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_polo_eval_writes_per_problem_results(tiny_model_dir, tmp_path, capsys):
+    from polo.lm.eval_cli import run
+
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    output = tmp_path / "out" / "eval.json"
+    args = eval_parser().parse_args([
+        "eval", "--model", str(tiny_model_dir), "--task", f"jsonl:{data}", "--checker", "exact_number",
+        "--samples", "4", "--limit", "2", "--max-new-tokens", "4", "--output", str(output), "--no-progress",
+    ])
+    assert run(args) == 0
+    printed = capsys.readouterr().out
+    assert "pass@k" in printed and "cons@k" in printed and "format compliance" in printed
+    result = json.loads(output.read_text())
+    assert result["settings"]["samples"] == 4 and result["settings"]["num_problems"] == 2
+    assert len(result["problems"]) == 2
+    assert all(len(problem["samples"]) == 4 for problem in result["problems"])
+    assert set(result["summary"]["pass@k"]) == {"1", "2", "4"}
+
+
+def test_polo_eval_greedy_on_arithmetic(tiny_model_dir, tmp_path):
+    from polo.lm.eval_cli import run
+
+    output = tmp_path / "eval.json"
+    args = eval_parser().parse_args([
+        "eval", "--model", str(tiny_model_dir), "--task", "arith", "--greedy", "--limit", "3",
+        "--max-new-tokens", "3", "--output", str(output), "--no-progress",
+    ])
+    assert run(args) == 0
+    result = json.loads(output.read_text())
+    assert result["settings"]["temperature"] == 0.0
+    assert result["summary"]["pass@k"].keys() == {"1"}
+    assert result["problems"][0]["question"].startswith("What is ")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--greedy", "--samples", "4"], "--greedy gives one answer"),
+        (["--task", "mnist"], "is not one of"),
+        (["--samples", "0"], "--samples must be >= 1"),
+        (["--limit", "500"], "more than the 200 held-out problems"),
+    ],
+)
+def test_polo_eval_rejects_bad_arguments(tiny_model_dir, tmp_path, capsys, extra, message):
+    from polo.lm.eval_cli import run
+
+    args = eval_parser().parse_args(["eval", "--model", str(tiny_model_dir), "--output", str(tmp_path / "e.json"), *extra])
+    assert run(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gsm8k_folder_resolution(tmp_path, monkeypatch):
+    from polo.lm.eval_cli import GSM8K_ENV, gsm8k_data_dir
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "test.jsonl").write_text("{}\n")
+    assert gsm8k_data_dir(str(tmp_path / "mine")) == tmp_path / "mine"
+    monkeypatch.setenv(GSM8K_ENV, str(tmp_path / "mine"))
+    assert gsm8k_data_dir() == tmp_path / "mine"
+    with pytest.raises(FileNotFoundError, match="--data-dir"):
+        gsm8k_data_dir(str(tmp_path / "missing"))
+    monkeypatch.delenv(GSM8K_ENV)
+    monkeypatch.chdir(tmp_path / "mine")  # ../shared/data/gsm8k from here
+    (tmp_path / "shared" / "data" / "gsm8k").mkdir(parents=True)
+    (tmp_path / "shared" / "data" / "gsm8k" / "test.jsonl").write_text("{}\n")
+    assert gsm8k_data_dir() == tmp_path / "shared" / "data" / "gsm8k"

@@ -1,0 +1,66 @@
+"""GSM8K's own reference solutions, used as completions, must score 100%; shuffled, almost nothing.
+
+This checks the whole scoring path of `polo eval` on GSM8K (answer after ####, thousands
+separators, math_verify comparison, answer keys and the vote) without a model.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from polo.lm.evaluate import answer_key_for, score_problem, summarize
+from polo.lm.eval_cli import gsm8k_data_dir
+from polo.lm.tasks import gsm8k_task
+
+NUM_PROBLEMS = 200
+
+
+@pytest.fixture(scope="module")
+def gsm8k_eval():
+    try:
+        test_path = gsm8k_data_dir() / "test.jsonl"
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    return gsm8k_task(test_path, test_path, num_train=0, num_eval=NUM_PROBLEMS)
+
+
+def as_completions(texts: list[str]) -> list[dict]:
+    return [{"text": text, "length": 0, "truncated": False} for text in texts]
+
+
+def test_reference_solutions_score_100_percent(gsm8k_eval):
+    rows = gsm8k_eval.eval_rows
+    assert len(rows) == NUM_PROBLEMS
+    # The set must exercise the thousands-separator path ("#### 2,125").
+    assert any("," in row["solution"].rpartition("####")[2] for row in rows)
+    scores = [gsm8k_eval.correctness(row["solution"], row) for row in rows]
+    assert scores == [1.0] * NUM_PROBLEMS
+
+
+def test_shuffled_solutions_score_below_5_percent(gsm8k_eval):
+    rows = gsm8k_eval.eval_rows
+    order = list(range(len(rows)))
+    random.Random(0).shuffle(order)
+    scores = [gsm8k_eval.correctness(rows[other]["solution"], row) for row, other in zip(rows, order)]
+    # A few problems share a final answer by chance; 5% is 10 of 200.
+    assert sum(scores) / len(scores) < 0.05
+
+
+def test_reference_solutions_through_the_eval_metrics(gsm8k_eval):
+    """Two copies of the reference and one wrong solution per problem: the vote and pass@k agree."""
+    rows = gsm8k_eval.eval_rows[:40]
+    key = answer_key_for(gsm8k_eval.correctness)
+    problems = []
+    for index, row in enumerate(rows):
+        wrong = rows[(index + 1) % len(rows)]["solution"]
+        texts = [wrong, row["solution"], row["solution"]]
+        problems.append(score_problem(row, as_completions(texts), gsm8k_eval.correctness, key, [1, 3]))
+    # every sample's vote key is the number after its "####"
+    for row, problem in zip(rows, problems):
+        assert problem["samples"][1]["answer"] == row["answer"]
+    summary = summarize(problems)
+    assert summary["pass@k"]["3"] == 1.0
+    assert summary["cons@k"]["3"] == 1.0  # two references outvote one wrong solution
+    assert summary["pass@1"] == pytest.approx(2 / 3, abs=0.03)  # a neighbour may share the answer
