@@ -23,8 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     plot_parser = commands.add_parser("plot", help="draw reward/accuracy/length curves of a run directory")
     plot_parser.add_argument("run_dir")
 
+    from polo.control import cli as control_cli
+    from polo.lm import eval_cli
+
+    eval_cli.add_parsers(commands)  # eval, report
+    control_cli.add_parser(commands)
+
     args = parser.parse_args(argv)
     try:
+        if args.command in ("eval", "report"):
+            return eval_cli.run(args)
+        if args.command == "control":
+            return control_cli.run(args)
         if args.command == "train":
             from polo.lm.trainer import train
 

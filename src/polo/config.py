@@ -340,14 +340,26 @@ _CHOICES = {
 }
 
 
-def validate(config: Config) -> None:
-    """Raise `ConfigError` for values that have the right type but make no sense."""
-    for dotted, choices in _CHOICES.items():
+def check_choices(config: Any, choices: dict[str, tuple]) -> None:
+    """Raise `ConfigError` for the first `section.field` whose value is not among its allowed choices."""
+    for dotted, allowed in choices.items():
         section, name = dotted.split(".")
         value = getattr(getattr(config, section), name)
-        if value not in choices:
-            raise ConfigError(f"{dotted}: {value!r} is not one of {', '.join(choices)}")
-    positive = {
+        if value not in allowed:
+            raise ConfigError(f"{dotted}: {value!r} is not one of {', '.join(allowed)}")
+
+
+def check_at_least_one(values: dict[str, int]) -> None:
+    """Raise `ConfigError` for the first `dotted.key` whose integer value is below 1."""
+    for key, value in values.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be at least 1, got {value}")
+
+
+def validate(config: Config) -> None:
+    """Raise `ConfigError` for values that have the right type but make no sense."""
+    check_choices(config, _CHOICES)
+    check_at_least_one({
         "algorithm.group_size": config.algorithm.group_size,
         "algorithm.update_epochs": config.algorithm.update_epochs,
         "train.prompts_per_step": config.train.prompts_per_step,
@@ -355,10 +367,7 @@ def validate(config: Config) -> None:
         "train.micro_batch_size": config.train.micro_batch_size,
         "train.max_nonfinite_steps": config.train.max_nonfinite_steps,
         "sampling.max_new_tokens": config.sampling.max_new_tokens,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be at least 1, got {value}")
+    })
     if config.train.steps < 0:
         raise ConfigError(f"train.steps must be >= 0, got {config.train.steps}")
     if config.algorithm.group_size < 2 and config.algorithm.scale_rewards and config.algorithm.advantage_estimator == "grpo":

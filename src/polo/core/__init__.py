@@ -15,6 +15,7 @@ from polo.core.advantages import (
 )
 from polo.core.distributed import all_reduce_sum, global_count
 from polo.core.shaping import overlong_penalty
+from polo.core.trpo import backtracking_line_search, conjugate_gradient, fisher_vector_product, flat_grad, trust_region_step
 from polo.core.kl import KL_ESTIMATORS, kl_estimate, kl_k1, kl_k2, kl_k3
 from polo.core.losses import (
     AGGREGATIONS,
@@ -29,6 +30,11 @@ from polo.core.losses import (
 )
 
 __all__ = [
+    "backtracking_line_search",
+    "conjugate_gradient",
+    "fisher_vector_product",
+    "flat_grad",
+    "trust_region_step",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "aggregate_loss",

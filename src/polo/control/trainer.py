@@ -1,0 +1,184 @@
+"""The one on-policy loop: collect → build the batch → the algorithm's update → log; repeat.
+
+    result = polo.control.train("recipes/ppo_cartpole.yaml", ["train.seed=3"])
+
+Every algorithm runs through `train`; they differ only in the class `ALGORITHMS[name]`
+(its `update`, whether it needs a critic, and whether it collects T steps or whole episodes).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from polo.control.a2c import A2C
+from polo.control.base import OnPolicyAlgorithm
+from polo.control.config import ControlConfig, config_to_dict, load_control_config
+from polo.control.envs import action_spec, make_vector_env
+from polo.control.grpo import GRPO
+from polo.control.policies import ActorCritic
+from polo.control.ppo import PPO
+from polo.control.reinforce import Reinforce
+from polo.control.rollout import EpisodeCollector, EpisodeTracker, StepCollector, build_batch
+from polo.control.trpo import TRPO
+from polo.logging import MetricsLogger
+
+ALGORITHMS: dict[str, type[OnPolicyAlgorithm]] = {
+    "reinforce": Reinforce,
+    "a2c": A2C,
+    "trpo": TRPO,
+    "ppo": PPO,
+    "grpo": GRPO,
+}
+
+
+@dataclass
+class ControlResult:
+    """What a run did: steps taken, when (if ever) it was solved, and every episode's return."""
+
+    env_steps: int
+    updates: int
+    seconds: float
+    solved_at_step: int | None
+    solved_at_seconds: float | None
+    episode_returns: list[float] = field(default_factory=list)
+    episode_end_steps: list[int] = field(default_factory=list)  # env steps when each episode ended
+    output_dir: Path | None = None
+    policy: ActorCritic | None = None
+
+    def last_mean(self, window: int = 20) -> float | None:
+        """Return the mean return of the last `window` episodes (None without episodes)."""
+        recent = self.episode_returns[-window:]
+        return sum(recent) / len(recent) if recent else None
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+
+
+def train(
+    config: ControlConfig | str | Path | dict | None = None,
+    overrides: list[str] | None = None,
+    *,
+    write_files: bool = True,
+) -> ControlResult:
+    """Run one classic-control training run and return its `ControlResult`.
+
+    `config` is a `ControlConfig`, or a recipe (YAML path or mapping) to which `overrides`
+    (`dotted.key=value`) are applied. With `write_files=False` nothing is written to disk
+    (no metrics, plots or TensorBoard): for benchmarks and tests.
+    """
+    if not isinstance(config, ControlConfig):
+        config = load_control_config(config, overrides)
+    elif overrides:
+        raise ValueError("overrides apply to recipes; edit the ControlConfig object directly instead")
+    started = time.perf_counter()  # "seconds to solve" include building the envs and networks
+    train_config, output = config.train, config.output
+    torch.set_num_threads(train_config.threads)
+    _seed_everything(train_config.seed)
+    algorithm_class = ALGORITHMS[config.algorithm.name]
+    episodes = algorithm_class.collects == "episodes"
+    grouped = config.algorithm.name == "grpo"
+    num_envs = train_config.episodes_per_update if episodes else config.env.num_envs
+    # Grouped episodes need each copy reset from its own seed, which only one-env-per-copy allows.
+    env = make_vector_env(config.env.id, num_envs, "sync" if grouped else config.env.vectorization)
+    actions = action_spec(env.single_action_space)
+    policy = ActorCritic(
+        env.single_observation_space.shape[0],
+        actions,
+        config.policy.hidden_sizes,
+        config.policy.activation,
+        config.policy.orthogonal_init,
+        config.policy.log_std_init,
+        critic=algorithm_class.uses_critic or (config.algorithm.name == "reinforce" and config.algorithm.baseline),
+    )
+    algorithm = algorithm_class(policy, config)
+    tracker = EpisodeTracker(num_envs, train_config.solve_window, train_config.target_return)
+    seed_source = np.random.default_rng(train_config.seed)
+    if episodes:
+        collector = EpisodeCollector(env, actions, tracker)
+    else:
+        collector = StepCollector(env, actions, tracker, train_config.rollout_steps, train_config.seed)
+
+    output_dir = Path(output.dir)
+    logger = None
+    if write_files:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+        logger = MetricsLogger(output_dir, train_config.total_steps, 0, output.tensorboard, output.progress)
+        logger.write(
+            f"polo control: {config.algorithm.name} on {config.env.id}, {num_envs} envs, "
+            f"{train_config.total_steps:,} steps, writing to {output_dir}"
+        )
+
+    tracker.started = started
+    updates = 0
+    try:
+        while tracker.env_steps < train_config.total_steps:
+            progress = tracker.env_steps / train_config.total_steps
+            episodes_before = len(tracker.returns)
+            if episodes:
+                rollout = collector.collect(policy, _episode_seeds(seed_source, num_envs, config.algorithm.group_size, grouped))
+            else:
+                rollout = collector.collect(policy)
+            batch = build_batch(rollout, policy, config.env.reward_scale)
+            metrics = algorithm.update(batch, progress)
+            updates += 1
+            new_returns = tracker.returns[episodes_before:]
+            if logger is not None and (updates % output.log_every == 0 or tracker.env_steps >= train_config.total_steps):
+                elapsed = time.perf_counter() - started
+                row = {
+                    "step": tracker.env_steps,
+                    "update": updates,
+                    "episodes": len(tracker.returns),
+                    "episode_return/mean": float(np.mean(new_returns)) if new_returns else None,
+                    "episode_return/recent": tracker.recent_mean(),
+                    "episode_length/mean": float(np.mean(tracker.lengths[episodes_before:])) if new_returns else None,
+                    "steps_per_second": tracker.env_steps / max(elapsed, 1e-9),
+                    "time": elapsed,
+                    **metrics,
+                }
+                logger.log(row)
+                logger.advance(min(tracker.env_steps, train_config.total_steps), {"return": tracker.recent_mean() or 0.0})
+            if train_config.stop_at_target and tracker.solved_at_step is not None:
+                break
+    finally:
+        env.close()
+        if logger is not None:
+            if tracker.solved_at_step is not None:
+                logger.write(
+                    f"solved: mean return of the last {train_config.solve_window} episodes reached "
+                    f"{train_config.target_return} after {tracker.solved_at_step:,} steps ({tracker.solved_at_seconds:.1f} s)"
+                )
+            logger.close()
+    seconds = time.perf_counter() - started
+    if write_files and output.plots:
+        from polo.control.plots import plot_control_run
+
+        plot_control_run(output_dir)
+    return ControlResult(
+        env_steps=tracker.env_steps,
+        updates=updates,
+        seconds=seconds,
+        solved_at_step=tracker.solved_at_step,
+        solved_at_seconds=tracker.solved_at_seconds,
+        episode_returns=list(tracker.returns),
+        episode_end_steps=list(tracker.end_steps),
+        output_dir=output_dir if write_files else None,
+        policy=policy,
+    )
+
+
+def _episode_seeds(source: np.random.Generator, num_envs: int, group_size: int, grouped: bool) -> list[int] | int:
+    """Return reset seeds: one per group repeated `group_size` times (GRPO), or one for the vector env."""
+    if not grouped:
+        return int(source.integers(2**31 - 1))
+    group_seeds = source.integers(2**31 - 1, size=num_envs // group_size)
+    return [int(seed) for seed in np.repeat(group_seeds, group_size)]

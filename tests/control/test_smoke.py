@@ -1,0 +1,54 @@
+"""A few hundred environment steps of every algorithm, through the public entry points."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from polo.config import ConfigError
+from polo.control import load_control_config, train
+from polo.control.cli import add_parser, run
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+FAST = ["train.rollout_steps=16", "train.epochs=2", "output.progress=false", "output.tensorboard=false"]
+
+
+@pytest.mark.parametrize("algorithm", ["reinforce", "a2c", "trpo", "ppo", "grpo"])
+def test_every_algorithm_runs_on_cartpole(algorithm, tmp_path):
+    overrides = FAST + [
+        f"output.dir={tmp_path}",
+        "train.total_steps=300",
+        "train.episodes_per_update=8",
+        "algorithm.group_size=4",
+    ]
+    result = train(RECIPES / f"{algorithm}_cartpole.yaml", overrides)
+    assert result.env_steps >= 300 and result.updates >= 1 and result.episode_returns
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows and rows[-1]["step"] == result.env_steps and "loss/policy" in rows[-1]
+    assert (tmp_path / "return.png").exists() and (tmp_path / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("recipe", ["ppo_pendulum.yaml", "ppo_acrobot.yaml"])
+def test_ppo_runs_on_pendulum_and_acrobot(recipe):
+    result = train(RECIPES / recipe, ["env.num_envs=2", "train.total_steps=200", "train.rollout_steps=50", "train.epochs=1"], write_files=False)
+    assert result.env_steps >= 200
+
+
+def test_cli_runs_a_recipe_and_rejects_unknown_keys(tmp_path, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="polo")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["control", str(RECIPES / "a2c_cartpole.yaml"), "train.total_steps=100", f"output.dir={tmp_path}", *FAST])
+    assert run(args) == 0
+    assert "steps in" in capsys.readouterr().out
+    bad = parser.parse_args(["control", str(RECIPES / "a2c_cartpole.yaml"), "train.totl_steps=100"])
+    assert run(bad) == 2
+    assert "train.totl_steps" in capsys.readouterr().err
+
+
+def test_config_errors_name_the_bad_value():
+    with pytest.raises(ConfigError, match="algorithm.name"):
+        load_control_config(None, ["algorithm.name=sac"])
+    with pytest.raises(ConfigError, match="multiple of"):
+        load_control_config(None, ["algorithm.name=grpo", "algorithm.group_size=3", "train.episodes_per_update=16"])
