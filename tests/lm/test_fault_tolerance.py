@@ -101,3 +101,27 @@ def test_a_raising_reward_can_score_zero_and_be_counted(tiny_model_dir, tmp_path
     assert all(row["reward/correct/errors"] == 0 for row in rows)
     assert all(row["reward/errors"] == row["reward/flaky/errors"] for row in rows)
     assert "scored 0: reward function 'flaky' failed on sample" in capsys.readouterr().out
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_as_the_latest(tiny_model_dir, tmp_path, monkeypatch):
+    config = tiny_config(tiny_model_dir, tmp_path / "run", eval={"before": False, "after": False})
+    real_save, saves = trainer.torch.save, []
+
+    def crash_on_second_checkpoint(obj, path, *args, **kwargs):
+        if str(path).endswith("trainer_state.pt"):
+            saves.append(path)
+            if len(saves) == 2:
+                real_save(obj, path, *args, **kwargs)
+                with open(path, "r+b") as handle:  # the process dies half-way through writing
+                    handle.truncate(100)
+                raise OSError("disk full (injected)")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.torch, "save", crash_on_second_checkpoint)
+    with pytest.raises(OSError, match="injected"):
+        train(config)
+    monkeypatch.setattr(trainer.torch, "save", real_save)
+    checkpointer = trainer.Checkpointer(tmp_path / "run", keep=2)
+    assert checkpointer.latest().name == "step-000002"  # the half-written step 4 never became a checkpoint
+    resumed = train(config, ["output.resume=true"])
+    assert [row["step"] for row in resumed.metrics if "loss" in row] == [1, 2, 3, 4]

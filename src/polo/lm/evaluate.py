@@ -37,7 +37,7 @@ from polo.lm.rewards.answers import (
     math_verify_answer,
 )
 from polo.lm.rewards.format import r1_format
-from polo.lm.rollout import generate, stop_token_ids, tokenize_prompts
+from polo.lm.rollout import rollout
 
 AnswerKey = Callable[[str], "str | None"]
 
@@ -181,7 +181,7 @@ def sample_completions(
 ) -> list[list[dict]]:
     """Return, per prompt, `samples_per_prompt` dicts `{"text", "length", "truncated"}`.
 
-    Sequences go through `polo.lm.rollout.generate` `batch_size` at a time; prompts are visited
+    Sequences go through `polo.lm.rollout.rollout` `batch_size` at a time; prompts are visited
     shortest first so a batch holds prompts of similar length (less left padding), and each
     prompt's samples stay together. "length" counts generated tokens, the end token included.
     """
@@ -195,25 +195,14 @@ def sample_completions(
     order = sorted(range(len(prompts)), key=lambda index: prompt_lengths[index])
     jobs = [index for index in order for _ in range(samples_per_prompt)]
     results: list[list[dict]] = [[] for _ in prompts]
-    stop_ids = stop_token_ids(tokenizer, model)
     with tqdm(total=len(jobs), desc="polo eval", unit="sample", disable=not progress, dynamic_ncols=True) as bar:
         for start in range(0, len(jobs), batch_size):
             batch = jobs[start : start + batch_size]
-            prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [prompts[index] for index in batch])
-            completion_ids, completion_mask, truncated = generate(
-                model,
-                prompt_ids,
-                prompt_mask,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop_ids=stop_ids,
-                pad_id=tokenizer.pad_token_id,
-                precision=precision,
+            sampled = rollout(
+                model, tokenizer, [prompts[index] for index in batch], 1,
+                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, precision=precision,
             )
-            texts = tokenizer.batch_decode(
-                completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
-            )
+            texts, completion_mask, truncated = sampled.texts, sampled.completion_mask, sampled.truncated
             for index, text, length, cut in zip(batch, texts, completion_mask.sum(-1).tolist(), truncated.tolist()):
                 results[index].append({"text": text, "length": int(length), "truncated": bool(cut)})
             bar.update(len(batch))
