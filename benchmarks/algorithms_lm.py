@@ -73,17 +73,21 @@ def moving_average(values: list[float], window: int = 5) -> list[float]:
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """Two panels: the total training reward (each preset's own, shaping included) and the training accuracy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(8, 4.5))
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for result in results:
-        axis.plot(result["steps"], moving_average(result["reward"]), label=result["name"], linewidth=2)
-    axis.set(xlabel="step", ylabel="training reward (moving average of 5 steps)", title="Presets on two-digit addition, same sampling budget")
-    axis.grid(alpha=0.3)
-    axis.legend(ncol=2)
+        axes[0].plot(result["steps"], moving_average(result["reward"]), label=result["name"], linewidth=2)
+        axes[1].plot(result["steps"], moving_average(result["accuracy"]), label=result["name"], linewidth=2)
+    axes[0].set(xlabel="step", ylabel="training reward (moving average of 5)", title="Reward (DAPO's includes its length penalty)")
+    axes[1].set(xlabel="step", ylabel="sampled accuracy (moving average of 5)", title="Training accuracy, same sampling budget")
+    for axis in axes:
+        axis.grid(alpha=0.3)
+    axes[1].legend(ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -108,9 +112,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", nargs="*", default=PRESETS, choices=PRESETS)
     parser.add_argument("--out", default=str(ROOT / "runs" / "algorithms_lm"))
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from <out>/results.json without training")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        plot(json.loads((out_dir / "results.json").read_text()), out_dir / "reward_curves.png")
+        return
 
     results = []
     for index, name in enumerate(args.only):
