@@ -40,3 +40,18 @@ def test_reference_copy_is_frozen_and_independent(tiny_model_dir):
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
     assert not torch.equal(next(model.parameters()), next(reference.parameters()))
+
+
+def test_bf16_copy_keeps_float32_buffers_and_can_be_resynced(tiny_model_dir):
+    from polo.lm.models import copy_weights, frozen_copy
+
+    model, _ = load_policy(str(tiny_model_dir))
+    sampler = frozen_copy(model, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in sampler.parameters())
+    assert all(b.dtype == torch.float32 for b in sampler.buffers() if b.is_floating_point())  # e.g. rotary frequencies
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.5)
+    copy_weights(sampler, model)
+    for mine, theirs in zip(sampler.parameters(), model.parameters()):
+        assert torch.equal(mine, theirs.to(torch.bfloat16))

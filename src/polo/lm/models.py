@@ -148,11 +148,29 @@ def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32, attn_impl
     return model, tokenizer
 
 
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Return `model` with its parameters (not its buffers) cast to `dtype` in place.
+
+    Buffers such as the rotary inverse frequencies stay in float32: rounding them to bf16 would
+    shift every position's rotation and make the copy disagree with the original.
+    """
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(dtype)
+    return model
+
+
 def frozen_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Return a frozen deep copy of `model` in eval mode (the reference policy for the KL term)."""
+    """Return a frozen deep copy of `model` in eval mode (the KL reference, or the bf16 sampler)."""
     reference = copy.deepcopy(model)
     if dtype is not None:
-        reference.to(dtype)
+        cast_parameters(reference, dtype)
     reference.eval()
     reference.requires_grad_(False)
     return reference
+
+
+@torch.no_grad()
+def copy_weights(target: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Copy `source`'s parameters into `target` (same architecture), casting to `target`'s dtypes."""
+    for target_parameter, source_parameter in zip(target.parameters(), source.parameters(), strict=True):
+        target_parameter.copy_(source_parameter)

@@ -589,7 +589,10 @@ def compute_advantages(batch: Batch, old_logprobs, ref_logprobs, old_values, con
     return core.whiten(advantages, mask), returns
 
 
-def rl_step(model, reference, tokenizer, optimizer, scheduler, task: Task, reward_set: RewardSet, step: int, instruction: str, config: Config, precision: str, critic: Critic | None = None) -> tuple[dict, list[dict]]:
+def rl_step(
+    model, reference, tokenizer, optimizer, scheduler, task: Task, reward_set: RewardSet, step: int, instruction: str,
+    config: Config, precision: str, critic: Critic | None = None,
+) -> tuple[dict, list[dict]]:
     """Run one sampling + update step in place; return (metrics row, sample log rows)."""
     alg, train_config, sampling = config.algorithm, config.train, config.sampling
     timings = {}
