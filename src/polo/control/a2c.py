@@ -9,10 +9,10 @@ V of the state after it (polo.core.gae_advantages), so n is `train.rollout_steps
 
 from __future__ import annotations
 
-from polo.control.base import OnPolicyAlgorithm, all_valid, column, explained_variance, normalize
+from polo.control.base import OnPolicyAlgorithm, all_valid, column, explained_variance
 from polo.control.rollout import Batch
 from polo.core.advantages import gae_advantages
-from polo.core.losses import masked_mean, value_loss, vanilla_pg_loss
+from polo.core.losses import masked_mean, value_loss
 
 
 class A2C(OnPolicyAlgorithm):
@@ -29,13 +29,9 @@ class A2C(OnPolicyAlgorithm):
             batch.rewards, batch.pad(batch.values), batch.mask, self.algorithm.gamma, 1.0, batch.last_values
         )
         advantages, returns = batch.flatten(advantages), batch.flatten(returns)
-        if self.algorithm.normalize_advantages:
-            advantages = normalize(advantages)
-        outputs = self.policy.actor(batch.observations)
-        logprobs = self.policy.log_prob(outputs, batch.actions)
-        mask = all_valid(logprobs)
-        policy_loss = masked_mean(vanilla_pg_loss(column(logprobs), column(advantages), mask), mask)
+        policy_loss, outputs = self.policy_gradient_loss(batch, advantages)
         values = self.policy.value(batch.observations)
+        mask = all_valid(values)
         critic_loss = masked_mean(value_loss(column(values), column(batch.values), column(returns), mask, None), mask)
         entropy = self.policy.entropy(outputs).mean()
         loss = policy_loss + self.algorithm.value_coef * critic_loss - self.algorithm.entropy_coef * entropy

@@ -22,7 +22,7 @@ from polo.control.config import ControlConfig
 from polo.control.policies import ActorCritic
 from polo.control.rollout import Batch
 from polo.core.advantages import whiten
-from polo.core.losses import masked_mean, value_loss
+from polo.core.losses import masked_mean, value_loss, vanilla_pg_loss
 
 
 def column(values: torch.Tensor) -> torch.Tensor:
@@ -126,6 +126,15 @@ class OnPolicyAlgorithm:
                 self.gradient_step(optimizer, loss, self.policy.flat_critic)
                 losses.append(loss.detach())
         return float(torch.stack(losses[-max(1, len(losses) // self.train.epochs) :]).mean())
+
+    def policy_gradient_loss(self, batch: Batch, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (the mean REINFORCE loss −A·log π over the batch, the actor's outputs), advantages normalised if configured."""
+        if self.algorithm.normalize_advantages:
+            advantages = normalize(advantages)
+        outputs = self.policy.actor(batch.observations)
+        logprobs = self.policy.log_prob(outputs, batch.actions)
+        mask = all_valid(logprobs)
+        return masked_mean(vanilla_pg_loss(column(logprobs), column(advantages), mask), mask), outputs
 
     def update(self, batch: Batch, progress: float) -> dict[str, float]:
         raise NotImplementedError

@@ -10,10 +10,9 @@ passes with its own optimizer; it never feeds the policy's gradient except as b.
 
 from __future__ import annotations
 
-from polo.control.base import OnPolicyAlgorithm, all_valid, column, explained_variance, normalize
+from polo.control.base import OnPolicyAlgorithm, explained_variance
 from polo.control.rollout import Batch
 from polo.core.advantages import discounted_returns
-from polo.core.losses import masked_mean, vanilla_pg_loss
 
 
 class Reinforce(OnPolicyAlgorithm):
@@ -35,12 +34,7 @@ class Reinforce(OnPolicyAlgorithm):
         learning_rate = self.set_learning_rates(self.optimizers, progress)
         returns = batch.flatten(discounted_returns(batch.rewards, batch.mask, self.algorithm.gamma))
         advantages = returns - batch.values if batch.values is not None else returns
-        if self.algorithm.normalize_advantages:
-            advantages = normalize(advantages)
-        outputs = self.policy.actor(batch.observations)
-        logprobs = self.policy.log_prob(outputs, batch.actions)
-        mask = all_valid(logprobs)
-        policy_loss = masked_mean(vanilla_pg_loss(column(logprobs), column(advantages), mask), mask)
+        policy_loss, outputs = self.policy_gradient_loss(batch, advantages)
         grad_norm = self.gradient_step(self.optimizer, policy_loss, self.policy.flat_actor)
         metrics = {
             "loss/policy": float(policy_loss.detach()),
