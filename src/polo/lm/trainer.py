@@ -23,10 +23,11 @@ import torch
 import yaml
 
 from polo import core
-from polo.config import Config, config_to_dict, load_config
+from polo.config import Config, ConfigError, config_to_dict, load_config
 from polo.lm.critic import ValueModel, completion_values, logprobs_and_values, new_value_head
 from polo.lm.evaluate import greedy_accuracy
-from polo.lm.models import frozen_copy, load_policy
+from polo.lm import parallel
+from polo.lm.models import frozen_copy, load_policy, resolve_model_path
 from polo.lm.rewards import RewardSet
 from polo.lm.rollout import Rollouts, autocast_context, completion_logprobs, cpu_supports_bf16, rollout
 from polo.lm.tasks import build_task
@@ -192,8 +193,17 @@ class Checkpointer:
         return max(complete, key=lambda path: int(path.name.split("-")[1]), default=None)
 
     def save(self, step: int, model, tokenizer, optimizer, scheduler, extra: dict) -> Path | None:
-        if not is_main_process():
-            return None
+        """Write checkpoint `step` from rank 0 (with every rank's RNG state) and return its path (None on other ranks).
+
+        Every rank must call it: the RNG states are gathered, and no rank goes on before the
+        checkpoint is whole.
+        """
+        rng_per_rank = parallel.gather_objects(rng_state())
+        target = self._write(step, model, tokenizer, optimizer, scheduler, {**extra, "rng_per_rank": rng_per_rank}) if is_main_process() else None
+        parallel.barrier()
+        return target
+
+    def _write(self, step: int, model, tokenizer, optimizer, scheduler, extra: dict) -> Path:
         target = self.root / f"step-{step:06d}"
         staging = self.root / f".incomplete-step-{step:06d}"
         if staging.exists():
@@ -205,7 +215,7 @@ class Checkpointer:
             "step": step,
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "rng": rng_state(),
             **extra,
         }
         torch.save(state, staging / "trainer_state.pt")
@@ -216,6 +226,18 @@ class Checkpointer:
         for old in checkpoints[: max(len(checkpoints) - self.keep, 0)]:
             shutil.rmtree(old)
         return target
+
+
+def rng_state() -> dict:
+    """Return this process's random-number-generator states (torch, numpy, python)."""
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def restore_rng(state: dict) -> None:
+    """Set this process's random-number generators to a state from `rng_state`."""
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
 
 
 def seed_everything(seed: int) -> None:
@@ -234,13 +256,28 @@ def train(
 
     `config` is a `Config`, a recipe path or a mapping; `overrides` are `dotted.key=value`
     strings. `reward_functions` maps extra callables `(completion, row) -> float` to weights,
-    added to the configured rewards.
+    added to the configured rewards. Launched by `torchrun`, every process calls it and the run
+    is data-parallel (see `polo.lm.parallel`); the process group is joined and left here.
     """
+    joined = parallel.init_from_environment()
+    try:
+        return _train(config, overrides, reward_functions)
+    finally:
+        if joined:
+            torch.distributed.destroy_process_group()
+
+
+def _train(config, overrides: list[str] | None, reward_functions: dict | None) -> TrainResult:
     if not isinstance(config, Config):
         config = load_config(config, overrides)
     elif overrides:
         config = load_config(config_to_dict(config), overrides)
     alg, train_config = config.algorithm, config.train
+    if train_config.prompts_per_step % parallel.world_size():
+        raise ConfigError(
+            f"train.prompts_per_step={train_config.prompts_per_step} is not divisible by the {parallel.world_size()} processes; "
+            f"pick a multiple of {parallel.world_size()} (each process samples whole groups)"
+        )
     output_dir = Path(config.output.dir)
     precision = resolve_precision(train_config.precision)
     if train_config.threads:
@@ -254,13 +291,17 @@ def train(
 
     checkpointer = Checkpointer(output_dir, config.output.keep_checkpoints)
     resume_from = checkpointer.latest() if config.output.resume else None
-    if config.output.resume and resume_from is None:
+    if config.output.resume and resume_from is None and is_main_process():
         print(f"polo: resume=true but no checkpoint in {checkpointer.root}; starting from step 0")
     if resume_from is None and is_main_process():
         for old_log in ("metrics.jsonl", "samples.jsonl"):
             (output_dir / old_log).unlink(missing_ok=True)  # a fresh run must not mix with an old run's rows
 
-    seed_everything(train_config.seed)
+    # Ranks sample different completions (seed + rank); they all start from the same weights.
+    seed_everything(train_config.seed + parallel.rank())
+    if parallel.rank() == 0:
+        resolve_model_path(config.model.name)  # one process fetches/converts a built-in model, the others wait
+    parallel.barrier()
     model, tokenizer = load_policy(str(resume_from) if resume_from else config.model.name, attn_implementation=config.model.attn_implementation)
     model.train()
     if train_config.gradient_checkpointing:
@@ -283,15 +324,21 @@ def train(
         fused=True,  # one kernel per step on CPU: faster, and no full-size temporaries
     )
     critic = build_critic(config, model, optimizer)  # before the scheduler: a value head joins the optimizer
+    modules = update_modules(model, critic)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     start_step, eval_before = 0, None
     if resume_from is not None:
         state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
+        rng_per_rank = state.get("rng_per_rank", [state["rng"]])
+        if len(rng_per_rank) == parallel.world_size():
+            restore_rng(rng_per_rank[parallel.rank()])
+        else:  # the data position comes from the step, so only the sampling streams change
+            if is_main_process():
+                print(f"polo: warning: {resume_from} was written by {len(rng_per_rank)} processes, resuming with "
+                      f"{parallel.world_size()}: the run goes on, but samples differ from an uninterrupted run")
+            seed_everything(train_config.seed + parallel.rank() + 1_000_003 * state["step"])
         load_critic_state(critic, state)
         start_step, eval_before = state["step"], state.get("eval_before")
         truncate_metrics(output_dir / "metrics.jsonl", start_step)
@@ -301,14 +348,16 @@ def train(
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
 
-    eval_prompts = task.prompts(tokenizer, task.eval_rows, instruction, config.task.system_prompt)
+    eval_rows = parallel.eval_share(task.eval_rows)  # each rank greedy-decodes its share of the held-out set
+    eval_prompts = task.prompts(tokenizer, eval_rows, instruction, config.task.system_prompt)
     eval_tokens = config.eval.max_new_tokens or config.sampling.max_new_tokens
 
     def evaluate(step: int) -> dict:
         result = greedy_accuracy(
-            model, tokenizer, eval_prompts, task.eval_rows, task.correctness,
+            model, tokenizer, eval_prompts, eval_rows, task.correctness,
             max_new_tokens=eval_tokens, batch_size=config.eval.batch_size, precision=precision,
-        )
+        ) if eval_rows else None
+        result = combine_eval(parallel.gather_objects((len(eval_rows), result)))
         logger.log({"step": step, "eval/accuracy": result["accuracy"], "eval/completion_length": result["completion_length"], "eval/truncated": result["truncated"]})
         logger.write(f"step {step}: held-out greedy accuracy {result['accuracy']:.3f} on {len(task.eval_rows)} problems")
         if is_main_process():
@@ -328,7 +377,9 @@ def train(
     with StopRequest(logger.write) as stop:
         for step in range(start_step + 1, train_config.steps + 1):
             try:
-                metrics, samples = rl_step(model, reference, tokenizer, optimizer, scheduler, task, reward_set, step, instruction, config, precision, critic)
+                metrics, samples = rl_step(
+                    model, reference, tokenizer, optimizer, scheduler, task, reward_set, step, instruction, config, precision, critic, modules
+                )
                 nonfinite_streak = 0
             except NonFiniteLossError as error:
                 nonfinite_streak += 1
@@ -349,16 +400,17 @@ def train(
             logger.advance(step, {"reward": metrics.get("reward/mean", float("nan")), "acc": metrics.get("accuracy", float("nan")), "len": metrics.get("completion_length/mean", float("nan"))})
             if config.eval.every and step % config.eval.every == 0 and step != train_config.steps:
                 evaluate(step)
-            if (config.output.save_every and step % config.output.save_every == 0) or stop.requested:
+            stopping = parallel.any_rank(stop.requested)  # every rank stops after the same step
+            if (config.output.save_every and step % config.output.save_every == 0) or stopping:
                 path = checkpointer.save(step, model, tokenizer, optimizer, scheduler, extra_state())
                 saved_step = step
-            if stop.requested:
+            if stopping:
                 logger.write(f"polo: stopped after step {step}; saved {path}; continue with output.resume=true")
                 logger.close()
                 raise KeyboardInterrupt
 
     eval_after = evaluate(train_config.steps) if config.eval.after and task.eval_rows else None
-    if train_config.steps > saved_step or not checkpointer.latest():
+    if train_config.steps > saved_step or parallel.any_rank(checkpointer.latest() is None):
         checkpointer.save(train_config.steps, model, tokenizer, optimizer, scheduler, extra_state())
     logger.close()
     if is_main_process() and config.output.plots:
@@ -366,6 +418,16 @@ def train(
 
         plot_run(output_dir)
     return TrainResult(output_dir, train_config.steps, eval_before, eval_after, read_metrics(output_dir / "metrics.jsonl"))
+
+
+def combine_eval(per_rank: list[tuple[int, dict | None]]) -> dict:
+    """Return one greedy-evaluation result from each rank's `(problems, result)` (weighted by problems)."""
+    total = sum(count for count, _ in per_rank) or 1
+    parts = [(count, result) for count, result in per_rank if result is not None]
+    if len(parts) == 1:
+        return parts[0][1]
+    combined = {key: sum(count * result[key] for count, result in parts) / total for key in ("accuracy", "completion_length", "truncated")}
+    return {**combined, "samples": parts[0][1]["samples"]}
 
 
 @dataclass
@@ -463,17 +525,23 @@ def collect_batch(
     informative groups are in hand (fewer if the cap is reached). Metrics describe every
     completion sampled, so the reward curve is the policy's, not the filter's. Seconds spent
     sampling and scoring are added to `timings["generation"]` and `timings["reward"]`.
+
+    Under torchrun each rank samples and scores its own share of the step's prompts (whole
+    groups); the metrics are computed over the completions of all ranks.
     """
     timings.setdefault("generation", 0.0)
     timings.setdefault("reward", 0.0)
     alg, train_config, sampling = config.algorithm, config.train, config.sampling
-    group_size, wanted = alg.group_size, train_config.prompts_per_step
+    group_size = alg.group_size
+    wanted = train_config.prompts_per_step // parallel.world_size()  # this rank's groups
     rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
     kept: list[Rollouts] = []
     kept_rewards, kept_prompts, seen, reward_errors = [], [], [], []
     kept_groups = 0
     for round_index in range(rounds):
-        row_batch = batch_rows(task.train_rows, step - 1, wanted, train_config.seed, stream=round_index)
+        # Every rank draws the same step's prompts and keeps its own share: whole prompts, so whole groups.
+        all_rows = batch_rows(task.train_rows, step - 1, train_config.prompts_per_step, train_config.seed, stream=round_index)
+        row_batch = parallel.rank_share(all_rows, "train.prompts_per_step")
         started = time.perf_counter()
         prompts = task.prompts(tokenizer, row_batch, instruction, config.task.system_prompt)
         rollouts = rollout(
@@ -482,7 +550,8 @@ def collect_batch(
         )
         timings["generation"] += time.perf_counter() - started
         started = time.perf_counter()
-        rows = [row for row in row_batch for _ in range(group_size)]
+        # Each row also carries the exact prompt text the policy saw, for rewards that read it (a learned reward model).
+        rows = [{"prompt_text": prompt, **row} for row, prompt in zip(row_batch, prompts) for _ in range(group_size)]
         rewards, columns = reward_set.score(rollouts.texts, rows)
         reward_errors.extend(reward_set.last_errors)
         if alg.overlong_buffer > 0:
@@ -504,11 +573,18 @@ def collect_batch(
             break
     batch = Batch(concat_rollouts(kept), torch.cat(kept_rewards), kept_prompts) if kept else None
 
-    rewards = torch.cat([entry[2] for entry in seen])
-    correct = torch.cat([entry[4] for entry in seen])
-    lengths = torch.cat([entry[0].completion_lengths for entry in seen]).float()
-    truncated = torch.cat([entry[0].truncated for entry in seen])
-    columns = {name: torch.cat([entry[3][name] for entry in seen]) for name in seen[0][3]}
+    # Metrics describe the whole step: every rank's completions, gathered (small per-completion vectors).
+    local = {
+        "rewards": torch.cat([entry[2] for entry in seen]),
+        "correct": torch.cat([entry[4] for entry in seen]),
+        "lengths": torch.cat([entry[0].completion_lengths for entry in seen]).float(),
+        "truncated": torch.cat([entry[0].truncated for entry in seen]),
+        **{f"column/{name}": torch.cat([entry[3][name] for entry in seen]) for name in seen[0][3]},
+    }
+    gathered = parallel.gather_objects(local)
+    every = {key: torch.cat([part[key] for part in gathered]) for key in local}
+    rewards, correct, lengths, truncated = every["rewards"], every["correct"], every["lengths"], every["truncated"]
+    columns = {key.removeprefix("column/"): value for key, value in every.items() if key.startswith("column/")}
     metrics = {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -521,16 +597,19 @@ def collect_batch(
         **{f"reward/{name}/mean": column.float().mean().item() for name, column in columns.items()},
         **{f"reward/{name}/std": column.float().std().item() if len(column) > 1 else 0.0 for name, column in columns.items()},
     }
-    for name, counts in reward_set.failure_counts().items():
-        metrics.update({f"reward/{name}/failures/{kind}": float(count) for kind, count in counts.items()})
+    failures = {f"reward/{name}/failures/{kind}": float(count) for name, counts in reward_set.failure_counts().items() for kind, count in counts.items()}
+    for part in parallel.gather_objects(failures):  # kinds differ between ranks, so gather rather than all-reduce
+        for key, count in part.items():
+            metrics[key] = metrics.get(key, 0.0) + count
     if reward_set.on_error == "zero":
-        metrics["reward/errors"] = float(len(reward_errors))
+        counts = {"reward/errors": float(len(reward_errors))}
         for name in reward_set.names:
-            metrics[f"reward/{name}/errors"] = float(sum(error.reward_name == name for error in reward_errors))
+            counts[f"reward/{name}/errors"] = float(sum(error.reward_name == name for error in reward_errors))
+        metrics.update(parallel.sum_over_ranks(counts))
         # Shown to the user by the training loop (first few only: one broken function can fail every sample).
         metrics["_messages"] = [f"polo: warning: scored 0: {error}" for error in reward_errors[:3]]
     if alg.dynamic_sampling:
-        metrics.update({"dynamic_sampling/rounds": len(seen), "dynamic_sampling/groups_kept": kept_groups})
+        metrics.update({"dynamic_sampling/rounds": len(seen), **parallel.sum_over_ranks({"dynamic_sampling/groups_kept": kept_groups})})
     rollouts, prompts, first_rewards, first_columns, first_correct = seen[0]
     samples = sample_log_rows(step, rollouts, prompts, first_rewards, first_columns, first_correct)
     return batch, metrics, samples
@@ -589,19 +668,40 @@ def compute_advantages(batch: Batch, old_logprobs, ref_logprobs, old_values, con
     return core.whiten(advantages, mask), returns
 
 
+def align_groups(batch: Batch | None, group_size: int) -> Batch | None:
+    """Return the batch cut to the fewest groups any rank holds (None when some rank has none).
+
+    Dynamic sampling can leave ranks with different numbers of informative groups; DDP needs
+    every rank to take the same optimizer steps, so each keeps only as many groups as the
+    poorest rank. In one process the batch comes back unchanged.
+    """
+    groups = parallel.min_over_ranks(len(batch.rollouts) // group_size if batch is not None else 0)
+    if groups == 0:
+        return None
+    if groups * group_size == len(batch.rollouts):
+        return batch
+    rows = torch.arange(groups * group_size)
+    return Batch(batch.rollouts.select(rows), batch.rewards[rows], batch.prompts[:groups])
+
+
 def rl_step(
     model, reference, tokenizer, optimizer, scheduler, task: Task, reward_set: RewardSet, step: int, instruction: str,
-    config: Config, precision: str, critic: Critic | None = None,
+    config: Config, precision: str, critic: Critic | None = None, modules: parallel.UpdateModules | None = None,
 ) -> tuple[dict, list[dict]]:
-    """Run one sampling + update step in place; return (metrics row, sample log rows)."""
+    """Run one sampling + update step in place; return (metrics row, sample log rows).
+
+    `modules` are the (DDP-wrapped under torchrun) modules the update runs through; None builds
+    plain ones. Under torchrun the returned metrics are combined over all ranks.
+    """
     alg, train_config, sampling = config.algorithm, config.train, config.sampling
     timings = {}
 
     batch, metrics, samples = collect_batch(model, tokenizer, task, reward_set, step, instruction, config, precision, timings)
+    batch = align_groups(batch, alg.group_size) if alg.dynamic_sampling else batch
     if batch is None:  # dynamic sampling found no informative group within its cap
         metrics.update({"update_skipped": 1.0, "learning_rate": scheduler.get_last_lr()[0], **{f"time/{k}": v for k, v in timings.items()}})
         metrics["time/step"] = sum(timings.values())
-        return metrics, samples
+        return parallel.combine_metrics(parallel.gather_objects(metrics)), samples
     rollouts = batch.rollouts
 
     started = time.perf_counter()
@@ -618,7 +718,7 @@ def rl_step(
     value_targets = (old_values, returns) if critic is not None else None
     update_metrics = policy_update(
         model, optimizer, scheduler, rollouts, advantages, old_logprobs, ref_logprobs, config, precision,
-        critic=critic, value_targets=value_targets, train_policy=critic is None or step > critic.warmup_steps,
+        critic=critic, value_targets=value_targets, train_policy=critic is None or step > critic.warmup_steps, modules=modules,
     )
     timings["update"] = time.perf_counter() - started
 
@@ -634,7 +734,16 @@ def rl_step(
     if returns is not None:
         metrics["value/explained_variance"] = core.explained_variance(old_values, returns, rollouts.completion_mask)
         metrics["value/mean"] = core.masked_mean(old_values, rollouts.completion_mask).item()
-    return metrics, samples
+    return parallel.combine_metrics(parallel.gather_objects(metrics)), samples
+
+
+def update_modules(model, critic: Critic | None) -> parallel.UpdateModules:
+    """Return the modules policy updates run through (DDP-wrapped inside a process group; build once per run)."""
+    head = critic.module if critic is not None and critic.layout == "head" else None
+    value_model = critic.module if critic is not None and critic.layout == "separate" else None
+    # A value head warming up alone leaves the policy's weights without gradients, which DDP must be told.
+    find_unused = head is not None and critic.warmup_steps > 0
+    return parallel.build_update_modules(model, head, value_model, find_unused_parameters=find_unused)
 
 
 def micro_value_loss(values: torch.Tensor, value_targets, micro: torch.Tensor, mask: torch.Tensor, alg, normalisers: dict) -> torch.Tensor:
@@ -645,21 +754,24 @@ def micro_value_loss(values: torch.Tensor, value_targets, micro: torch.Tensor, m
     return core.aggregate_loss(per_token, mask, "dapo", **normalisers)
 
 
-def backward_checked(loss: torch.Tensor, optimizer, scheduler) -> None:
-    """Backpropagate `loss`, or raise `NonFiniteLossError` (after dropping the gradients) when it is NaN or infinite."""
-    if not torch.isfinite(loss):
+def backward_checked(loss: torch.Tensor, optimizer, scheduler, loss_scale: float = 1.0) -> None:
+    """Backpropagate `loss_scale * loss`, or raise `NonFiniteLossError` (after dropping the gradients) when
+    the loss is NaN or infinite on any rank (the decision is collective, so no rank waits alone in a backward)."""
+    if parallel.any_rank(not bool(torch.isfinite(loss))):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteLossError(
-            f"loss is {loss.item()} (optimizer step {scheduler.last_epoch + 1}); the update was not applied and "
-            "the last checkpoint is intact. Try a lower train.learning_rate or check the reward functions."
+            f"loss is {loss.item()} on rank {parallel.rank()} (optimizer step {scheduler.last_epoch + 1}); a rank had a "
+            "non-finite loss, the update was not applied and the last checkpoint is intact. "
+            "Try a lower train.learning_rate or check the reward functions."
         )
     if loss.requires_grad:
-        loss.backward()
+        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
 
 
 def policy_update(
     model, optimizer, scheduler, rollouts: Rollouts, advantages: torch.Tensor, old_logprobs, ref_logprobs, config: Config, precision: str,
     *, critic: Critic | None = None, value_targets: tuple[torch.Tensor, torch.Tensor] | None = None, train_policy: bool = True,
+    modules: parallel.UpdateModules | None = None,
 ) -> dict:
     """Apply `update_epochs` x `num_minibatches` optimizer steps and return averaged update metrics.
 
@@ -668,9 +780,13 @@ def policy_update(
     trained alongside; `train_policy=False` (critic warm-up) leaves the policy untouched.
     Normalisers (sequences, valid tokens) are global per optimizer step: counted over the whole
     minibatch and all ranks through `polo.core.global_count`, so gradient accumulation over
-    micro-batches gives exactly the full-minibatch gradient.
+    micro-batches gives exactly the full-minibatch gradient. Forward and backward go through
+    `modules` (DDP-wrapped under torchrun; built plain when None): gradients stay local until
+    the last micro-batch of a minibatch, whose backward all-reduces them.
     """
     alg, train_config = config.algorithm, config.train
+    if modules is None:
+        modules = update_modules(model, critic)
     group_size = rollouts.group_size
     num_groups = len(rollouts) // group_size
     groups_per_minibatch = max(math.ceil(num_groups / train_config.num_minibatches), 1)
@@ -690,50 +806,49 @@ def policy_update(
             if critic is not None and critic.optimizer is not None:
                 critic.optimizer.zero_grad(set_to_none=True)
             minibatch_loss = 0.0
-            for micro in micro_batches(rows, train_config.micro_batch_size):
-                part = trim_padding(rollouts.select(micro))
-                width = part.completion_ids.shape[1]
-                mask = loss_mask[micro, :width]
-                inputs = (part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
-                loss = torch.zeros(())
-                values = None
-                with autocast_context(precision):
-                    if critic is not None and critic.layout == "head":
-                        logprobs, entropy, values = logprobs_and_values(
-                            model, critic.module, *inputs, temperature=config.sampling.temperature, with_entropy=True,
-                            detach_trunk_for_values=not train_policy,
-                        )
-                    elif train_policy:
-                        logprobs, entropy = completion_logprobs(model, *inputs, temperature=config.sampling.temperature, with_entropy=True)
-                if train_policy:
-                    logprobs = logprobs.float()
-                    old = old_logprobs[micro, :width] if old_logprobs is not None else logprobs.detach()
-                    token_advantages = advantages[micro, :width] if advantages.dim() == 2 else advantages[micro]
-                    loss_fn = core.gspo_loss if alg.policy_loss == "gspo" else core.ppo_clip_loss
-                    per_token, stats = loss_fn(logprobs, old, token_advantages, mask, alg.clip_eps_low, alg.clip_eps_high)
-                    if kl_in_loss:
-                        kl = core.kl_estimate(logprobs, ref_logprobs[micro, :width], alg.kl_estimator)
-                        per_token = per_token + alg.beta * kl
-                        sums["kl"] += float((kl.detach() * mask).sum())
-                    loss = core.aggregate_loss(per_token, mask, alg.loss_aggregation, **normalisers)
-                    sums["entropy"] += float((entropy * mask).sum())
-                    sums["clip_low"] += float(stats["clip_low_count"])
-                    sums["clip_high"] += float(stats["clip_high_count"])
-                if values is not None:  # value head on the shared trunk: one backward for both losses
-                    value_loss = micro_value_loss(values, value_targets, micro, mask, alg, normalisers)
-                    sums["value_loss"] += float(value_loss.detach())
-                    loss = loss + alg.value_coef * value_loss
-                backward_checked(loss, optimizer, scheduler)
-                minibatch_loss += loss.item()
-                if critic is not None and critic.layout == "separate":
-                    # The critic's graph is built only after the policy's is freed: half the peak activations.
-                    with autocast_context(precision):
-                        values = completion_values(critic.module, *inputs)
-                    value_loss = alg.value_coef * micro_value_loss(values, value_targets, micro, mask, alg, normalisers)
-                    backward_checked(value_loss, critic.optimizer, scheduler)
-                    sums["value_loss"] += float(value_loss.detach()) / alg.value_coef
-                    minibatch_loss += value_loss.item()
-                sums["tokens"] += float(mask.sum())
+            micros = micro_batches(rows, train_config.micro_batch_size)
+            for index, micro in enumerate(micros):
+                with modules.gradient_sync(index == len(micros) - 1):
+                    part = trim_padding(rollouts.select(micro))
+                    width = part.completion_ids.shape[1]
+                    mask = loss_mask[micro, :width]
+                    inputs = (part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
+                    loss = torch.zeros(())
+                    values = None
+                    if train_policy or (critic is not None and critic.layout == "head"):
+                        with autocast_context(precision):
+                            logprobs, entropy, values = modules.policy(
+                                *inputs, temperature=config.sampling.temperature, detach_trunk_for_values=not train_policy
+                            )
+                    if train_policy:
+                        logprobs = logprobs.float()
+                        old = old_logprobs[micro, :width] if old_logprobs is not None else logprobs.detach()
+                        token_advantages = advantages[micro, :width] if advantages.dim() == 2 else advantages[micro]
+                        loss_fn = core.gspo_loss if alg.policy_loss == "gspo" else core.ppo_clip_loss
+                        per_token, stats = loss_fn(logprobs, old, token_advantages, mask, alg.clip_eps_low, alg.clip_eps_high)
+                        if kl_in_loss:
+                            kl = core.kl_estimate(logprobs, ref_logprobs[micro, :width], alg.kl_estimator)
+                            per_token = per_token + alg.beta * kl
+                            sums["kl"] += float((kl.detach() * mask).sum())
+                        loss = core.aggregate_loss(per_token, mask, alg.loss_aggregation, **normalisers)
+                        sums["entropy"] += float((entropy * mask).sum())
+                        sums["clip_low"] += float(stats["clip_low_count"])
+                        sums["clip_high"] += float(stats["clip_high_count"])
+                    if values is not None:  # value head on the shared trunk: one backward for both losses
+                        value_loss = micro_value_loss(values, value_targets, micro, mask, alg, normalisers)
+                        sums["value_loss"] += float(value_loss.detach())
+                        loss = loss + alg.value_coef * value_loss
+                    backward_checked(loss, optimizer, scheduler, modules.loss_scale)
+                    minibatch_loss += loss.item()
+                    if critic is not None and critic.layout == "separate":
+                        # The critic's graph is built only after the policy's is freed: half the peak activations.
+                        with autocast_context(precision):
+                            values = completion_values(modules.critic, *inputs)
+                        value_loss = alg.value_coef * micro_value_loss(values, value_targets, micro, mask, alg, normalisers)
+                        backward_checked(value_loss, critic.optimizer, scheduler, modules.loss_scale)
+                        sums["value_loss"] += float(value_loss.detach()) / alg.value_coef
+                        minibatch_loss += value_loss.item()
+                    sums["tokens"] += float(mask.sum())
             grad_norm = torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], train_config.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 optimizer.zero_grad(set_to_none=True)
@@ -747,6 +862,8 @@ def policy_update(
             optimizer_steps += 1
             sums["loss"] += minibatch_loss
             sums["grad_norm"] += float(grad_norm)
+    # Per-rank sums -> global sums (gradient norms are already global: measured after the all-reduce).
+    sums.update(parallel.sum_over_ranks({key: value for key, value in sums.items() if "grad_norm" not in key}))
     tokens = max(sums["tokens"], 1.0)
     metrics = {"loss": sums["loss"] / optimizer_steps, "grad_norm": sums["grad_norm"] / optimizer_steps}
     if train_policy:

@@ -1,0 +1,92 @@
+"""One rank of the data-parallel tests, started by `torchrun` from test_data_parallel.py.
+
+    update  BATCH CONFIGS OUT   one `rl_step` per config on this rank's share of a saved batch;
+                                rank 0 saves the updated weights to OUT/<name>.pt
+    train   CONFIG [--interrupt-at N]   `polo.lm.trainer.train` on a JSON config; with
+                                --interrupt-at, rank 0 receives Ctrl-C during step N
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+
+import torch
+
+
+def rank_share_batch(batch, group_size: int):
+    from polo.lm import parallel
+    from polo.lm.trainer import Batch
+
+    groups = len(batch.rollouts) // group_size
+    mine = parallel.rank_share(list(range(groups)), "groups")
+    rows = torch.tensor([group * group_size + member for group in mine for member in range(group_size)])
+    return Batch(batch.rollouts.select(rows), batch.rewards[rows], [batch.prompts[group] for group in mine])
+
+
+def one_update(batch, config_dict: dict, model_dir: str):
+    """Return the weights after one `rl_step` over `batch` (this rank's share of it under torchrun)."""
+    from polo.config import load_config
+    from polo.lm import trainer
+    from polo.lm.models import frozen_copy, load_policy
+
+    config = load_config(config_dict)
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(model_dir)
+    model.train()
+    reference = frozen_copy(model) if config.algorithm.beta > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.learning_rate)
+    critic = trainer.build_critic(config, model, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    modules = trainer.update_modules(model, critic)
+    share = rank_share_batch(batch, config.algorithm.group_size)
+    original = trainer.collect_batch
+    trainer.collect_batch = lambda *args, **kwargs: (share, {"reward/mean": float(share.rewards.mean())}, [])
+    try:
+        metrics, _ = trainer.rl_step(model, reference, tokenizer, optimizer, scheduler, None, None, 1, "", config, "fp32", critic, modules)
+    finally:
+        trainer.collect_batch = original
+    weights = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    if critic is not None:
+        weights.update({f"critic.{name}": value.detach().clone() for name, value in critic.module.state_dict().items()})
+    return weights, metrics
+
+
+def main(argv: list[str]) -> None:
+    from polo.lm import parallel
+
+    mode = argv[0]
+    if mode == "update":
+        batch_path, configs_path, out_dir, model_dir = argv[1:5]
+        parallel.init_from_environment()
+        batch = torch.load(batch_path, weights_only=False)
+        for name, config_dict in json.loads(open(configs_path).read()).items():
+            weights, metrics = one_update(batch, config_dict, model_dir)
+            if parallel.rank() == 0:
+                torch.save({"weights": weights, "metrics": metrics}, f"{out_dir}/{name}.pt")
+        torch.distributed.destroy_process_group()
+    elif mode == "train":
+        from polo.lm import trainer
+
+        config = json.loads(open(argv[1]).read())
+        if "--interrupt-at" in argv:
+            interrupt_at, calls, real_step = int(argv[argv.index("--interrupt-at") + 1]), [], trainer.rl_step
+
+            def interrupt(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == interrupt_at and parallel.rank() == 0:
+                    signal.raise_signal(signal.SIGINT)  # Ctrl-C reaches one rank only
+                return real_step(*args, **kwargs)
+
+            trainer.rl_step = interrupt
+        try:
+            trainer.train(config)
+        except KeyboardInterrupt:
+            sys.exit(130)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
