@@ -154,6 +154,9 @@ class TrainConfig:
     gradient_checkpointing: bool = True
     on_reward_error: str = "raise"  # raise: stop naming the function and sample | zero: score 0, count, go on
     max_nonfinite_steps: int = 3  # a NaN/inf loss skips its step; this many in a row stop the run
+    # Under torchrun: ddp (every rank holds the whole model) | fsdp (parameters, gradients and Adam
+    # state sharded across ranks; weights gathered whole for generation). Ignored in one process.
+    data_parallel: str = "ddp"
 
 
 @dataclass
@@ -331,6 +334,7 @@ _CHOICES = {
     "train.precision": ("auto", "fp32", "bf16"),
     "train.lr_schedule": ("constant", "linear", "cosine"),
     "train.on_reward_error": ("raise", "zero"),
+    "train.data_parallel": ("ddp", "fsdp"),
     "algorithm.loss_aggregation": ("grpo", "bnpo", "dapo", "dr_grpo"),
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
     "algorithm.name": tuple(PRESETS),

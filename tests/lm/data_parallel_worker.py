@@ -28,7 +28,7 @@ def rank_share_batch(batch, group_size: int):
 def one_update(batch, config_dict: dict, model_dir: str):
     """Return the weights after one `rl_step` over `batch` (this rank's share of it under torchrun)."""
     from polo.config import load_config
-    from polo.lm import trainer
+    from polo.lm import parallel, trainer
     from polo.lm.models import frozen_copy, load_policy
 
     config = load_config(config_dict)
@@ -36,6 +36,8 @@ def one_update(batch, config_dict: dict, model_dir: str):
     model, tokenizer = load_policy(model_dir)
     model.train()
     reference = frozen_copy(model) if config.algorithm.beta > 0 else None
+    if config.train.data_parallel == "fsdp" and parallel.is_distributed():
+        parallel.shard_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.learning_rate)
     critic = trainer.build_critic(config, model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -47,7 +49,8 @@ def one_update(batch, config_dict: dict, model_dir: str):
         metrics, _ = trainer.rl_step(model, reference, tokenizer, optimizer, scheduler, None, None, 1, "", config, "fp32", critic, modules)
     finally:
         trainer.collect_batch = original
-    weights = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    model_state, _ = parallel.full_state_dicts(model, optimizer)  # gathered whole under FSDP
+    weights = {name: value.detach().clone() for name, value in (model_state or model.state_dict()).items()}
     if critic is not None:
         weights.update({f"critic.{name}": value.detach().clone() for name, value in critic.module.state_dict().items()})
     return weights, metrics

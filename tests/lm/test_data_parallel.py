@@ -32,6 +32,7 @@ CONFIGS = {
     "dapo": {"algorithm": {"name": "dapo", "group_size": 4, "dynamic_sampling": False}},
     "reinforce_pp": {"algorithm": {"name": "reinforce_pp", "group_size": 4}},
     "ppo": {"algorithm": {"name": "ppo", "group_size": 4, "critic_learning_rate": 1e-3}},
+    "grpo_kl_fsdp": {"algorithm": {"name": "grpo", "group_size": 4, "beta": 0.1, "update_epochs": 2}, "train": {"data_parallel": "fsdp"}},
 }
 
 
@@ -96,10 +97,11 @@ def test_two_processes_update_equals_one_process(tiny_model_dir, saved_batch, tm
             assert parallel["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), f"{name}: {key}"
 
 
-def test_two_process_resume_equals_an_uninterrupted_two_process_run(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_two_process_resume_equals_an_uninterrupted_two_process_run(tiny_model_dir, tmp_path, data_parallel):
     def run(directory: Path, *extra: str, **output) -> subprocess.CompletedProcess:
         config = tiny_config(tiny_model_dir, directory, output={"save_every": 3, "plots": False, "tensorboard": False, **output})
-        config["train"].update({"prompts_per_step": 4})
+        config["train"].update({"prompts_per_step": 4, "data_parallel": data_parallel})
         config_path = directory.with_suffix(".json")
         config_path.write_text(json.dumps(config))
         return torchrun("train", str(config_path), *extra)

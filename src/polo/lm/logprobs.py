@@ -221,6 +221,14 @@ def _configs(model) -> list:
     return configs
 
 
+def _is_fsdp_sharded(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def supports_fused_logprobs(model) -> bool:
     """Return True when `model`'s logits are exactly `output_embeddings(decoder(...).last_hidden_state)`.
 
@@ -232,6 +240,8 @@ def supports_fused_logprobs(model) -> bool:
     get_decoder = getattr(model, "get_decoder", None)
     get_output_embeddings = getattr(model, "get_output_embeddings", None)
     if not callable(get_decoder) or not callable(get_output_embeddings):
+        return False
+    if _is_fsdp_sharded(model):  # the output weight is a shard outside the model's own forward
         return False
     configs = _configs(model)
     if not configs or getattr(configs[0], "model_type", None) not in FUSED_MODEL_TYPES:

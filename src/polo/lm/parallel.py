@@ -8,6 +8,11 @@ sequence counts, each rank's loss is already its share of the global loss, and t
 ranks of the per-rank gradients is the single-process gradient. DDP averages instead of summing,
 so the loss is multiplied by the world size before backward (`UpdateModules.loss_scale`).
 
+With `train.data_parallel=fsdp` the policy is sharded instead (`torch.distributed.fsdp.fully_shard`
+per decoder layer): each rank keeps 1/N of the parameters, gradients and Adam state. Generation
+gathers the whole weights once per rollout (`gathered_weights`), so ranks may decode different
+numbers of tokens without waiting on each other; updates run forward and backward shard by shard.
+
 In one process every function here is a pass-through, so the single-process loop and the
 data-parallel loop are the same code.
 """
@@ -129,6 +134,80 @@ def combine_metrics(per_rank: list[dict]) -> dict:
     return combined
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Return True for a model sharded by FSDP (`fully_shard`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(model: nn.Module) -> nn.Module:
+    """Shard `model` across the ranks in place with FSDP: one unit per decoder layer, plus the rest at the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"train.data_parallel=fsdp needs a decoder with a `layers` list; {type(model).__name__} has none")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+@contextlib.contextmanager
+def gathered_weights(model: nn.Module) -> Iterator[None]:
+    """Hold the whole weights of an FSDP-sharded model on every rank for the duration (no-op otherwise).
+
+    One all-gather up front; then forwards need no collective, so each rank can generate at
+    its own pace (different completion lengths, different numbers of batches).
+    """
+    if not is_sharded(model):
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(True, recurse=False)
+            unit.reshard()
+
+
+def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict]:
+    """Return (model state dict or None, optimizer state dict) as a checkpoint stores them.
+
+    For an FSDP-sharded model both are gathered whole onto the CPU (a collective: every rank
+    calls it; rank 0 writes them). Otherwise the model's own weights are saved and the plain
+    optimizer state dict is returned.
+    """
+    if not is_sharded(model):
+        return None, optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Restore an optimizer state written by `full_state_dicts` (each rank takes its own shard under FSDP)."""
+    if not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+def global_norm(norm: torch.Tensor) -> torch.Tensor:
+    """Return a gradient norm as a plain tensor (FSDP's clip_grad_norm_ gives a replicated DTensor)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 class TrainingForward(nn.Module):
     """What an update differentiates, as one module so DDP can wrap it: per-token log-probs and
     entropies of a micro-batch, and the values of a value head on the same trunk when there is one."""
@@ -163,12 +242,15 @@ class UpdateModules:
 
     @contextlib.contextmanager
     def gradient_sync(self, sync: bool) -> Iterator[None]:
-        """Accumulate gradients locally unless `sync` (the last micro-batch of a minibatch all-reduces)."""
+        """Accumulate gradients locally unless `sync` (the last micro-batch of a minibatch reduces them)."""
         with contextlib.ExitStack() as stack:
             if not sync:
                 for module in (self.policy, self.critic):
                     if isinstance(module, nn.parallel.DistributedDataParallel):
                         stack.enter_context(module.no_sync())
+                    elif isinstance(module, TrainingForward) and is_sharded(module.model):
+                        module.model.set_requires_gradient_sync(False)
+                        stack.callback(module.model.set_requires_gradient_sync, True)
             yield
 
 
@@ -183,6 +265,10 @@ def build_update_modules(model: nn.Module, value_head: nn.Module | None = None, 
     critic = value_model
     if not is_distributed():
         return UpdateModules(policy, critic)
+    if is_sharded(model):  # FSDP reduce-scatters (averages) the gradients itself
+        if value_head is not None or value_model is not None:
+            raise ValueError("train.data_parallel=fsdp does not support a critic yet (PPO); use train.data_parallel=ddp")
+        return UpdateModules(policy, None, float(world_size()))
 
     def wrap(module: nn.Module) -> nn.Module:
         return nn.parallel.DistributedDataParallel(module, find_unused_parameters=find_unused_parameters, broadcast_buffers=False)

@@ -199,21 +199,25 @@ class Checkpointer:
         checkpoint is whole.
         """
         rng_per_rank = parallel.gather_objects(rng_state())
-        target = self._write(step, model, tokenizer, optimizer, scheduler, {**extra, "rng_per_rank": rng_per_rank}) if is_main_process() else None
+        model_state, optimizer_state = parallel.full_state_dicts(model, optimizer)  # gathered whole under FSDP
+        target = None
+        if is_main_process():
+            extra = {**extra, "rng_per_rank": rng_per_rank}
+            target = self._write(step, model, model_state, tokenizer, optimizer_state, scheduler, extra)
         parallel.barrier()
         return target
 
-    def _write(self, step: int, model, tokenizer, optimizer, scheduler, extra: dict) -> Path:
+    def _write(self, step: int, model, model_state: dict | None, tokenizer, optimizer_state: dict, scheduler, extra: dict) -> Path:
         target = self.root / f"step-{step:06d}"
         staging = self.root / f".incomplete-step-{step:06d}"
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
-        model.save_pretrained(str(staging), safe_serialization=True)
+        model.save_pretrained(str(staging), safe_serialization=True, state_dict=model_state)
         tokenizer.save_pretrained(str(staging))
         state = {
             "step": step,
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(),
             "rng": rng_state(),
             **extra,
@@ -315,13 +319,17 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
         # The reference is never trained: under bf16 it is kept in bf16 (half the memory, no casts).
         source = model if resume_from is None else load_policy(config.model.name, attn_implementation=config.model.attn_implementation)[0]
         reference = frozen_copy(source, dtype=torch.bfloat16 if precision == "bf16" else None)
+    if train_config.data_parallel == "fsdp" and parallel.is_distributed():
+        if alg.advantage_estimator == "gae":
+            raise ConfigError("train.data_parallel=fsdp does not support PPO's critic yet; use train.data_parallel=ddp")
+        parallel.shard_model(model)  # after the reference copy, which stays whole (it is never trained)
 
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=train_config.learning_rate,
         betas=(train_config.adam_beta1, train_config.adam_beta2),
         weight_decay=train_config.weight_decay,
-        fused=True,  # one kernel per step on CPU: faster, and no full-size temporaries
+        fused=not parallel.is_sharded(model),  # one kernel per step on CPU: faster, no full-size temporaries (not for DTensor shards)
     )
     critic = build_critic(config, model, optimizer)  # before the scheduler: a value head joins the optimizer
     modules = update_modules(model, critic)
@@ -329,7 +337,7 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
     start_step, eval_before = 0, None
     if resume_from is not None:
         state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        parallel.load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         rng_per_rank = state.get("rng_per_rank", [state["rng"]])
         if len(rng_per_rank) == parallel.world_size():
@@ -353,10 +361,11 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
     eval_tokens = config.eval.max_new_tokens or config.sampling.max_new_tokens
 
     def evaluate(step: int) -> dict:
-        result = greedy_accuracy(
-            model, tokenizer, eval_prompts, eval_rows, task.correctness,
-            max_new_tokens=eval_tokens, batch_size=config.eval.batch_size, precision=precision,
-        ) if eval_rows else None
+        with parallel.gathered_weights(model):
+            result = greedy_accuracy(
+                model, tokenizer, eval_prompts, eval_rows, task.correctness,
+                max_new_tokens=eval_tokens, batch_size=config.eval.batch_size, precision=precision,
+            ) if eval_rows else None
         result = combine_eval(parallel.gather_objects((len(eval_rows), result)))
         logger.log({"step": step, "eval/accuracy": result["accuracy"], "eval/completion_length": result["completion_length"], "eval/truncated": result["truncated"]})
         logger.write(f"step {step}: held-out greedy accuracy {result['accuracy']:.3f} on {len(task.eval_rows)} problems")
@@ -544,10 +553,11 @@ def collect_batch(
         row_batch = parallel.rank_share(all_rows, "train.prompts_per_step")
         started = time.perf_counter()
         prompts = task.prompts(tokenizer, row_batch, instruction, config.task.system_prompt)
-        rollouts = rollout(
-            model, tokenizer, prompts, group_size,
-            max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p, precision=precision,
-        )
+        with parallel.gathered_weights(model):
+            rollouts = rollout(
+                model, tokenizer, prompts, group_size,
+                max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p, precision=precision,
+            )
         timings["generation"] += time.perf_counter() - started
         started = time.perf_counter()
         # Each row also carries the exact prompt text the policy saw, for rewards that read it (a learned reward model).
@@ -710,7 +720,8 @@ def rl_step(
     if critic is not None:
         old_values, old_logprobs = score_values(critic, model, rollouts, train_config.micro_batch_size, precision, sampling.temperature)
     if old_logprobs is None and (alg.update_epochs > 1 or alg.kl_in_reward):
-        old_logprobs = score_completions(model, rollouts, train_config.micro_batch_size, precision, sampling.temperature)
+        with parallel.gathered_weights(model):
+            old_logprobs = score_completions(model, rollouts, train_config.micro_batch_size, precision, sampling.temperature)
     advantages, returns = compute_advantages(batch, old_logprobs, ref_logprobs, old_values, config)
     timings["reference"] = time.perf_counter() - started
 
@@ -849,7 +860,9 @@ def policy_update(
                         sums["value_loss"] += float(value_loss.detach()) / alg.value_coef
                         minibatch_loss += value_loss.item()
                     sums["tokens"] += float(mask.sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], train_config.max_grad_norm)
+            grad_norm = parallel.global_norm(
+                torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], train_config.max_grad_norm)
+            )
             if not torch.isfinite(grad_norm):
                 optimizer.zero_grad(set_to_none=True)
                 raise NonFiniteLossError(f"gradient norm is {grad_norm.item()}; the update was not applied and the last checkpoint is intact")
