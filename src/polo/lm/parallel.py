@@ -271,6 +271,6 @@ def build_update_modules(model: nn.Module, value_head: nn.Module | None = None, 
         return UpdateModules(policy, None, float(world_size()))
 
     def wrap(module: nn.Module) -> nn.Module:
-        return nn.parallel.DistributedDataParallel(module, find_unused_parameters=find_unused_parameters, broadcast_buffers=False)
+        return nn.parallel.DistributedDataParallel(module, find_unused_parameters=find_unused_parameters, forward_sync_buffers=False)
 
     return UpdateModules(wrap(policy), wrap(critic) if critic is not None else None, float(world_size()))

@@ -244,6 +244,15 @@ def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute `model`'s activations in backward (non-reentrant, which DDP and FSDP need)."""
+    checkpointing_kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -309,11 +318,7 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
     model, tokenizer = load_policy(str(resume_from) if resume_from else config.model.name, attn_implementation=config.model.attn_implementation)
     model.train()
     if train_config.gradient_checkpointing:
-        checkpointing_kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing_kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
+        enable_activation_checkpointing(model)
     reference = None
     if alg.beta > 0:
         # The reference is never trained: under bf16 it is kept in bf16 (half the memory, no casts).
@@ -462,7 +467,7 @@ def build_critic(config: Config, model, optimizer) -> Critic | None:
     value_model = ValueModel.from_policy(model)
     value_model.train()
     if train_config.gradient_checkpointing:
-        value_model.trunk.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(value_model.trunk)
     critic_optimizer = torch.optim.AdamW(
         value_model.parameters(), lr=alg.critic_learning_rate, betas=(train_config.adam_beta1, train_config.adam_beta2),
         weight_decay=train_config.weight_decay, fused=True,
