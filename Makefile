@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test setup model bench clean
+.PHONY: demo test setup model bench rlhf clean
 
 demo: model
 	$(POLO) train recipes/grpo_arith.yaml
@@ -30,6 +30,18 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	@start=$$(date +%s); $(POLO) fetch-model smollm2-135m-instruct && \
 	  echo "model ready ($$(( $$(date +%s) - start )) s)"
+
+# The RLHF pipeline on arithmetic (docs/rlhf.md): preference data, SFT, a reward model, GRPO
+# against it, and DPO on the same comparisons; greedy held-out accuracy of each model at the end.
+rlhf: model
+	$(POLO) make-preferences runs/rlhf_data --recipe recipes/rlhf_rl.yaml
+	$(POLO) sft recipes/rlhf_sft.yaml
+	$(POLO) rm recipes/rlhf_rm.yaml
+	$(POLO) train recipes/rlhf_rl.yaml
+	$(POLO) dpo recipes/rlhf_dpo.yaml
+	$(POLO) eval --task arith --greedy --no-progress -o runs/rlhf_data/eval_base.json
+	$(POLO) eval --task arith --greedy --no-progress --model runs/rlhf_sft/final -o runs/rlhf_sft/eval_greedy.json
+	$(POLO) eval --task arith --greedy --no-progress --model runs/rlhf_dpo/final -o runs/rlhf_dpo/eval_greedy.json
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,bench]"

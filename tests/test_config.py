@@ -16,7 +16,15 @@ RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 def test_every_recipe_loads(recipe):
     import yaml
 
-    if "env" in yaml.safe_load(recipe.read_text()):  # a Gymnasium control recipe (`polo control`)
+    from polo.lm.dpo import load_dpo_config
+    from polo.lm.reward_model import load_reward_model_config
+    from polo.lm.sft import load_sft_config
+
+    # the recipes of `polo sft`, `polo rm` and `polo dpo`; every other one is `polo train` or `polo control`
+    finetune_loaders = {"rlhf_sft": load_sft_config, "rlhf_rm": load_reward_model_config, "rlhf_dpo": load_dpo_config}
+    if recipe.stem in finetune_loaders:
+        assert finetune_loaders[recipe.stem](recipe).data.train_path
+    elif "env" in yaml.safe_load(recipe.read_text()):  # a Gymnasium control recipe (`polo control`)
         from polo.control.config import ControlConfig, load_control_config
 
         assert isinstance(load_control_config(recipe), ControlConfig)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from polo.config import ConfigError
@@ -24,9 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     plot_parser.add_argument("run_dir")
 
     from polo.control import cli as control_cli
-    from polo.lm import eval_cli
+    from polo.lm import eval_cli, rlhf_cli
 
     eval_cli.add_parsers(commands)  # eval, report
+    rlhf_cli.add_parsers(commands)  # sft, rm, dpo, make-preferences
     control_cli.add_parser(commands)
 
     args = parser.parse_args(argv)
@@ -35,11 +37,14 @@ def main(argv: list[str] | None = None) -> int:
             return eval_cli.run(args)
         if args.command == "control":
             return control_cli.run(args)
+        if args.command in rlhf_cli.COMMANDS:
+            return rlhf_cli.run(args)
         if args.command == "train":
             from polo.lm.trainer import train
 
             result = train(args.recipe, args.overrides)
-            if result.eval_before is not None and result.eval_after is not None:
+            rank_zero = os.environ.get("RANK", "0") == "0"  # under torchrun only the first process reports
+            if result.eval_before is not None and result.eval_after is not None and rank_zero:
                 print(f"held-out accuracy: {result.eval_before['accuracy']:.3f} -> {result.eval_after['accuracy']:.3f}")
         elif args.command == "fetch-model":
             from polo.lm.models import ensure_builtin_model

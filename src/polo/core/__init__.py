@@ -14,6 +14,7 @@ from polo.core.advantages import (
     zero_spread_groups,
 )
 from polo.core.distributed import all_reduce_sum, global_count
+from polo.core.preference import dpo_loss, pairwise_loss
 from polo.core.shaping import overlong_penalty
 from polo.core.trpo import backtracking_line_search, conjugate_gradient, fisher_vector_product, flat_grad, trust_region_step
 from polo.core.kl import KL_ESTIMATORS, kl_estimate, kl_k1, kl_k2, kl_k3
@@ -40,6 +41,7 @@ __all__ = [
     "aggregate_loss",
     "all_reduce_sum",
     "discounted_returns",
+    "dpo_loss",
     "entropy_from_logits",
     "expand_to_tokens",
     "explained_variance",
@@ -48,6 +50,7 @@ __all__ = [
     "group_advantages",
     "informative_rows",
     "overlong_penalty",
+    "pairwise_loss",
     "reinforce_pp_advantages",
     "token_level_rewards",
     "gspo_loss",

@@ -133,7 +133,7 @@ def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32, attn_impl
     The tokenizer is set up for batched generation: left padding, and a pad token (the EOS
     token when the model has none).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
     try:
@@ -141,11 +141,22 @@ def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32, attn_impl
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **options)
     except (ValueError, OSError) as error:
         raise ModelLoadError(f"could not load {path} as a causal LM: {error}") from error
+    return model, load_tokenizer(str(path))
+
+
+def load_tokenizer(name_or_path: str):
+    """Return the tokenizer of a model directory (any architecture) or built-in model, set up as `load_policy` sets it up.
+
+    Left padding (for batched generation) and a pad token (the EOS token when the model has none).
+    """
+    from transformers import AutoTokenizer
+
+    path = ensure_builtin_model(name_or_path) if name_or_path in BUILTIN_MODELS else Path(name_or_path).expanduser()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return tokenizer
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

@@ -1,13 +1,17 @@
 """Reward functions and their weighted combination.
 
-A reward is any plain function ``(completion: str, row: dict) -> float``. Rewards are named in
-configs by a builtin name (``BUILTIN_REWARDS``), by an import path ``"package.module:function"``,
+A reward is any plain function ``(completion: str, row: dict) -> float``, or a *batched* one:
+a callable with the attribute ``batched = True`` that takes ``(completions, rows)`` and returns
+one float per completion (a learned reward model scores a whole batch in one forward pass).
+Rewards are named in configs by a builtin name (``BUILTIN_REWARDS``), by a reward model
+``"model:PATH"`` (see `polo.lm.reward_model`), by an import path ``"package.module:function"``,
 or passed directly as callables; ``RewardSet`` combines them with weights and keeps each one's
 raw column for logging.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import numbers
@@ -122,12 +126,16 @@ def resolve_reward(name_or_callable: str | RewardFn, task: Task) -> tuple[str, R
         )
     if name_or_callable in BUILTIN_REWARDS:
         return name_or_callable, BUILTIN_REWARDS[name_or_callable](task)
+    if name_or_callable.startswith("model:"):
+        from polo.lm.reward_model import LOG_NAME, reward_model_reward
+
+        return LOG_NAME, reward_model_reward(name_or_callable, task)
     if ":" in name_or_callable:
         # Logged under the function's own name: shorter columns, and RewardSet rejects clashes.
         return name_or_callable.rpartition(":")[2], import_reward(name_or_callable)
     raise ValueError(
         f"unknown reward {name_or_callable!r}; builtin rewards: {sorted(BUILTIN_REWARDS)}, "
-        "or give your own as 'package.module:function'"
+        "a reward model as 'model:PATH', or your own function as 'package.module:function'"
     )
 
 
@@ -153,24 +161,70 @@ def _score_column(
 
     A sample whose function raises (or returns a non-finite or non-number value) stops the
     batch with `RewardFunctionError`, unless `errors` is a list: then it scores 0 and its
-    error is appended there.
+    error is appended there. A batched function (``batched = True``) is called once for the
+    whole batch; if that call raises, it is called again one sample at a time, so the error
+    still names the sample that failed. Returning the wrong number of values always raises.
     """
+    batch_values = None
+    if getattr(function, "batched", False):
+        batch_values = _batched_values(name, function, completions, rows)
+        if batch_values is None:  # rescore one sample at a time, so the error names the sample
+            function = functools.partial(_single_value, function)
     values = []
     for index, (completion, row) in enumerate(zip(completions, rows)):
         try:
-            try:
-                value = function(completion, row)
-            except Exception as exc:
-                raise RewardFunctionError(
-                    name, index, completion, f"{type(exc).__name__}: {exc}"
-                ) from exc
-            values.append(_checked_value(value, name, index, completion))
+            if batch_values is not None:
+                values.append(_checked_value(batch_values[index], name, index, completion))
+            else:
+                values.append(_sample_reward(name, function, index, completion, row))
         except RewardFunctionError as error:
             if errors is None:
                 raise
             errors.append(error)
             values.append(0.0)
     return torch.tensor(values, dtype=torch.float32)
+
+
+def _sample_reward(name: str, function: RewardFn, index: int, completion: str, row: dict) -> float:
+    """Return `function(completion, row)` checked, any exception turned into a `RewardFunctionError` for this sample."""
+    try:
+        value = function(completion, row)
+    except Exception as exc:
+        raise RewardFunctionError(name, index, completion, f"{type(exc).__name__}: {exc}") from exc
+    return _checked_value(value, name, index, completion)
+
+
+def _as_list(values: object) -> list:
+    """Return a batched function's result as a list (tensors and arrays become Python numbers)."""
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    return list(values)
+
+
+def _batched_values(name: str, function: Callable, completions: Sequence[str], rows: Sequence[dict]) -> list | None:
+    """Return a batched function's values for the whole batch, or None if the call raised.
+
+    A wrong number of values is a bug of the function rather than of a sample: it always raises
+    `RewardFunctionError`, naming the first sample left without a value.
+    """
+    try:
+        values = _as_list(function(list(completions), list(rows)))
+    except Exception:  # noqa: BLE001 - rescored per sample by the caller, which names the failing sample
+        return None
+    if len(values) != len(completions):
+        index = min(len(values), len(completions) - 1)
+        raise RewardFunctionError(
+            name, index, completions[index], f"batched reward returned {len(values)} values for {len(completions)} completions"
+        )
+    return values
+
+
+def _single_value(function: Callable, completion: str, row: dict) -> object:
+    """Return a batched function's value for one sample (a batch of one)."""
+    values = _as_list(function([completion], [row]))
+    if len(values) != 1:
+        raise ValueError(f"a batched reward returned {len(values)} values for 1 completion")
+    return values[0]
 
 
 def _is_finite_number(value: object) -> bool:

@@ -1,0 +1,96 @@
+"""The RLHF subcommands: `polo sft`, `polo rm`, `polo dpo` and `polo make-preferences`.
+
+Thin wrappers over `polo.lm.sft.sft`, `polo.lm.reward_model.train_reward_model`, `polo.lm.dpo.dpo`
+and `polo.lm.preferences.write_arithmetic_preferences`. `polo.cli` calls `add_parsers(subcommands)`
+to register them and `run(args)` to execute one.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+COMMANDS = ("sft", "rm", "dpo", "make-preferences")
+
+
+def add_parsers(subcommands) -> None:
+    """Add the `sft`, `rm`, `dpo` and `make-preferences` subcommands to an argparse subparsers object."""
+    helps = {
+        "sft": "supervised fine-tuning on prompt/response demonstrations (loss on the responses only)",
+        "rm": "train a reward model (causal-LM trunk + scalar head) on comparisons (pairs or K-way rankings)",
+        "dpo": "Direct Preference Optimization on comparisons (pairs or K-way rankings)",
+    }
+    for name, help_text in helps.items():
+        parser = subcommands.add_parser(name, help=help_text, description=help_text)
+        parser.add_argument("recipe", help=f"path to a YAML recipe (e.g. recipes/rlhf_{name}.yaml)")
+        parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=10")
+        parser.set_defaults(rlhf_command=name)
+
+    data_parser = subcommands.add_parser(
+        "make-preferences",
+        help="write the built-in arithmetic SFT demonstrations and comparisons as jsonl",
+        description=(
+            "Write sft_train/sft_eval/preferences_train/preferences_eval.jsonl to OUT_DIR: arithmetic problems "
+            "from the training split of the RL task (never its held-out problems); demonstrations give the correct "
+            "concise answer, comparisons prefer it to the same answer off by one."
+        ),
+    )
+    data_parser.add_argument("out_dir")
+    data_parser.add_argument("--recipe", default=None, help="an RL recipe (polo train) whose arithmetic task settings and instruction to use (default: the built-in defaults, those of recipes/rlhf_rl.yaml)")
+    data_parser.add_argument("--seed", type=int, default=0, help="shuffles problems into splits and picks wrong answers and wordings (default 0)")
+    data_parser.add_argument("--num-sft", type=int, default=1000, help="SFT demonstrations (default 1000)")
+    data_parser.add_argument("--num-sft-eval", type=int, default=100, help="held-out SFT demonstrations (default 100)")
+    data_parser.add_argument("--num-comparisons", type=int, default=1000, help="comparisons, correct over off by one (default 1000)")
+    data_parser.add_argument("--num-comparisons-eval", type=int, default=200, help="held-out comparisons (default 200)")
+    data_parser.set_defaults(rlhf_command="make-preferences")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the subcommand the arguments were parsed for; return the exit status."""
+    if args.rlhf_command == "sft":
+        from polo.lm.sft import sft
+
+        result = sft(args.recipe, args.overrides)
+        print(f"saved {result.model_dir} ({result.steps} steps, {result.seconds:.0f} s)")
+        _print_change("held-out loss", result, "loss")
+    elif args.rlhf_command == "rm":
+        from polo.lm.reward_model import train_reward_model
+
+        result = train_reward_model(args.recipe, args.overrides)
+        print(f"saved {result.model_dir} ({result.steps} steps, {result.seconds:.0f} s)")
+        _print_change("held-out pair accuracy", result, "pair_accuracy")
+    elif args.rlhf_command == "dpo":
+        from polo.lm.dpo import dpo
+
+        result = dpo(args.recipe, args.overrides)
+        print(f"saved {result.model_dir} ({result.steps} steps, {result.seconds:.0f} s)")
+        _print_change("held-out preference accuracy (implicit reward)", result, "rewards/accuracies")
+        _print_change("held-out reward margin", result, "rewards/margins")
+    else:
+        return make_preferences(args)
+    return 0
+
+
+def _print_change(label: str, result, key: str) -> None:
+    if result.eval_before is not None and result.eval_after is not None:
+        print(f"{label}: {result.eval_before[key]:.3f} -> {result.eval_after[key]:.3f}")
+
+
+def make_preferences(args: argparse.Namespace) -> int:
+    """Write the built-in arithmetic data set for the RL task of `--recipe` (or the default task)."""
+    from polo.config import ConfigError, load_config
+    from polo.lm.preferences import write_arithmetic_preferences
+    from polo.lm.trainer import instruction_for, make_task
+
+    config = load_config(args.recipe)
+    if config.task.name != "arithmetic":
+        raise ConfigError(f"make-preferences builds arithmetic data; the recipe's task.name is {config.task.name!r}")
+    if config.task.answer_in_tags:
+        raise ConfigError("make-preferences writes plain answers ('47 + 38 = 85'); the recipe sets task.answer_in_tags=true")
+    task = make_task(config)  # the RL run's own task: its held-out problems are left out
+    paths = write_arithmetic_preferences(
+        args.out_dir, task, instruction=instruction_for(config, task), seed=args.seed, num_sft=args.num_sft,
+        num_sft_eval=args.num_sft_eval, num_comparisons=args.num_comparisons, num_comparisons_eval=args.num_comparisons_eval,
+    )
+    for path in paths.values():
+        print(f"{path}  ({sum(1 for _ in path.open())} rows)")
+    return 0

@@ -1,0 +1,143 @@
+"""Preference data: rankings and their pairs, jsonl rows with file-and-line errors, the built-in arithmetic set."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from polo.cli import main
+from polo.lm.preferences import (
+    Ranking,
+    arithmetic_preference_data,
+    ranking_from_row,
+    ranking_pairs,
+    read_demonstrations,
+    read_rankings,
+    render_prompt,
+)
+from polo.lm.rewards import exact_number
+from polo.lm.tasks import TaskDataError, arithmetic_task
+
+
+def write_rows(path, rows) -> str:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return str(path)
+
+
+def test_a_k_way_ranking_stands_for_all_k_choose_2_pairs():
+    ranking = Ranking(({"role": "user", "content": "q"},), ("best", "good", "bad", "worst"))
+    assert len(ranking.pairs()) == 4 * 3 // 2
+    assert ranking.pairs() == [
+        ("best", "good"), ("best", "bad"), ("best", "worst"), ("good", "bad"), ("good", "worst"), ("bad", "worst"),
+    ]
+    assert [len(ranking_pairs(k)) for k in (2, 3, 5)] == [1, 3, 10]
+    with pytest.raises(ValueError, match="at least 2"):
+        ranking_pairs(1)
+
+
+def test_read_rankings_accepts_pairs_and_rankings(tmp_path):
+    path = write_rows(tmp_path / "prefs.jsonl", [
+        {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3", "extra": "ignored"},
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}], "ranked": ["4", "5", "22"]},
+    ])
+    first, second = read_rankings(path)
+    assert first.responses == ("2", "3") and first.messages == ({"role": "user", "content": "What is 1 + 1?"},)
+    assert second.responses == ("4", "5", "22") and second.messages[0]["role"] == "system"
+    assert len(read_rankings(path, limit=1)) == 1
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"prompt": "q", "chosen": "a"}, "missing field 'rejected'"),
+        ({"chosen": "a", "rejected": "b"}, "missing field 'prompt'"),
+        ({"prompt": "q", "ranked": ["only one"]}, "at least 2 strings"),
+        ({"prompt": "q", "ranked": ["a", "a"]}, "same response twice"),
+        ({"prompt": "q", "chosen": 1, "rejected": "b"}, "'chosen' must be a string"),
+        ({"prompt": [{"role": "robot", "content": "hi"}], "chosen": "a", "rejected": "b"}, "prompt\\[0\\] must be"),
+        ({"prompt": "q", "answer": "a"}, "needs 'chosen' and 'rejected', or 'ranked'"),
+    ],
+)
+def test_malformed_comparison_rows_name_file_and_line(tmp_path, row, message):
+    path = write_rows(tmp_path / "bad.jsonl", [{"prompt": "fine", "chosen": "a", "rejected": "b"}, row])
+    with pytest.raises(TaskDataError, match=message) as error:
+        read_rankings(path)
+    assert error.value.line == 2 and error.value.path == path and "bad.jsonl line 2" in str(error.value)
+
+
+def test_read_demonstrations_accepts_prompt_response_and_chat_messages(tmp_path):
+    path = write_rows(tmp_path / "sft.jsonl", [
+        {"prompt": "What is 1 + 1?", "response": "1 + 1 = 2"},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+    ])
+    first, second = read_demonstrations(path)
+    assert first.response == "1 + 1 = 2" and first.messages == ({"role": "user", "content": "What is 1 + 1?"},)
+    assert second.response == "4" and len(second.messages) == 3 and second.messages[-1]["content"] == "2+2?"
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ("{not json", "invalid JSON"),
+        ({"prompt": "q"}, "missing field 'response'"),
+        ({"messages": [{"role": "user", "content": "q"}]}, "must end with an assistant message"),
+        ({"question": "q", "answer": "a"}, "needs 'prompt' and 'response', or 'messages'"),
+    ],
+)
+def test_malformed_demonstration_rows_name_file_and_line(tmp_path, row, message):
+    path = write_rows(tmp_path / "sft.jsonl", [{"prompt": "q", "response": "a"}, row])
+    with pytest.raises(TaskDataError, match=message) as error:
+        read_demonstrations(path)
+    assert "sft.jsonl line 2" in str(error.value)
+
+
+def test_a_user_prompt_renders_exactly_as_the_rl_trainer_prompts(tiny_model_dir):
+    from polo.lm.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    task = arithmetic_task(num_train=10, num_eval=2)
+    row = task.train_rows[0]
+    rl_prompt = task.prompts(tokenizer, [row], None, "Be exact.")[0]
+    user_message = task.instruction.replace("{question}", row["question"])
+    assert render_prompt(tokenizer, [{"role": "user", "content": user_message}], "Be exact.") == rl_prompt
+    assert rl_prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_arithmetic_data_avoids_the_rl_held_out_problems_and_matches_the_checker():
+    task = arithmetic_task(seed=3, num_train=600, num_eval=50)
+    splits = arithmetic_preference_data(task, seed=1, num_sft=100, num_sft_eval=20, num_comparisons=200, num_comparisons_eval=50)
+    assert {name: len(rows) for name, rows in splits.items()} == {
+        "sft_train": 100, "sft_eval": 20, "preferences_train": 200, "preferences_eval": 50,
+    }
+    held_out = {task.instruction.replace("{question}", row["question"]) for row in task.eval_rows}
+    prompts = {name: {row["prompt"] for row in rows} for name, rows in splits.items()}
+    assert all(not (found & held_out) for found in prompts.values())
+    names = list(prompts)
+    assert all(not (prompts[a] & prompts[b]) for i, a in enumerate(names) for b in names[i + 1 :])  # splits disjoint
+    for row in splits["preferences_train"] + splits["preferences_eval"]:
+        (ranking,) = [ranking_from_row(row, "built-in", 1)]
+        assert [exact_number(text, {"answer": row["answer"]}) for text in ranking.responses] == [1.0, 0.0]
+        assert abs(int(row["rejected"].split("= ")[1]) - int(row["answer"])) == 1  # a slip in the last digit
+        assert row["chosen"].split("= ")[0] == row["rejected"].split("= ")[0]  # same wording, same length
+    for row in splits["sft_train"]:
+        assert exact_number(row["response"], row) == 1.0 and row["prompt"].endswith("end your reply with the final number.")
+
+
+def test_arithmetic_data_asks_for_no_more_problems_than_the_task_has():
+    with pytest.raises(ValueError, match="raise task.num_train"):
+        arithmetic_preference_data(arithmetic_task(num_train=10, num_eval=5), num_sft=20)
+
+
+def test_make_preferences_command_writes_the_splits(tmp_path, capsys):
+    recipe = tmp_path / "rl.yaml"
+    recipe.write_text("task: {name: arithmetic, seed: 2, num_train: 300, num_eval: 20}\n")
+    status = main(["make-preferences", str(tmp_path / "data"), "--recipe", str(recipe), "--num-sft", "10", "--num-sft-eval", "5",
+                   "--num-comparisons", "20", "--num-comparisons-eval", "5"])
+    assert status == 0
+    assert "preferences_train.jsonl  (20 rows)" in capsys.readouterr().out
+    assert len(read_rankings(tmp_path / "data" / "preferences_train.jsonl")) == 20
+    assert len(read_demonstrations(tmp_path / "data" / "sft_eval.jsonl")) == 5
+    eval_questions = {row["question"] for row in arithmetic_task(seed=2, num_train=300, num_eval=20).eval_rows}
+    written = (tmp_path / "data" / "preferences_eval.jsonl").read_text()
+    assert not any(question in written for question in eval_questions)
