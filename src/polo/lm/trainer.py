@@ -354,8 +354,9 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
             seed_everything(train_config.seed + parallel.rank() + 1_000_003 * state["step"])
         load_critic_state(critic, state)
         start_step, eval_before = state["step"], state.get("eval_before")
-        truncate_metrics(output_dir / "metrics.jsonl", start_step)
-        truncate_metrics(output_dir / "samples.jsonl", start_step)
+        if is_main_process():  # the one writer; a second rank rewriting the same file could empty it
+            truncate_metrics(output_dir / "metrics.jsonl", start_step)
+            truncate_metrics(output_dir / "samples.jsonl", start_step)
 
     if is_main_process():
         output_dir.mkdir(parents=True, exist_ok=True)
