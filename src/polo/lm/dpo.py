@@ -30,7 +30,6 @@ from polo.lm.finetune import (
     FinetuneResult,
     FinetuneTrainConfig,
     collate_rankings,
-    enable_gradient_checkpointing,
     evaluate_objective,
     fit,
     load_finetune_config,
@@ -41,6 +40,7 @@ from polo.lm.finetune import (
     score_sequences,
     write_summary,
 )
+from polo.lm.models import enable_activation_checkpointing
 from polo.lm.preferences import read_rankings
 from polo.lm.reward_model import encode_rankings, num_pairs
 
@@ -123,7 +123,7 @@ def dpo(config: DPOConfig | str | Path | dict | None = None, overrides: list[str
     train_examples = with_reference_logps(model, train_examples, pad_id, micro, precision)
     eval_examples = with_reference_logps(model, eval_examples, pad_id, micro, precision) if eval_examples else []
     if config.train.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_activation_checkpointing(model)
     objective = DPOObjective(pad_id, config.dpo.beta)
     evaluate = (lambda: evaluate_objective(model, eval_examples, objective, micro, precision)) if eval_examples else None
     rows, before, after = fit(

@@ -410,15 +410,6 @@ def lr_multiplier(warmup_steps: int, total_steps: int, schedule: str) -> Callabl
     return multiplier
 
 
-def enable_gradient_checkpointing(model) -> None:
-    """Recompute activations in backward (less memory, about a third more compute)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 @torch.no_grad()
 def evaluate_objective(model, examples: Sequence[Example], objective: Objective, micro_batch_size: int, precision: str) -> dict[str, float]:
     """Return the objective's statistics on `examples` without gradients, each a mean per unit."""

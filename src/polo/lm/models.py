@@ -185,3 +185,15 @@ def copy_weights(target: torch.nn.Module, source: torch.nn.Module) -> None:
     """Copy `source`'s parameters into `target` (same architecture), casting to `target`'s dtypes."""
     for target_parameter, source_parameter in zip(target.parameters(), source.parameters(), strict=True):
         target_parameter.copy_(source_parameter)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute `model`'s activations in backward: less memory, about a third more compute.
+
+    Non-reentrant, which DDP and FSDP need.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

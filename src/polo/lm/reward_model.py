@@ -40,7 +40,6 @@ from polo.lm.finetune import (
     collate,
     collate_rankings,
     encode,
-    enable_gradient_checkpointing,
     fit,
     load_finetune_config,
     pair_indices,
@@ -51,6 +50,7 @@ from polo.lm.finetune import (
     sequence_rewards,
     write_summary,
 )
+from polo.lm.models import enable_activation_checkpointing
 from polo.lm.preferences import Ranking, read_rankings, render_prompt, write_jsonl
 
 STATS_FILE = "reward_stats.json"
@@ -170,7 +170,7 @@ def train_reward_model(config: RewardModelConfig | str | Path | dict | None = No
     tokenizer = load_tokenizer(config.model.name)
     model = new_reward_model(config.model.name, tokenizer, config.model.attn_implementation)
     if config.train.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_activation_checkpointing(model)
     data = config.data
     train_examples = encode_rankings(tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length)
     eval_examples = (

@@ -28,7 +28,6 @@ from polo.lm.finetune import (
     FinetuneTrainConfig,
     collate,
     encode,
-    enable_gradient_checkpointing,
     evaluate_objective,
     fit,
     load_finetune_config,
@@ -37,6 +36,7 @@ from polo.lm.finetune import (
     save_model,
     write_summary,
 )
+from polo.lm.models import enable_activation_checkpointing
 from polo.lm.preferences import Demonstration, read_demonstrations, render_prompt
 
 
@@ -88,7 +88,7 @@ def sft(config: SFTConfig | str | Path | dict | None = None, overrides: list[str
     precision = prepare_run(config, config_to_dict(config))
     model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
     if config.train.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_activation_checkpointing(model)
     data = config.data
     train_examples = encode_demonstrations(tokenizer, read_demonstrations(data.train_path, data.num_train), data.system_prompt, data.max_length)
     eval_examples = (

@@ -27,7 +27,7 @@ from polo.config import Config, ConfigError, config_to_dict, load_config
 from polo.lm.critic import ValueModel, completion_values, logprobs_and_values, new_value_head
 from polo.lm.evaluate import greedy_accuracy
 from polo.lm import parallel
-from polo.lm.models import frozen_copy, load_policy, resolve_model_path
+from polo.lm.models import enable_activation_checkpointing, frozen_copy, load_policy, resolve_model_path
 from polo.lm.rewards import RewardSet
 from polo.lm.rollout import Rollouts, autocast_context, completion_logprobs, cpu_supports_bf16, rollout
 from polo.lm.tasks import build_task
@@ -242,15 +242,6 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-
-
-def enable_activation_checkpointing(model) -> None:
-    """Recompute `model`'s activations in backward (non-reentrant, which DDP and FSDP need)."""
-    checkpointing_kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing_kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
 
 
 def seed_everything(seed: int) -> None:
