@@ -113,3 +113,17 @@ def test_running_each_prompt_once_gives_the_same_log_probs_and_gradients(tiny_mo
         results.append((values.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone()))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-6)
+
+
+def test_nll_weight_adds_the_preferred_answers_per_token_nll(tiny_model_dir):
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    (example,) = encode_rankings(tokenizer, [Ranking(PROMPT, ("1", "22"))], None, 64)
+    example = example.__class__(example.sequences, (-1.0, -2.0))
+    plain, _ = DPOObjective(tokenizer.pad_token_id, beta=0.5).loss(model, [example])
+    mixed, stats = DPOObjective(tokenizer.pad_token_id, beta=0.5, nll_weight=0.2).loss(model, [example])
+    chosen_logp = sequence_logprobs(model, collate(example.sequences[:1], tokenizer.pad_token_id))[0]
+    chosen_tokens = len(example.sequences[0].response_ids)  # "1" and EOS
+    assert stats["nll/chosen"] == pytest.approx(-chosen_logp.item() / chosen_tokens, rel=1e-5)
+    assert mixed.item() == pytest.approx(plain.item() + 0.2 * stats["nll/chosen"], rel=1e-5)
+    with pytest.raises(ConfigError, match="dpo.nll_weight must be >= 0"):
+        load_dpo_config({"data": {"train_path": "x.jsonl"}, "dpo": {"nll_weight": -1}})

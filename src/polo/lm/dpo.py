@@ -5,11 +5,18 @@ For every (better, worse) pair (y_w, y_l) of every ranking (`polo.core.dpo_loss`
     loss = −log σ(β [(log π(y_w|x) − log π_ref(y_w|x)) − (log π(y_l|x) − log π_ref(y_l|x))])
 
 averaged over the pairs of the optimizer batch. log π(y|x) sums the response tokens' log-probs
-(EOS included, prompt excluded). The reference π_ref is the starting model, frozen: its
-log-probs are computed once, before the first update, for every training and held-out
-response, so no second model is kept in memory. Logged like TRL's DPOTrainer:
-`rewards/chosen`, `rewards/rejected` (the implicit rewards β·log π/π_ref), `rewards/margins`,
-`rewards/accuracies` (fraction of pairs with r_w > r_l), `logps/chosen`, `logps/rejected`.
+(EOS included, prompt excluded). DPO only moves the log-ratio between the two answers, and it
+commonly lowers the likelihood of the preferred one as well; `dpo.nll_weight` = α adds the
+preferred answer's negative log-likelihood per token, as Llama 3 did (α = 0.2) and TRL's
+`rpo_alpha` does:
+
+    loss = DPO loss + α · (−log π(y_w|x) / |y_w|)
+
+The reference π_ref is the starting model, frozen: its log-probs are computed once, before the
+first update, for every training and held-out response, so no second model is kept in memory.
+Logged like TRL's DPOTrainer: `rewards/chosen`, `rewards/rejected` (the implicit rewards
+β·log π/π_ref), `rewards/margins`, `rewards/accuracies` (fraction of pairs with r_w > r_l),
+`logps/chosen`, `logps/rejected`; plus `nll/chosen`, the preferred answers' per-token NLL.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class DPOSection:
     """The DPO loss."""
 
     beta: float = 0.1  # β: the strength of the KL anchor to the reference (TRL's default 0.1)
+    nll_weight: float = 0.0  # α: weight of the preferred answers' per-token NLL added to the loss (0: plain DPO)
 
 
 @dataclass
@@ -68,25 +76,35 @@ def load_dpo_config(recipe=None, overrides: list[str] | None = None) -> DPOConfi
     config = load_finetune_config(DPOConfig, recipe, overrides)
     if not config.dpo.beta > 0:
         raise ConfigError(f"dpo.beta must be > 0, got {config.dpo.beta}")
+    if config.dpo.nll_weight < 0:
+        raise ConfigError(f"dpo.nll_weight must be >= 0, got {config.dpo.nll_weight}")
     return config
 
 
 class DPOObjective:
-    """The DPO loss; the unit is a (better, worse) pair. Examples carry their reference log-probs."""
+    """The DPO loss (plus α times the preferred answers' per-token NLL); the unit is a (better, worse) pair.
 
-    def __init__(self, pad_id: int, beta: float):
+    Examples carry their reference log-probs.
+    """
+
+    def __init__(self, pad_id: int, beta: float, nll_weight: float = 0.0):
         self.pad_id = pad_id
         self.beta = beta
+        self.nll_weight = nll_weight
 
     def units(self, example: Example) -> int:
         return num_pairs(example)
 
     def loss(self, model, examples: Sequence[Example]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Return (Σ DPO loss over the pairs, summed statistics with TRL's names)."""
-        logps = ranking_logprobs(model, collate_rankings(examples, self.pad_id))
+        """Return (Σ loss over the pairs, summed statistics with TRL's names)."""
+        batch = collate_rankings(examples, self.pad_id)
+        logps = ranking_logprobs(model, batch)
         reference = torch.tensor([value for example in examples for value in example.reference_logps], dtype=logps.dtype)
         better, worse = pair_indices(examples)
         losses, chosen_rewards, rejected_rewards = core.dpo_loss(logps[better], logps[worse], reference[better], reference[worse], self.beta)
+        chosen_nll = -logps[better] / batch.response_mask.sum(-1)[better].clamp(min=1)  # per token
+        if self.nll_weight:
+            losses = losses + self.nll_weight * chosen_nll
         margins = chosen_rewards - rejected_rewards
         stats = {
             "loss": float(losses.detach().sum()),
@@ -96,6 +114,7 @@ class DPOObjective:
             "rewards/accuracies": float((margins > 0).sum()),
             "logps/chosen": float(logps[better].detach().sum()),
             "logps/rejected": float(logps[worse].detach().sum()),
+            "nll/chosen": float(chosen_nll.detach().sum()),
         }
         return losses.sum(), stats
 
@@ -124,7 +143,7 @@ def dpo(config: DPOConfig | str | Path | dict | None = None, overrides: list[str
     eval_examples = with_reference_logps(model, eval_examples, pad_id, micro, precision) if eval_examples else []
     if config.train.gradient_checkpointing:
         enable_activation_checkpointing(model)
-    objective = DPOObjective(pad_id, config.dpo.beta)
+    objective = DPOObjective(pad_id, config.dpo.beta, config.dpo.nll_weight)
     evaluate = (lambda: evaluate_objective(model, eval_examples, objective, micro, precision)) if eval_examples else None
     rows, before, after = fit(
         model, train_examples, objective, config, precision=precision, evaluate=evaluate, name="polo dpo",
