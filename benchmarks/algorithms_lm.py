@@ -31,34 +31,33 @@ PRESETS = ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo"]
 CHILD = """
 import sys
 import polo
-recipe, out, steps, eval_before = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+recipe, out, steps, eval_before, extra = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
 polo.train(recipe, [f"train.steps={steps}", f"output.dir={out}", "output.save_every=0", "output.progress=false",
-                    f"eval.before={eval_before}", "eval.after=true", "output.plots=true"])
+                    f"eval.before={eval_before}", "eval.after=true", "output.plots=true", *extra])
 """
 
 
-def run_preset(name: str, out_dir: Path, steps: int, eval_before: bool) -> dict:
-    """Train one preset in a child process; return its figures (peak RSS from the child's own rusage)."""
-    run_dir = out_dir / name
-    recipe = ROOT / "recipes" / f"{name}_arith.yaml"
-    log = (out_dir / f"{name}.log").open("w")
+def run_recipe(recipe: Path, run_dir: Path, log_path: Path, steps: int, eval_before: bool, overrides: list[str] = ()) -> dict:
+    """Train `recipe` (plus `overrides`) in a child process; return its figures (peak RSS from the child's own rusage)."""
+    log = log_path.open("w")
     started = time.perf_counter()
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(recipe), str(run_dir), str(steps), "true" if eval_before else "false"],
+        [sys.executable, "-c", CHILD, str(recipe), str(run_dir), str(steps), "true" if eval_before else "false", *overrides],
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
     )
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - started
     if status != 0:
-        raise SystemExit(f"{name} failed (status {status}); see {out_dir / (name + '.log')}")
+        raise SystemExit(f"{run_dir.name} failed (status {status}); see {log_path}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train_rows = [row for row in rows if "reward/mean" in row]
     evals = {row["step"]: row["eval/accuracy"] for row in rows if "eval/accuracy" in row}
     return {
-        "name": name,
+        "name": run_dir.name,
         "steps": [row["step"] for row in train_rows],
         "reward": [row["reward/mean"] for row in train_rows],
         "accuracy": [row["accuracy"] for row in train_rows],
+        "completion_length": [row["completion_length/mean"] for row in train_rows],
         "eval_before": evals.get(0),
         "eval_after": evals.get(steps),
         "final_reward": statistics.mean(row["reward/mean"] for row in train_rows[-5:]),
@@ -66,6 +65,11 @@ def run_preset(name: str, out_dir: Path, steps: int, eval_before: bool) -> dict:
         "peak_rss_bytes": usage.ru_maxrss * 1024,
         "wall_s": wall,
     }
+
+
+def run_preset(name: str, out_dir: Path, steps: int, eval_before: bool) -> dict:
+    """Train one preset's recipe (`recipes/<name>_arith.yaml`) in a child process; return its figures."""
+    return run_recipe(ROOT / "recipes" / f"{name}_arith.yaml", out_dir / name, out_dir / f"{name}.log", steps, eval_before)
 
 
 def moving_average(values: list[float], window: int = 5) -> list[float]:

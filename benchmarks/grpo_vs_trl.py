@@ -141,7 +141,7 @@ def run_polo(steps: int, out_dir: Path) -> dict:
             rss_after_step.append(peak_rss_bytes())
             return result
 
-        trainer_module.grpo_step = measured_step
+        trainer_module.rl_step = measured_step
 
     polo.train(config_dict)
 

@@ -11,6 +11,7 @@ import math
 import pytest
 
 from polo.lm.evaluate import (
+    add_reward_scores,
     answer_key_for,
     cons_at_k,
     default_ks,
@@ -193,6 +194,30 @@ def test_score_problem_on_hand_made_samples():
     assert problem["majority_answer"] == "5"
     # blocks of two: ("5","6") -> "5" right, ("6","5") -> "6" wrong
     assert problem["cons@k"]["2"] == 0.5
+
+
+def test_reward_scores_are_added_per_sample_problem_and_split_by_correctness():
+    result = {
+        "summary": {},
+        "problems": [
+            {"prompt": "P1", "question": "q1", "samples": [{"completion": "a", "correct": 1.0}, {"completion": "bb", "correct": 0.0}]},
+            {"prompt": "P2", "question": "q2", "samples": [{"completion": "ccc", "correct": 1.0}]},
+        ],
+    }
+    calls = []
+
+    def reward(completions, rows):
+        calls.append([row["prompt_text"] for row in rows])
+        return [float(len(text)) for text in completions]
+
+    add_reward_scores(result, reward)
+    assert calls == [["P1", "P1"], ["P2"]]  # once per problem, with the exact prompt text
+    assert [s["reward_model"] for p in result["problems"] for s in p["samples"]] == [1.0, 2.0, 3.0]
+    assert [p["reward_model_mean"] for p in result["problems"]] == [1.5, 3.0]
+    assert result["summary"]["reward_model_mean"] == 2.0
+    assert result["summary"]["reward_model_mean_correct"] == 2.0 and result["summary"]["reward_model_mean_wrong"] == 2.0
+    with pytest.raises(ValueError, match="got 1 scores for 2 samples"):
+        add_reward_scores(result, lambda completions, rows: [0.0])
 
 
 def test_summarize_averages_over_problems():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+from collections import Counter
 
 import pytest
 
@@ -10,11 +12,13 @@ from polo.cli import main
 from polo.lm.preferences import (
     Ranking,
     arithmetic_preference_data,
+    has_carry,
     ranking_from_row,
     ranking_pairs,
     read_demonstrations,
     read_rankings,
     render_prompt,
+    wrong_answer,
 )
 from polo.lm.rewards import exact_number
 from polo.lm.tasks import TaskDataError, arithmetic_task
@@ -106,7 +110,8 @@ def test_a_user_prompt_renders_exactly_as_the_rl_trainer_prompts(tiny_model_dir)
 
 def test_arithmetic_data_avoids_the_rl_held_out_problems_and_matches_the_checker():
     task = arithmetic_task(seed=3, num_train=600, num_eval=50)
-    splits = arithmetic_preference_data(task, seed=1, num_sft=100, num_sft_eval=20, num_comparisons=200, num_comparisons_eval=50)
+    splits = arithmetic_preference_data(task, seed=1, num_sft=100, num_sft_eval=20, num_comparisons=200, num_comparisons_eval=50,
+                                        mistakes=["carry", "tens", "units", "carry"])
     assert {name: len(rows) for name, rows in splits.items()} == {
         "sft_train": 100, "sft_eval": 20, "preferences_train": 200, "preferences_eval": 50,
     }
@@ -118,10 +123,33 @@ def test_arithmetic_data_avoids_the_rl_held_out_problems_and_matches_the_checker
     for row in splits["preferences_train"] + splits["preferences_eval"]:
         (ranking,) = [ranking_from_row(row, "built-in", 1)]
         assert [exact_number(text, {"answer": row["answer"]}) for text in ranking.responses] == [1.0, 0.0]
-        assert abs(int(row["rejected"].split("= ")[1]) - int(row["answer"])) == 1  # a slip in the last digit
-        assert row["chosen"].split("= ")[0] == row["rejected"].split("= ")[0]  # same wording, same length
+        a, b = (int(x) for x in row["chosen"].split(" = ")[0].split(" + "))
+        error = int(row["rejected"].split("= ")[1]) - int(row["answer"])
+        carry_error = -10 if has_carry(a, b) else 10
+        assert error == {"carry": carry_error, "tens": -carry_error}.get(row["mistake"], error) and abs(error) in (1, 10)
+        assert (abs(error) == 1) == (row["mistake"] == "units")
+        assert row["chosen"].split("= ")[0] == row["rejected"].split("= ")[0]  # same wording
+    mistakes = Counter(row["mistake"] for row in splits["preferences_train"])
+    assert mistakes == {"carry": 100, "tens": 50, "units": 50}  # cycled problem by problem
+    default = arithmetic_preference_data(task, seed=1, num_sft=100, num_sft_eval=20, num_comparisons=200, num_comparisons_eval=50)
+    assert {row["mistake"] for row in default["preferences_train"]} == {"carry"}
+    assert [row["prompt"] for row in default["preferences_train"]] == [row["prompt"] for row in splits["preferences_train"]]
+    with pytest.raises(ValueError, match="mistakes must name at least one of carry, tens, units; got \\['hundreds'\\]"):
+        arithmetic_preference_data(task, mistakes=["hundreds"])
     for row in splits["sft_train"]:
         assert exact_number(row["response"], row) == 1.0 and row["prompt"].endswith("end your reply with the final number.")
+
+
+def test_wrong_answers_make_one_kind_of_mistake():
+    rng = random.Random(0)
+    assert wrong_answer(47, "+", 38, "carry", rng) == 75  # the carry forgotten
+    assert wrong_answer(41, "+", 38, "carry", rng) == 89  # a carry that is not there
+    assert wrong_answer(47, "+", 38, "tens", rng) == 95 and wrong_answer(41, "+", 38, "tens", rng) == 69
+    assert wrong_answer(3, "+", 4, "tens", rng) == 17  # never negative
+    assert {wrong_answer(47, "+", 38, "units", rng) for _ in range(20)} == {84, 86}
+    assert {wrong_answer(47, "-", 38, "carry", rng) for _ in range(20)} == {19}  # 9 - 10 < 0: only up
+    with pytest.raises(ValueError, match="valid: carry, tens, units"):
+        wrong_answer(1, "+", 2, "hundreds", rng)
 
 
 def test_arithmetic_data_asks_for_no_more_problems_than_the_task_has():
@@ -133,10 +161,12 @@ def test_make_preferences_command_writes_the_splits(tmp_path, capsys):
     recipe = tmp_path / "rl.yaml"
     recipe.write_text("task: {name: arithmetic, seed: 2, num_train: 300, num_eval: 20}\n")
     status = main(["make-preferences", str(tmp_path / "data"), "--recipe", str(recipe), "--num-sft", "10", "--num-sft-eval", "5",
-                   "--num-comparisons", "20", "--num-comparisons-eval", "5"])
+                   "--num-comparisons", "20", "--num-comparisons-eval", "5", "--mistakes", "carry,units"])
     assert status == 0
     assert "preferences_train.jsonl  (20 rows)" in capsys.readouterr().out
     assert len(read_rankings(tmp_path / "data" / "preferences_train.jsonl")) == 20
+    rows = [json.loads(line) for line in (tmp_path / "data" / "preferences_train.jsonl").read_text().splitlines()]
+    assert [row["mistake"] for row in rows[:4]] == ["carry", "units", "carry", "units"]
     assert len(read_demonstrations(tmp_path / "data" / "sft_eval.jsonl")) == 5
     eval_questions = {row["question"] for row in arithmetic_task(seed=2, num_train=300, num_eval=20).eval_rows}
     written = (tmp_path / "data" / "preferences_eval.jsonl").read_text()

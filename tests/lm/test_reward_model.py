@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 
 import pytest
 import torch
@@ -231,3 +232,56 @@ def test_running_each_prompt_once_gives_the_same_rewards(reward_model_dir):
     rankings = [Ranking(({"role": "user", "content": "q"},), ("a", "bb b", "c")), Ranking(({"role": "user", "content": "a longer prompt"},), ("x", "yy"))]
     batch = collate_rankings(encode_rankings(reward.tokenizer, rankings, None, 128), reward.pad_id)
     torch.testing.assert_close(ranking_rewards(reward.model, batch), sequence_rewards(reward.model, batch.expanded()), rtol=1e-5, atol=1e-5)
+
+
+def test_polo_eval_scores_every_sample_with_the_reward_model(tiny_model_dir, reward_model_dir, tmp_path, capsys):
+    import argparse
+
+    from polo.lm.eval_cli import add_parsers, run
+
+    parser = argparse.ArgumentParser()
+    add_parsers(parser.add_subparsers(dest="command"))
+    output = tmp_path / "eval.json"
+    args = parser.parse_args([
+        "eval", "--model", str(tiny_model_dir), "--task", "arith", "--samples", "3", "--limit", "2",
+        "--max-new-tokens", "4", "--reward-model", f"{reward_model_dir}?normalize", "--output", str(output), "--no-progress",
+    ])
+    assert run(args) == 0
+    assert "reward model score, mean (correct / wrong samples)" in capsys.readouterr().out
+    result = json.loads(output.read_text())
+    reward = RewardModelReward(reward_model_dir, normalize=True)
+    samples = [sample for problem in result["problems"] for sample in problem["samples"]]
+    expected = [
+        value
+        for problem in result["problems"]
+        for value in reward([s["completion"] for s in problem["samples"]], [{"prompt_text": problem["prompt"]}] * 3)
+    ]
+    assert [sample["reward_model"] for sample in samples] == pytest.approx(expected, abs=1e-5)
+    assert result["summary"]["reward_model_mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
+
+
+def test_polo_eval_refuses_a_missing_reward_model_before_sampling(tiny_model_dir, tmp_path):
+    import argparse
+
+    from polo.lm.eval_cli import add_parsers, run
+
+    parser = argparse.ArgumentParser()
+    add_parsers(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["eval", "--model", str(tiny_model_dir), "--reward-model", str(tmp_path / "nope"), "--output", str(tmp_path / "e.json")])
+    with pytest.raises(Exception, match="nope"):
+        run(args)
+
+
+def test_rm_continues_from_a_saved_reward_model_with_its_head(reward_model_dir, tiny_model_dir, tmp_path):
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    saved = RewardModelReward(reward_model_dir, precision="fp32")
+    continued = new_reward_model(str(reward_model_dir), tokenizer)
+    for name, tensor in saved.model.state_dict().items():  # trunk and head as saved, nothing re-initialised
+        assert torch.equal(continued.state_dict()[name], tensor), name
+    two_labels = tmp_path / "classifier"
+    shutil.copytree(reward_model_dir, two_labels)
+    config = json.loads((two_labels / "config.json").read_text())
+    config["id2label"] = {"0": "bad", "1": "good"}
+    (two_labels / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="2 outputs; a reward model has one"):
+        new_reward_model(str(two_labels), tokenizer)

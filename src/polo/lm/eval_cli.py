@@ -51,6 +51,8 @@ def add_parsers(subcommands) -> None:
     eval_parser.add_argument("--answer-field", default="answer", help="jsonl tasks: the field holding the reference answer")
     eval_parser.add_argument("--instruction", default=None, help="prompt template with {question} (default: the task's)")
     eval_parser.add_argument("--system-prompt", default=None)
+    eval_parser.add_argument("--reward-model", default=None, metavar="PATH[?normalize]",
+                             help="also score every sample with this reward model (polo rm); reports its mean over all, correct and wrong samples")
     eval_parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     eval_parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"), help="auto: bf16 autocast where the CPU supports it")
     eval_parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -206,12 +208,17 @@ def run_eval(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
+    reward_model = None
+    if args.reward_model:  # load it first: a wrong path fails before any sampling
+        from polo.lm.reward_model import REWARD_PREFIX, reward_model_reward
+
+        reward_model = reward_model_reward(REWARD_PREFIX + args.reward_model, task)
     model, tokenizer = load_policy(model_name)
     prompts = task.prompts(tokenizer, rows, instruction, system_prompt)
     settings = {
         "model": model_name, "task": task_label, "num_problems": len(rows), "samples": samples,
         "greedy": args.greedy, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
-        "precision": precision, "seed": args.seed, "batch_size": args.batch_size,
+        "precision": precision, "seed": args.seed, "batch_size": args.batch_size, "reward_model": args.reward_model,
     }
     print(
         f"polo eval: {model_name} on {task_label}: {len(rows)} problems x {samples} "
@@ -225,6 +232,10 @@ def run_eval(args: argparse.Namespace) -> int:
         temperature=temperature, top_p=top_p, batch_size=args.batch_size, precision=precision,
         progress=not args.no_progress,
     )
+    if reward_model is not None:
+        from polo.lm.evaluate import add_reward_scores
+
+        add_reward_scores(result, reward_model)
     wall_time = time.perf_counter() - started
     summary = {**result["summary"], "wall_time_s": wall_time}
     output = Path(args.output)
@@ -247,6 +258,11 @@ def format_summary(summary: dict, max_new_tokens: int) -> str:
         ("samples with an extractable answer", f"{summary['answered']:.3f}"),
         ("mean response length", f"{summary['mean_response_length']:.1f} tokens"),
         (f"truncated at {max_new_tokens} tokens", f"{summary['truncated']:.3f}"),
+        *(
+            [("reward model score, mean (correct / wrong samples)",
+              f"{summary['reward_model_mean']:.3f} ({summary['reward_model_mean_correct']:.3f} / {summary['reward_model_mean_wrong']:.3f})")]
+            if "reward_model_mean" in summary else []
+        ),
         ("problems", str(summary["num_problems"])),
         ("wall time", f"{summary['wall_time_s']:.0f} s"),
     ]

@@ -315,6 +315,36 @@ def evaluate_policy(
     return {"summary": summarize(problems), "problems": problems}
 
 
+def add_reward_scores(result: dict, reward: Callable[[Sequence[str], Sequence[dict]], list[float]], name: str = "reward_model") -> dict:
+    """Score every sample of an `evaluate_policy` result with a batched reward function; return `result`.
+
+    Each sample gets `name` (its score), each problem `<name>_mean` and the summary `<name>_mean`
+    (over all samples), `<name>_mean_correct` and `<name>_mean_wrong` (over the samples the checker
+    passed and failed; NaN when there are none). `reward` is called once per problem as
+    `reward(completions, rows)` with rows carrying the exact prompt text (`prompt_text`), as the
+    RL trainer calls a `model:PATH` reward.
+    """
+    scored = {True: [], False: []}
+    for problem in result["problems"]:
+        texts = [sample["completion"] for sample in problem["samples"]]
+        values = reward(texts, [{"prompt_text": problem["prompt"], "question": problem["question"]}] * len(texts))
+        if len(values) != len(texts):
+            raise ValueError(f"{name}: got {len(values)} scores for {len(texts)} samples")
+        for sample, value in zip(problem["samples"], values):
+            sample[name] = float(value)
+            scored[sample["correct"] > 0.5].append(float(value))
+        problem[f"{name}_mean"] = sum(values) / len(values)
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values) if values else float("nan")
+
+    summary = result["summary"]
+    summary[f"{name}_mean"] = mean(scored[True] + scored[False])
+    summary[f"{name}_mean_correct"] = mean(scored[True])
+    summary[f"{name}_mean_wrong"] = mean(scored[False])
+    return result
+
+
 @torch.no_grad()
 def greedy_accuracy(
     model,

@@ -105,8 +105,15 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
     tokenizer.save_pretrained(str(output_dir))
 
 
-def resolve_model_path(name_or_path: str) -> Path:
-    """Return a local model directory for a built-in name or a path, with a clear error otherwise."""
+CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
+
+
+def resolve_model_path(name_or_path: str, architectures: tuple[str, ...] = CAUSAL_LM_ARCHITECTURES) -> Path:
+    """Return a local model directory for a built-in name or a path, with a clear error otherwise.
+
+    The directory's `config.json` must name an architecture ending in one of `architectures`
+    (default: a causal LM).
+    """
     if name_or_path in BUILTIN_MODELS:
         return ensure_builtin_model(name_or_path)
     path = Path(name_or_path).expanduser()
@@ -118,11 +125,12 @@ def resolve_model_path(name_or_path: str) -> Path:
     if not (path / "config.json").exists():
         raise ModelLoadError(f"model directory {path} has no config.json: not a Hugging Face model directory")
     config = json.loads((path / "config.json").read_text())
-    architectures = config.get("architectures") or []
-    if architectures and not any(arch.endswith(("ForCausalLM", "LMHeadModel")) for arch in architectures):
+    found = config.get("architectures") or []
+    if found and not any(arch.endswith(architectures) for arch in found):
+        kind = "a causal language model" if architectures == CAUSAL_LM_ARCHITECTURES else "a model polo can use here"
         raise ModelLoadError(
-            f"model directory {path} holds {architectures}, not a causal language model "
-            "(expected an architecture ending in ForCausalLM or LMHeadModel)"
+            f"model directory {path} holds {found}, not {kind} "
+            f"(expected an architecture ending in {' or '.join(architectures)})"
         )
     return path
 

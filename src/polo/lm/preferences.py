@@ -16,8 +16,8 @@ of the way and ignored.
 
 `arithmetic_preference_data` builds a demonstration set: arithmetic problems from
 `polo.lm.tasks.arithmetic`, phrased with the arithmetic task's own instruction; demonstrations
-give the correct concise answer, comparisons prefer it to the same answer off by one (see
-`arithmetic_comparison`).
+give the correct concise answer, comparisons prefer it to the same answer with a mistake in the
+carry, the tens digit or the units digit (see `wrong_answer`).
 """
 
 from __future__ import annotations
@@ -167,18 +167,57 @@ def concise_answer(a: int, op: str, b: int, value: int) -> str:
     return f"{a} {op} {b} = {value}"
 
 
-def arithmetic_comparison(prompt: str, problem: tuple[int, str, int], rng: random.Random) -> dict:
-    """Return a comparison row for one problem: the correct answer over the same answer off by one.
+# The kinds of wrong answer the built-in comparisons can hold (`wrong_answer`), and the default:
+# carry mistakes only, the SFT model's own (docs/rlhf.md has what the other kinds did).
+MISTAKES = ("carry", "tens", "units")
+DEFAULT_MISTAKES = ("carry",)
 
-    Both are in the concise form the SFT demonstrations teach ("47 + 38 = 85" over "47 + 38 = 84"
-    or "= 86"): same length, same wording, so only checking the sum tells them apart. Off by one in
-    the last digit is the slip the reward model can learn to catch within CPU minutes; see
-    docs/rlhf.md for what we measured with mistakes in the tens digit and with rambling answers.
+
+def has_carry(a: int, b: int) -> bool:
+    """Whether adding a and b carries from the units into the tens: 47 + 38 does (7 + 8 = 15), 41 + 38 does not."""
+    return abs(a) % 10 + abs(b) % 10 >= 10
+
+
+def wrong_answer(a: int, op: str, b: int, mistake: str, rng: random.Random) -> int:
+    """Return a wrong value of `a op b` with one kind of mistake (never the right value; below zero only if it is).
+
+    - ``"carry"``: the carry into the tens done wrong, for a sum: forgotten when there is one
+      (47 + 38 = 75), added when there is none (41 + 38 = 89). Off by 10 in the direction a slip
+      in the carry goes; the SFT model's own mistakes are of this kind (24 of its 28 wrong greedy
+      answers on the held-out sums, docs/rlhf.md). For − and ×, off by 10 either way.
+    - ``"tens"``: the tens digit off by one the other way (47 + 38 = 95, 41 + 38 = 69), so a
+      reward model cannot pass by scoring "a carry means a larger tens digit".
+    - ``"units"``: off by one (47 + 38 = 84 or 86).
+    """
+    value = OPERATIONS[op](a, b)
+    if mistake == "units":
+        step = rng.choice([-1, 1])
+    elif mistake in ("carry", "tens"):
+        if op == "+":
+            carry_step = -10 if has_carry(a, b) else 10
+            step = carry_step if mistake == "carry" else -carry_step
+        else:
+            step = rng.choice([-10, 10])
+    else:
+        raise ValueError(f"unknown mistake {mistake!r}; valid: {', '.join(MISTAKES)}")
+    wrong = value + step
+    return wrong if wrong >= 0 else value + abs(step)
+
+
+def arithmetic_comparison(prompt: str, problem: tuple[int, str, int], rng: random.Random, mistake: str = "carry") -> dict:
+    """Return a comparison row for one problem: the correct answer over the same answer with `mistake`.
+
+    Both are in the concise form the SFT demonstrations teach ("47 + 38 = 85" over "47 + 38 = 75"):
+    same length, same wording, so only checking the sum tells them apart (`wrong_answer` lists the
+    mistakes). The row keeps the mistake's name in `"mistake"` (ignored by training).
     """
     a, op, b = problem
     value = OPERATIONS[op](a, b)
-    wrong = value + rng.choice([-1, 1]) if value > 0 else value + 1
-    return {"prompt": prompt, "chosen": concise_answer(a, op, b, value), "rejected": concise_answer(a, op, b, wrong), "answer": str(value)}
+    wrong = wrong_answer(a, op, b, mistake, rng)
+    return {
+        "prompt": prompt, "chosen": concise_answer(a, op, b, value), "rejected": concise_answer(a, op, b, wrong),
+        "answer": str(value), "mistake": mistake,
+    }
 
 
 def arithmetic_preference_data(
@@ -188,8 +227,9 @@ def arithmetic_preference_data(
     seed: int = 0,
     num_sft: int = 1000,
     num_sft_eval: int = 100,
-    num_comparisons: int = 1000,
+    num_comparisons: int = 3000,
     num_comparisons_eval: int = 200,
+    mistakes: Sequence[str] = DEFAULT_MISTAKES,
 ) -> dict[str, list[dict]]:
     """Return the four splits {"sft_train", "sft_eval", "preferences_train", "preferences_eval"} as jsonl rows.
 
@@ -197,8 +237,13 @@ def arithmetic_preference_data(
     the default one). Problems come from its training split only, so none of the RL run's held-out
     problems appear, and the four splits are disjoint from each other. Prompts are `instruction`
     (the RL run's, `polo.lm.trainer.instruction_for`; None: the task's own) filled with the
-    question, so the models see the prompts the policy sees during RL.
+    question, so the models see the prompts the policy sees during RL. The comparisons' wrong
+    answers cycle through `mistakes` (kinds of `wrong_answer`) problem by problem.
     """
+    mistakes = tuple(mistakes)
+    unknown = [name for name in mistakes if name not in MISTAKES]
+    if not mistakes or unknown:
+        raise ValueError(f"mistakes must name at least one of {', '.join(MISTAKES)}; got {list(mistakes)}")
     task = arithmetic_task() if task is None else task
     if task.train_rows and "operands" not in task.train_rows[0]:
         raise ValueError(f"the built-in preference data needs an arithmetic task, got task {task.name!r}")
@@ -226,7 +271,8 @@ def arithmetic_preference_data(
             if name.startswith("sft"):
                 out.append({"prompt": prompt, "response": concise_answer(a, row["operator"], b, int(row["answer"])), "answer": row["answer"]})
             else:
-                out.append(arithmetic_comparison(prompt, (a, row["operator"], b), rng))
+                mistake = mistakes[len(out) % len(mistakes)]
+                out.append(arithmetic_comparison(prompt, (a, row["operator"], b), rng, mistake))
         splits[name] = out
         start += size
     return splits

@@ -141,16 +141,23 @@ def ranking_metrics(scores: Sequence[Sequence[float]]) -> dict[str, float]:
 
 
 def new_reward_model(name_or_path: str, tokenizer, attn_implementation: str | None = None):
-    """Return a sequence-classification model (one output) on the trunk of the causal LM `name_or_path`.
+    """Return a sequence-classification model (one output) to train as a reward model.
 
-    The head is new (randomly initialised); `config.pad_token_id` is set to the tokenizer's pad
-    token so the head reads the last real token of padded batches.
+    From a causal LM (the usual start: the SFT model) the trunk is the LM's and the head is new
+    (randomly initialised). From a reward model (a `polo rm` output) the trunk and the head are
+    both kept, so training continues: iterated RLHF, or a reward model taught one kind of mistake
+    and then more. `config.pad_token_id` is set to the tokenizer's pad token so the head reads
+    the last real token of padded batches.
     """
     from transformers import AutoModelForSequenceClassification
 
-    from polo.lm.models import ModelLoadError, resolve_model_path
+    from polo.lm.models import CAUSAL_LM_ARCHITECTURES, ModelLoadError, resolve_model_path
 
-    path = resolve_model_path(name_or_path)
+    path = resolve_model_path(name_or_path, CAUSAL_LM_ARCHITECTURES + ("ForSequenceClassification",))
+    saved = json.loads((path / "config.json").read_text())
+    outputs = len(saved.get("id2label") or {"0": None})
+    if any(arch.endswith("ForSequenceClassification") for arch in saved.get("architectures") or []) and outputs != 1:
+        raise ModelLoadError(f"{path} is a sequence classifier with {outputs} outputs; a reward model has one")
     options = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=torch.float32, **options)

@@ -31,7 +31,7 @@ def add_parsers(subcommands) -> None:
         description=(
             "Write sft_train/sft_eval/preferences_train/preferences_eval.jsonl to OUT_DIR: arithmetic problems "
             "from the training split of the RL task (never its held-out problems); demonstrations give the correct "
-            "concise answer, comparisons prefer it to the same answer off by one."
+            "concise answer, comparisons prefer it to the same answer with a mistake (by default in the carry into the tens)."
         ),
     )
     data_parser.add_argument("out_dir")
@@ -39,8 +39,12 @@ def add_parsers(subcommands) -> None:
     data_parser.add_argument("--seed", type=int, default=0, help="shuffles problems into splits and picks wrong answers and wordings (default 0)")
     data_parser.add_argument("--num-sft", type=int, default=1000, help="SFT demonstrations (default 1000)")
     data_parser.add_argument("--num-sft-eval", type=int, default=100, help="held-out SFT demonstrations (default 100)")
-    data_parser.add_argument("--num-comparisons", type=int, default=1000, help="comparisons, correct over off by one (default 1000)")
+    data_parser.add_argument("--num-comparisons", type=int, default=3000, help="comparisons, the correct answer over a wrong one (default 3000)")
     data_parser.add_argument("--num-comparisons-eval", type=int, default=200, help="held-out comparisons (default 200)")
+    data_parser.add_argument("--mistakes", default="carry",
+                             help="kinds of wrong answer in the comparisons, cycled problem by problem, comma-separated: "
+                             "carry (the carry into the tens forgotten or added), tens (the tens digit off by one the other way), "
+                             "units (off by one) (default: carry)")
     data_parser.set_defaults(rlhf_command="make-preferences")
 
 
@@ -90,6 +94,7 @@ def make_preferences(args: argparse.Namespace) -> int:
     paths = write_arithmetic_preferences(
         args.out_dir, task, instruction=instruction_for(config, task), seed=args.seed, num_sft=args.num_sft,
         num_sft_eval=args.num_sft_eval, num_comparisons=args.num_comparisons, num_comparisons_eval=args.num_comparisons_eval,
+        mistakes=[name.strip() for name in args.mistakes.split(",") if name.strip()],
     )
     for path in paths.values():
         print(f"{path}  ({sum(1 for _ in path.open())} rows)")
