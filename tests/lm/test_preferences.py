@@ -171,3 +171,11 @@ def test_make_preferences_command_writes_the_splits(tmp_path, capsys):
     eval_questions = {row["question"] for row in arithmetic_task(seed=2, num_train=300, num_eval=20).eval_rows}
     written = (tmp_path / "data" / "preferences_eval.jsonl").read_text()
     assert not any(question in written for question in eval_questions)
+
+
+def test_make_preferences_refuses_an_unknown_mistake(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["make-preferences", str(tmp_path / "data"), "--mistakes", "carry,hundreds"])
+    assert stopped.value.code == 2
+    assert "give one or more of carry, tens, units" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()

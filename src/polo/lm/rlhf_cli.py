@@ -12,6 +12,17 @@ import argparse
 COMMANDS = ("sft", "rm", "dpo", "make-preferences")
 
 
+def mistake_list(text: str) -> list[str]:
+    """Parse `--mistakes` ("carry,units") into kinds of `polo.lm.preferences.wrong_answer`; argparse reports a bad one."""
+    from polo.lm.preferences import MISTAKES
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MISTAKES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(MISTAKES)}, comma-separated")
+    return names
+
+
 def add_parsers(subcommands) -> None:
     """Add the `sft`, `rm`, `dpo` and `make-preferences` subcommands to an argparse subparsers object."""
     helps = {
@@ -41,7 +52,7 @@ def add_parsers(subcommands) -> None:
     data_parser.add_argument("--num-sft-eval", type=int, default=100, help="held-out SFT demonstrations (default 100)")
     data_parser.add_argument("--num-comparisons", type=int, default=3000, help="comparisons, the correct answer over a wrong one (default 3000)")
     data_parser.add_argument("--num-comparisons-eval", type=int, default=200, help="held-out comparisons (default 200)")
-    data_parser.add_argument("--mistakes", default="carry",
+    data_parser.add_argument("--mistakes", type=mistake_list, default=["carry"],
                              help="kinds of wrong answer in the comparisons, cycled problem by problem, comma-separated: "
                              "carry (the carry into the tens forgotten or added), tens (the tens digit off by one the other way), "
                              "units (off by one) (default: carry)")
@@ -94,7 +105,7 @@ def make_preferences(args: argparse.Namespace) -> int:
     paths = write_arithmetic_preferences(
         args.out_dir, task, instruction=instruction_for(config, task), seed=args.seed, num_sft=args.num_sft,
         num_sft_eval=args.num_sft_eval, num_comparisons=args.num_comparisons, num_comparisons_eval=args.num_comparisons_eval,
-        mistakes=[name.strip() for name in args.mistakes.split(",") if name.strip()],
+        mistakes=args.mistakes,
     )
     for path in paths.values():
         print(f"{path}  ({sum(1 for _ in path.open())} rows)")
