@@ -42,6 +42,11 @@ rlhf: model
 	$(POLO) eval --task arith --greedy --no-progress -o runs/rlhf_data/eval_base.json
 	$(POLO) eval --task arith --greedy --no-progress --model runs/rlhf_sft/final -o runs/rlhf_sft/eval_greedy.json
 	$(POLO) eval --task arith --greedy --no-progress --model runs/rlhf_dpo/final -o runs/rlhf_dpo/eval_greedy.json
+	$(POLO) make-preferences runs/rlhf_data/samples --recipe recipes/rlhf_rl.yaml --from-model smollm2-135m-instruct
+	$(POLO) rm recipes/rlhf_rm_samples.yaml
+	$(POLO) train recipes/rlhf_rl_samples.yaml
+	$(POLO) dpo recipes/rlhf_dpo_samples.yaml
+	$(POLO) eval --task arith --greedy --no-progress --model runs/rlhf_dpo_samples/final -o runs/rlhf_dpo_samples/eval_greedy.json
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,bench]"

@@ -21,9 +21,10 @@ def test_every_recipe_loads(recipe):
     from polo.lm.sft import load_sft_config
 
     # the recipes of `polo sft`, `polo rm` and `polo dpo`; every other one is `polo train` or `polo control`
-    finetune_loaders = {"rlhf_sft": load_sft_config, "rlhf_rm": load_reward_model_config, "rlhf_dpo": load_dpo_config}
-    if recipe.stem in finetune_loaders:
-        assert finetune_loaders[recipe.stem](recipe).data.train_path
+    finetune_loaders = {"sft": load_sft_config, "rm": load_reward_model_config, "dpo": load_dpo_config}
+    command = recipe.stem.split("_")[1] if recipe.stem.startswith("rlhf_") else None  # rlhf_rm_samples -> rm
+    if command in finetune_loaders:
+        assert finetune_loaders[command](recipe).data.train_path
     elif "env" in yaml.safe_load(recipe.read_text()):  # a Gymnasium control recipe (`polo control`)
         from polo.control.config import ControlConfig, load_control_config
 

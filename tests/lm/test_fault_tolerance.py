@@ -14,6 +14,7 @@ import torch
 from test_trainer import final_weights, tiny_config, without_times
 
 from polo.lm import trainer
+from polo.lm.saving import SaveError
 from polo.lm.trainer import NonFiniteLossError, train
 from polo.logging import read_metrics
 
@@ -114,13 +115,18 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_as_the_latest(tiny_
                 real_save(obj, path, *args, **kwargs)
                 with open(path, "r+b") as handle:  # the process dies half-way through writing
                     handle.truncate(100)
-                raise OSError("disk full (injected)")
+                # what torch.save raises when the disk fills up mid-write
+                raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed (injected)")
         return real_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(trainer.torch, "save", crash_on_second_checkpoint)
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(SaveError) as error:
         train(config)
+    message = str(error.value)
+    assert "could not write checkpoint step 4" in message and "injected" in message and "free space there" in message
+    assert "the last complete checkpoint" in message and "step-000002 is intact" in message
     monkeypatch.setattr(trainer.torch, "save", real_save)
+    assert not list((tmp_path / "run" / "checkpoints").glob(".incomplete-*"))  # the half-written copy is gone
     checkpointer = trainer.Checkpointer(tmp_path / "run", keep=2)
     assert checkpointer.latest().name == "step-000002"  # the half-written step 4 never became a checkpoint
     resumed = train(config, ["output.resume=true"])

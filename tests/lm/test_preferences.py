@@ -12,12 +12,14 @@ from polo.cli import main
 from polo.lm.preferences import (
     Ranking,
     arithmetic_preference_data,
+    comparisons_from_samples,
     has_carry,
     ranking_from_row,
     ranking_pairs,
     read_demonstrations,
     read_rankings,
     render_prompt,
+    sampled_preference_data,
     wrong_answer,
 )
 from polo.lm.rewards import exact_number
@@ -179,3 +181,49 @@ def test_make_preferences_refuses_an_unknown_mistake(tmp_path, capsys):
     assert stopped.value.code == 2
     assert "give one or more of carry, tens, units" in capsys.readouterr().err
     assert not (tmp_path / "data").exists()
+
+
+def test_comparisons_from_samples_rank_each_right_answer_above_a_wrong_one():
+    samples = [("= 85", 1.0), ("= 75", 0.0), ("= 85", 1.0), ("85", 1.0), ("= 95", 0.0), ("= 75", 0.0)]
+    rows = comparisons_from_samples("What is 47 + 38?", samples, random.Random(0), max_pairs=10)
+    assert sorted((row["chosen"], row["rejected"]) for row in rows) == [("85", "= 75"), ("85", "= 95"), ("= 85", "= 75"), ("= 85", "= 95")]
+    assert all(row["prompt"] == "What is 47 + 38?" for row in rows)
+    capped = comparisons_from_samples("q", samples, random.Random(0), max_pairs=3)
+    assert len(capped) == 3 and len({(row["chosen"], row["rejected"]) for row in capped}) == 3
+    assert comparisons_from_samples("q", [("a", 1.0), ("b", 1.0)], random.Random(0)) == []
+    assert comparisons_from_samples("q", [("a", 0.0), ("b", 0.0)], random.Random(0)) == []
+
+
+def test_sampled_preferences_rank_the_models_own_answers_on_training_problems(tiny_model_dir):
+    from polo.lm.models import load_policy
+
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    task = arithmetic_task(num_train=60, num_eval=10)
+    task.correctness = lambda text, row: float(len(text) % 2 == 0)  # a checker the tiny model passes half the time
+    splits, stats = sampled_preference_data(
+        model, tokenizer, task, instruction="Add: {question}", num_prompts=6, num_prompts_eval=2, samples=4,
+        max_new_tokens=5, max_pairs=2,
+    )
+    assert stats["preferences_train"] == len(splits["preferences_train"]) <= 12
+    assert stats["preferences_eval"] == len(splits["preferences_eval"]) <= 4
+    rows = splits["preferences_train"] + splits["preferences_eval"]
+    assert rows and stats["prompts_with_a_comparison"] >= 1
+    assert all(len(row["chosen"]) % 2 == 0 and len(row["rejected"]) % 2 == 1 for row in rows)
+    held_out = {row["question"] for row in task.eval_rows}
+    assert all(row["prompt"].startswith("Add: ") and row["prompt"][5:] not in held_out for row in rows)
+    assert not {row["prompt"] for row in splits["preferences_train"]} & {row["prompt"] for row in splits["preferences_eval"]}
+    with pytest.raises(ValueError, match="training split holds"):
+        sampled_preference_data(model, tokenizer, task, num_prompts=100)
+
+
+def test_make_preferences_from_a_model_writes_comparisons_and_stats(tiny_model_dir, tmp_path, capsys):
+    recipe = tmp_path / "rl.yaml"
+    recipe.write_text("task: {name: arithmetic, num_train: 50, num_eval: 10}\nsampling: {max_new_tokens: 4}\n")
+    status = main(["make-preferences", str(tmp_path / "data"), "--recipe", str(recipe), "--from-model", str(tiny_model_dir),
+                   "--num-prompts", "4", "--num-prompts-eval", "2", "--samples", "3"])
+    assert status == 0
+    stats = json.loads((tmp_path / "data" / "sampling.json").read_text())
+    assert stats["prompts"] == 6 and stats["samples_per_prompt"] == 3 and stats["model"] == str(tiny_model_dir)
+    written = (tmp_path / "data" / "preferences_train.jsonl").read_text().splitlines()
+    assert len(written) == stats["preferences_train"]
+    assert "of 18 samples correct" in capsys.readouterr().out

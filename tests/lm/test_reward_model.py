@@ -88,6 +88,16 @@ def test_model_reward_mixes_with_a_rule_based_reward_by_weight(reward_model_dir)
     torch.testing.assert_close(total, 0.5 * torch.tensor(raw) + 2.0 * torch.tensor([1.0, 0.0, 1.0]))
 
 
+def test_two_reward_models_get_their_own_columns(reward_model_dir):
+    reward_set = RewardSet(
+        {f"model:{reward_model_dir}": 1.0, f"model:{reward_model_dir}?normalize": 0.5, "correct": 0.0}, toy_task()
+    )
+    assert reward_set.names == ["rm", "rm2", "correct"]
+    rows = rl_rows(load_tokenizer(str(reward_model_dir)), 2)
+    columns = reward_set.score(["5", "7"], rows)[1]
+    torch.testing.assert_close(columns["rm2"], (columns["rm"] - 0.25) / 2.0)
+
+
 def test_normalize_uses_the_saved_statistics(reward_model_dir):
     rows = rl_rows(load_tokenizer(str(reward_model_dir)), 2)
     raw = RewardModelReward(reward_model_dir)(["5", "7"], rows)

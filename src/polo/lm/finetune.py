@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import torch
 
 from polo import core
 from polo.config import ConfigError, build_dataclass, check_at_least_one, check_choices, config_to_dict, read_recipe
+from polo.lm.saving import staged_directory
 from polo.lm.rollout import autocast_context, completion_logprobs, position_ids_from_mask
 from polo.logging import MetricsLogger, is_main_process, read_metrics
 
@@ -459,15 +459,9 @@ class FinetuneResult:
 
 def save_model(model, tokenizer, target: Path) -> Path:
     """Save model and tokenizer with `save_pretrained` to `target`, replacing it only once the copy is whole."""
-    staging = target.parent / f".incomplete-{target.name}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    model.save_pretrained(str(staging), safe_serialization=True)
-    tokenizer.save_pretrained(str(staging))
-    if target.exists():
-        shutil.rmtree(target)
-    staging.rename(target)
+    with staged_directory(target, "the model", f"{target} is unchanged" if target.exists() else "") as staging:
+        model.save_pretrained(str(staging), safe_serialization=True)
+        tokenizer.save_pretrained(str(staging))
     return target
 
 

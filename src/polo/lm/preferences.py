@@ -290,3 +290,96 @@ def write_arithmetic_preferences(output_dir: str | Path, task: Task | None = Non
     output_dir = Path(output_dir)
     splits = arithmetic_preference_data(task, **options)
     return {name: write_jsonl(output_dir / f"{name}.jsonl", rows) for name, rows in splits.items()}
+
+
+# ---------------------------------------------------------------- comparisons from a model's own samples
+
+
+def user_prompt(question: str, instruction: str, system_prompt: str | None = None) -> str | list[dict]:
+    """Return the `prompt` field of a data row for `question`: the filled instruction, after a system message if any."""
+    message = fill_instruction(instruction, question)
+    if system_prompt is None:
+        return message
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": message}]
+
+
+def comparisons_from_samples(
+    prompt: str | list[dict], samples: Sequence[tuple[str, float]], rng: random.Random, max_pairs: int = 4
+) -> list[dict]:
+    """Return up to `max_pairs` comparison rows ranking a correct sample above a wrong one, for one prompt.
+
+    `samples` are (completion, correctness) for the prompt, correctness > 0.5 counting as right:
+    the checker plays the labeller who ranks the model's outputs. Duplicate completions count
+    once. Pairs are drawn without replacement from (correct × wrong), so a prompt whose samples
+    are all right or all wrong gives none.
+    """
+    right = sorted({text for text, score in samples if score > 0.5})
+    wrong = sorted({text for text, score in samples if score <= 0.5})
+    pairs = [(chosen, rejected) for chosen in right for rejected in wrong]
+    picked = rng.sample(pairs, min(max_pairs, len(pairs)))
+    return [{"prompt": prompt, "chosen": chosen, "rejected": rejected, "source": "samples"} for chosen, rejected in picked]
+
+
+def sampled_preference_data(
+    model: Any,
+    tokenizer: Any,
+    task: Task,
+    *,
+    instruction: str | None = None,
+    system_prompt: str | None = None,
+    num_prompts: int = 1500,
+    num_prompts_eval: int = 200,
+    samples: int = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = 32,
+    max_pairs: int = 4,
+    seed: int = 0,
+    batch_size: int = 64,
+    precision: str = "fp32",
+    progress: bool = False,
+) -> tuple[dict[str, list[dict]], dict]:
+    """Sample a model on the task's training problems and rank its answers with the task's checker.
+
+    Returns ({"preferences_train", "preferences_eval"}, stats). Problems come from the training
+    split only (never the held-out problems `polo train` and `polo eval` use), shuffled with
+    `seed`; the first `num_prompts` make the training comparisons, the next `num_prompts_eval`
+    the held-out ones. Each prompt gets `samples` completions at `temperature` (the RL run's
+    sampling), phrased exactly as the policy sees them, and `comparisons_from_samples` pairs.
+    This is InstructGPT's data collection with a program in the labeller's seat: comparisons of
+    the model's own outputs, so the reward model learns to tell apart the mistakes the policy
+    actually makes.
+    """
+    from polo.lm.evaluate import sample_completions
+
+    for name, value in {"num_prompts": num_prompts, "num_prompts_eval": num_prompts_eval, "samples": samples, "max_pairs": max_pairs}.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < (2 if name == "samples" else 0):
+            raise ValueError(f"{name} must be an integer >= {2 if name == 'samples' else 0}, got {value!r}")
+    template = task.instruction if instruction is None else instruction
+    held_out = {row["question"] for row in task.eval_rows}
+    rows = [row for row in task.train_rows if row["question"] not in held_out]
+    if num_prompts + num_prompts_eval > len(rows):
+        raise ValueError(
+            f"asked for {num_prompts} + {num_prompts_eval} prompts but the task's training split holds {len(rows)}"
+        )
+    rng = random.Random(seed)
+    rows = list(rows)
+    rng.shuffle(rows)
+    rows = rows[: num_prompts + num_prompts_eval]
+    completions = sample_completions(
+        model, tokenizer, task.prompts(tokenizer, rows, template, system_prompt), samples,
+        max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, precision=precision,
+        progress=progress,
+    )
+    splits: dict[str, list[dict]] = {"preferences_train": [], "preferences_eval": []}
+    correct = mixed = 0
+    for index, (row, done) in enumerate(zip(rows, completions)):
+        scored = [(sample["text"], float(task.correctness(sample["text"], row))) for sample in done]
+        correct += sum(score > 0.5 for _, score in scored)
+        pairs = comparisons_from_samples(user_prompt(row["question"], template, system_prompt), scored, rng, max_pairs)
+        mixed += bool(pairs)
+        splits["preferences_train" if index < num_prompts else "preferences_eval"].extend(pairs)
+    stats = {
+        "prompts": len(rows), "samples_per_prompt": samples, "sample_accuracy": correct / max(len(rows) * samples, 1),
+        "prompts_with_a_comparison": mixed, **{name: len(split) for name, split in splits.items()},
+    }
+    return splits, stats

@@ -56,6 +56,17 @@ def add_parsers(subcommands) -> None:
                              help="kinds of wrong answer in the comparisons, cycled problem by problem, comma-separated: "
                              "carry (the carry into the tens forgotten or added), tens (the tens digit off by one the other way), "
                              "units (off by one) (default: carry)")
+    sampled = data_parser.add_argument_group(
+        "comparisons of a model's own answers",
+        "with --from-model, write preferences_train/eval.jsonl from the model's samples on the RL task's training "
+        "problems instead, each correct sample ranked above a wrong one by the task's checker (any task of the recipe)",
+    )
+    sampled.add_argument("--from-model", default=None, metavar="MODEL", help="a causal-LM directory or built-in name to sample")
+    sampled.add_argument("--samples", type=int, default=8, help="samples per prompt (default 8, the RL group size)")
+    sampled.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0, as in RL)")
+    sampled.add_argument("--num-prompts", type=int, default=1500, help="training prompts to sample (default 1500)")
+    sampled.add_argument("--num-prompts-eval", type=int, default=200, help="held-out prompts to sample (default 200)")
+    sampled.add_argument("--max-pairs", type=int, default=4, help="comparisons per prompt at most (default 4)")
     data_parser.set_defaults(rlhf_command="make-preferences")
 
 
@@ -97,6 +108,8 @@ def make_preferences(args: argparse.Namespace) -> int:
     from polo.lm.trainer import instruction_for, make_task
 
     config = load_config(args.recipe)
+    if args.from_model is not None:
+        return sampled_preferences(args, config)
     if config.task.name != "arithmetic":
         raise ConfigError(f"make-preferences builds arithmetic data; the recipe's task.name is {config.task.name!r}")
     if config.task.answer_in_tags:
@@ -109,4 +122,33 @@ def make_preferences(args: argparse.Namespace) -> int:
     )
     for path in paths.values():
         print(f"{path}  ({sum(1 for _ in path.open())} rows)")
+    return 0
+
+
+def sampled_preferences(args: argparse.Namespace, config) -> int:
+    """`make-preferences --from-model`: rank the model's own samples on the recipe's task with its checker."""
+    import json
+    from pathlib import Path
+
+    from polo.lm.models import load_policy
+    from polo.lm.preferences import sampled_preference_data, write_jsonl
+    from polo.lm.trainer import instruction_for, make_task, resolve_precision
+
+    task = make_task(config)
+    model, tokenizer = load_policy(args.from_model)
+    splits, stats = sampled_preference_data(
+        model, tokenizer, task, instruction=instruction_for(config, task), system_prompt=config.task.system_prompt,
+        num_prompts=args.num_prompts, num_prompts_eval=args.num_prompts_eval, samples=args.samples,
+        temperature=args.temperature, max_new_tokens=config.sampling.max_new_tokens, max_pairs=args.max_pairs,
+        seed=args.seed, precision=resolve_precision("auto"), progress=True,
+    )
+    out_dir = Path(args.out_dir)
+    for name, rows in splits.items():
+        print(f"{write_jsonl(out_dir / f'{name}.jsonl', rows)}  ({len(rows)} rows)")
+    stats = {"model": args.from_model, "temperature": args.temperature, **stats}
+    (out_dir / "sampling.json").write_text(json.dumps(stats, indent=1) + "\n")
+    print(
+        f"{args.from_model}: {stats['sample_accuracy']:.3f} of {stats['prompts'] * args.samples} samples correct; "
+        f"{stats['prompts_with_a_comparison']} of {stats['prompts']} prompts had both a right and a wrong answer"
+    )
     return 0

@@ -29,6 +29,7 @@ from polo.lm.evaluate import greedy_accuracy
 from polo.lm import parallel
 from polo.lm.models import enable_activation_checkpointing, frozen_copy, load_policy, resolve_model_path
 from polo.lm.rewards import RewardSet
+from polo.lm.saving import staged_directory
 from polo.lm.rollout import Rollouts, autocast_context, completion_logprobs, cpu_supports_bf16, rollout
 from polo.lm.tasks import build_task
 from polo.lm.tasks.base import DEFAULT_INSTRUCTION, PLAIN_INSTRUCTION, Task
@@ -209,23 +210,19 @@ class Checkpointer:
 
     def _write(self, step: int, model, model_state: dict | None, tokenizer, optimizer_state: dict, scheduler, extra: dict) -> Path:
         target = self.root / f"step-{step:06d}"
-        staging = self.root / f".incomplete-step-{step:06d}"
-        if staging.exists():
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-        model.save_pretrained(str(staging), safe_serialization=True, state_dict=model_state)
-        tokenizer.save_pretrained(str(staging))
-        state = {
-            "step": step,
-            "optimizer": optimizer_state,
-            "scheduler": scheduler.state_dict(),
-            "rng": rng_state(),
-            **extra,
-        }
-        torch.save(state, staging / "trainer_state.pt")
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)  # a checkpoint exists only once it is whole
+        previous = self.latest()
+        keeps = f"the last complete checkpoint {previous} is intact" if previous else "no checkpoint was written yet"
+        with staged_directory(target, f"checkpoint step {step}", keeps) as staging:
+            model.save_pretrained(str(staging), safe_serialization=True, state_dict=model_state)
+            tokenizer.save_pretrained(str(staging))
+            state = {
+                "step": step,
+                "optimizer": optimizer_state,
+                "scheduler": scheduler.state_dict(),
+                "rng": rng_state(),
+                **extra,
+            }
+            torch.save(state, staging / "trainer_state.pt")  # last: a checkpoint is whole once this exists
         checkpoints = sorted(self.root.glob("step-*"), key=lambda path: int(path.name.split("-")[1]))
         for old in checkpoints[: max(len(checkpoints) - self.keep, 0)]:
             shutil.rmtree(old)

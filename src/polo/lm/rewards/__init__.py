@@ -266,6 +266,12 @@ class RewardSet:
         self._weights: dict[str, float] = {}
         for reward, weight in weights.items():
             name, function = resolve_reward(reward, task)
+            if isinstance(reward, str) and reward.startswith("model:"):
+                # Several reward models are logged as rm, rm2, rm3, ... in the order given.
+                base, count = name, 1
+                while name in self._functions:
+                    count += 1
+                    name = f"{base}{count}"
             if name in self._functions:
                 raise ValueError(
                     f"two rewards share the name {name!r}; rename one of the functions "
