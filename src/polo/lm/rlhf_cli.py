@@ -38,7 +38,7 @@ def add_parsers(subcommands) -> None:
 
     data_parser = subcommands.add_parser(
         "make-preferences",
-        help="write the built-in arithmetic SFT demonstrations and comparisons as jsonl",
+        help="write arithmetic SFT demonstrations and comparisons as jsonl, or (--from-model) comparisons of a model's own answers",
         description=(
             "Write sft_train/sft_eval/preferences_train/preferences_eval.jsonl to OUT_DIR: arithmetic problems "
             "from the training split of the RL task (never its held-out problems); demonstrations give the correct "
