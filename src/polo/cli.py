@@ -63,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as error:  # noqa: BLE001 - known polo errors get one clear line, others a traceback
         from polo.lm.models import ModelLoadError
+        from polo.lm.saving import SaveError
         from polo.lm.trainer import NonFiniteLossError
 
-        known = (ModelLoadError, NonFiniteLossError) + _data_errors()
+        known = (ModelLoadError, NonFiniteLossError, SaveError) + _data_errors()
         if isinstance(error, known):
             print(f"polo: error: {error}", file=sys.stderr)
             return 2

@@ -227,3 +227,16 @@ def test_make_preferences_from_a_model_writes_comparisons_and_stats(tiny_model_d
     written = (tmp_path / "data" / "preferences_train.jsonl").read_text().splitlines()
     assert len(written) == stats["preferences_train"]
     assert "of 18 samples correct" in capsys.readouterr().out
+
+
+def test_make_preferences_from_a_model_refuses_bad_counts_before_loading(tmp_path, capsys):
+    recipe = tmp_path / "rl.yaml"
+    recipe.write_text("task: {name: arithmetic, num_train: 50, num_eval: 10}\n")
+    base = ["make-preferences", str(tmp_path / "data"), "--recipe", str(recipe), "--from-model", str(tmp_path / "no-model")]
+    assert main(base + ["--samples", "1"]) == 2
+    assert "samples must be an integer >= 2, got 1" in capsys.readouterr().err
+    assert main(base + ["--num-prompts", "100"]) == 2
+    assert "training split holds 50" in capsys.readouterr().err
+    assert main(base + ["--temperature", "0"]) == 2
+    assert "--temperature must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()

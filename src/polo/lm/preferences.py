@@ -320,6 +320,21 @@ def comparisons_from_samples(
     return [{"prompt": prompt, "chosen": chosen, "rejected": rejected, "source": "samples"} for chosen, rejected in picked]
 
 
+def check_sampling_request(task: Task, num_prompts: int, num_prompts_eval: int, samples: int, max_pairs: int) -> list[dict]:
+    """Raise ValueError for counts `sampled_preference_data` cannot honour; return the task's usable training rows."""
+    for name, value in {"num_prompts": num_prompts, "num_prompts_eval": num_prompts_eval, "samples": samples, "max_pairs": max_pairs}.items():
+        minimum = 2 if name == "samples" else 0  # a comparison needs two answers to one prompt
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    held_out = {row["question"] for row in task.eval_rows}
+    rows = [row for row in task.train_rows if row["question"] not in held_out]
+    if num_prompts + num_prompts_eval > len(rows):
+        raise ValueError(
+            f"asked for {num_prompts} + {num_prompts_eval} prompts but the task's training split holds {len(rows)}"
+        )
+    return rows
+
+
 def sampled_preference_data(
     model: Any,
     tokenizer: Any,
@@ -351,16 +366,8 @@ def sampled_preference_data(
     """
     from polo.lm.evaluate import sample_completions
 
-    for name, value in {"num_prompts": num_prompts, "num_prompts_eval": num_prompts_eval, "samples": samples, "max_pairs": max_pairs}.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < (2 if name == "samples" else 0):
-            raise ValueError(f"{name} must be an integer >= {2 if name == 'samples' else 0}, got {value!r}")
     template = task.instruction if instruction is None else instruction
-    held_out = {row["question"] for row in task.eval_rows}
-    rows = [row for row in task.train_rows if row["question"] not in held_out]
-    if num_prompts + num_prompts_eval > len(rows):
-        raise ValueError(
-            f"asked for {num_prompts} + {num_prompts_eval} prompts but the task's training split holds {len(rows)}"
-        )
+    rows = check_sampling_request(task, num_prompts, num_prompts_eval, samples, max_pairs)
     rng = random.Random(seed)
     rows = list(rows)
     rng.shuffle(rows)

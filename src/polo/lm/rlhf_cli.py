@@ -130,11 +130,18 @@ def sampled_preferences(args: argparse.Namespace, config) -> int:
     import json
     from pathlib import Path
 
+    from polo.config import ConfigError
     from polo.lm.models import load_policy
-    from polo.lm.preferences import sampled_preference_data, write_jsonl
+    from polo.lm.preferences import check_sampling_request, sampled_preference_data, write_jsonl
     from polo.lm.trainer import instruction_for, make_task, resolve_precision
 
     task = make_task(config)
+    if not args.temperature > 0:
+        raise ConfigError(f"make-preferences --from-model: --temperature must be > 0 (samples must differ), got {args.temperature}")
+    try:  # before the model loads: a bad count costs nothing
+        check_sampling_request(task, args.num_prompts, args.num_prompts_eval, args.samples, args.max_pairs)
+    except ValueError as error:
+        raise ConfigError(f"make-preferences --from-model: {error}") from None
     model, tokenizer = load_policy(args.from_model)
     splits, stats = sampled_preference_data(
         model, tokenizer, task, instruction=instruction_for(config, task), system_prompt=config.task.system_prompt,
