@@ -8,7 +8,8 @@ see exactly the same prompt strings (polo's chat-templated prompts, given to TRL
 which TRL tokenizes without templating again) in the same order.
 
 Runs, each in its own subprocess so peak RSS is per run:
-  polo      polo's defaults (precision "auto": bf16 autocast where the CPU has native bf16)
+  polo      polo's defaults (precision "auto": on a CPU with native bf16, bf16 weights with fp32
+            master weights and AdamW state, see polo.lm.precision)
   trl_fast  TRL GRPOTrainer, bf16 autocast, no gradient checkpointing (its fastest)
   trl_lean  TRL GRPOTrainer, fp32, gradient checkpointing (its leanest)
 (`--only ... trl_default` adds TRL's own defaults, bf16 autocast + gradient checkpointing.)
@@ -115,7 +116,7 @@ def run_polo(steps: int, out_dir: Path) -> dict:
     import polo.lm.trainer as trainer_module
     from polo.config import load_config
     from polo.lm.models import ensure_builtin_model
-    from polo.lm.trainer import resolve_precision
+    from polo.lm.trainer import resolve_train_precision
     from transformers import AutoTokenizer
 
     config_dict = polo_config(steps, out_dir / "run")
@@ -165,7 +166,7 @@ def run_polo(steps: int, out_dir: Path) -> dict:
             tokens.append(row["completion_length/mean"] * PROMPTS_PER_STEP * GROUP_SIZE + prompt_tokens[index])
             token_source = "completion_length/mean x 32 + prompt tokens"
     return {
-        "precision": resolve_precision(config.train.precision),
+        "precision": resolve_train_precision(config),
         "gradient_checkpointing": getattr(config.train, "gradient_checkpointing", False),
         "micro_batch": config.train.micro_batch_size,
         "step_times": times,

@@ -57,7 +57,10 @@ class Rollouts:
 
 
 def autocast_context(precision: str) -> contextlib.AbstractContextManager:
-    """Return the autocast context for `precision` ("fp32" or "bf16") on the CPU."""
+    """Return the autocast context for `precision` on the CPU: bf16 autocast for "bf16", none otherwise.
+
+    ("bf16_master" models already hold bf16 weights, see polo.lm.precision: nothing to cast.)
+    """
     if precision == "bf16":
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()

@@ -27,6 +27,7 @@ from polo.config import Config, ConfigError, config_to_dict, load_config
 from polo.lm.critic import ValueModel, completion_values, logprobs_and_values, new_value_head
 from polo.lm.evaluate import greedy_accuracy
 from polo.lm import parallel
+from polo.lm.precision import MasterWeights, use_fp32_backward_attention
 from polo.lm.models import enable_activation_checkpointing, frozen_copy, load_policy, resolve_model_path
 from polo.lm.rewards import RewardSet
 from polo.lm.saving import staged_directory
@@ -112,6 +113,31 @@ def resolve_precision(precision: str) -> str:
     return precision
 
 
+def master_weights_unsupported(config: Config) -> str | None:
+    """Return why `train.precision=bf16_master` cannot train this run (None when it can)."""
+    if parallel.world_size() > 1:
+        return f"it trains in one process only (this run has {parallel.world_size()})"
+    if config.algorithm.advantage_estimator == "gae":
+        return "PPO's critic is trained in fp32 weights (use train.precision=bf16)"
+    return None
+
+
+def resolve_train_precision(config: Config) -> str:
+    """Return the policy trainer's precision: "fp32", "bf16" (autocast) or "bf16_master" (see polo.lm.precision).
+
+    "auto" picks bf16_master where the CPU has native bf16 and the run allows it (one process,
+    no critic), else bf16 autocast on such CPUs, else fp32.
+    """
+    precision = config.train.precision
+    if precision == "auto":
+        if not cpu_supports_bf16():
+            return "fp32"
+        return "bf16" if master_weights_unsupported(config) else "bf16_master"
+    if precision == "bf16_master" and (reason := master_weights_unsupported(config)):
+        raise ConfigError(f"train.precision=bf16_master: {reason}")
+    return precision
+
+
 def lr_lambda(config: Config) -> Callable[[int], float]:
     """Return the learning-rate multiplier as a function of optimizer step (linear warm-up, then the schedule)."""
     warmup = config.train.warmup_steps
@@ -193,14 +219,16 @@ class Checkpointer:
         complete = [path for path in self.root.glob("step-*") if (path / "trainer_state.pt").exists()]
         return max(complete, key=lambda path: int(path.name.split("-")[1]), default=None)
 
-    def save(self, step: int, model, tokenizer, optimizer, scheduler, extra: dict) -> Path | None:
+    def save(self, step: int, model, tokenizer, optimizer, scheduler, extra: dict, masters: MasterWeights | None = None) -> Path | None:
         """Write checkpoint `step` from rank 0 (with every rank's RNG state) and return its path (None on other ranks).
 
         Every rank must call it: the RNG states are gathered, and no rank goes on before the
-        checkpoint is whole.
+        checkpoint is whole. With `masters` (bf16_master) the fp32 master weights are saved.
         """
         rng_per_rank = parallel.gather_objects(rng_state())
         model_state, optimizer_state = parallel.full_state_dicts(model, optimizer)  # gathered whole under FSDP
+        if masters is not None:
+            model_state = masters.state_dict(model)
         target = None
         if is_main_process():
             extra = {**extra, "rng_per_rank": rng_per_rank}
@@ -280,7 +308,7 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
             f"pick a multiple of {parallel.world_size()} (each process samples whole groups)"
         )
     output_dir = Path(config.output.dir)
-    precision = resolve_precision(train_config.precision)
+    precision = resolve_train_precision(config)
     if train_config.threads:
         torch.set_num_threads(train_config.threads)
 
@@ -311,19 +339,26 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
     if alg.beta > 0:
         # The reference is never trained: under bf16 it is kept in bf16 (half the memory, no casts).
         source = model if resume_from is None else load_policy(config.model.name, attn_implementation=config.model.attn_implementation)[0]
-        reference = frozen_copy(source, dtype=torch.bfloat16 if precision == "bf16" else None)
+        reference = frozen_copy(source, dtype=torch.bfloat16 if precision != "fp32" else None)
     if train_config.data_parallel == "fsdp" and parallel.is_distributed():
         if alg.advantage_estimator == "gae":
             raise ConfigError("train.data_parallel=fsdp does not support PPO's critic yet; use train.data_parallel=ddp")
         parallel.shard_model(model)  # after the reference copy, which stays whole (it is never trained)
 
+    masters = None
+    if precision == "bf16_master":  # after the reference copy, which is cast from the fp32 weights
+        masters = MasterWeights(model, torch.bfloat16)
+    if precision != "fp32":
+        use_fp32_backward_attention(model)
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        masters.parameters if masters is not None else model.parameters(),
         lr=train_config.learning_rate,
         betas=(train_config.adam_beta1, train_config.adam_beta2),
         weight_decay=train_config.weight_decay,
         fused=not parallel.is_sharded(model),  # one kernel per step on CPU: faster, no full-size temporaries (not for DTensor shards)
     )
+    if masters is not None:
+        masters.attach(optimizer)
     critic = build_critic(config, model, optimizer)  # before the scheduler: a value head joins the optimizer
     modules = update_modules(model, critic)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
@@ -405,7 +440,7 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
                 evaluate(step)
             stopping = parallel.any_rank(stop.requested)  # every rank stops after the same step
             if (config.output.save_every and step % config.output.save_every == 0) or stopping:
-                path = checkpointer.save(step, model, tokenizer, optimizer, scheduler, extra_state())
+                path = checkpointer.save(step, model, tokenizer, optimizer, scheduler, extra_state(), masters)
                 saved_step = step
             if stopping:
                 logger.write(f"polo: stopped after step {step}; saved {path}; continue with output.resume=true")
@@ -414,7 +449,7 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
 
     eval_after = evaluate(train_config.steps) if config.eval.after and task.eval_rows else None
     if train_config.steps > saved_step or parallel.any_rank(checkpointer.latest() is None):
-        checkpointer.save(train_config.steps, model, tokenizer, optimizer, scheduler, extra_state())
+        checkpointer.save(train_config.steps, model, tokenizer, optimizer, scheduler, extra_state(), masters)
     logger.close()
     if is_main_process() and config.output.plots:
         from polo.plots import plot_run

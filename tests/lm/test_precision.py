@@ -1,0 +1,141 @@
+"""bf16 weights with fp32 master weights, and attention whose backward runs in fp32."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from polo.config import ConfigError, load_config
+from polo.lm import trainer as trainer_module
+from polo.lm.models import load_policy
+from polo.lm.precision import FP32_BACKWARD_ATTENTION, MasterWeights, use_fp32_backward_attention
+from polo.lm.trainer import resolve_train_precision, train
+
+from test_trainer import final_weights, tiny_config, without_times
+
+
+def test_master_weights_cast_the_model_and_keep_fp32_copies(tiny_model_dir):
+    model, _ = load_policy(str(tiny_model_dir))
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+    buffers = {name: b.dtype for name, b in model.named_buffers()}
+    masters = MasterWeights(model)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert {name: b.dtype for name, b in model.named_buffers()} == buffers  # rotary frequencies stay fp32
+    assert len(masters.parameters) == len(list(model.parameters()))
+    for (name, _), master in zip(model.named_parameters(), masters.parameters):
+        assert master.dtype == torch.float32 and torch.equal(master, original[name])  # exact, not via bf16
+    state = masters.state_dict(model)
+    assert state.keys() == model.state_dict().keys()
+    assert all(tensor.dtype == torch.float32 for tensor in state.values())
+    if model.config.tie_word_embeddings:
+        assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # still tied
+
+
+def test_gradients_accumulate_in_fp32_masters_and_steps_reach_the_model(tiny_model_dir):
+    model, _ = load_policy(str(tiny_model_dir))
+    masters = MasterWeights(model)
+    optimizer = torch.optim.SGD(masters.parameters, lr=0.1)
+    masters.attach(optimizer)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    grads = []
+    for _ in range(2):  # two micro-batches
+        model(input_ids=ids).logits.float().pow(2).mean().backward()
+        assert all(p.grad is None for p in model.parameters())  # each bf16 gradient moved out at once
+        grads.append([m.grad.clone() for m in masters.parameters])
+    for first, total in zip(grads[0], grads[1]):
+        assert total.dtype == torch.float32
+        torch.testing.assert_close(total, 2 * first, rtol=1e-2, atol=1e-6)  # same batch twice: summed
+    before = [m.detach().clone() for m in masters.parameters]
+    optimizer.step()
+    for (parameter, master), old, grad in zip(masters.pairs, before, grads[1]):
+        torch.testing.assert_close(master.detach(), old - 0.1 * grad)
+        assert torch.equal(parameter.detach(), master.detach().to(torch.bfloat16))  # pushed back, rounded
+
+
+def test_updates_below_bf16_resolution_accumulate_in_the_masters(tiny_model_dir):
+    """100 steps of 1e-4 relative each: lost entirely in bf16 weights (2^-8 resolution), kept by the masters."""
+    model, _ = load_policy(str(tiny_model_dir))
+    masters = MasterWeights(model)
+    parameter, master = masters.pairs[0]
+    optimizer = torch.optim.SGD([master], lr=1.0)
+    masters.attach(optimizer)
+    start = master.detach().clone()
+    for _ in range(100):
+        master.grad = -1e-4 * start.abs().clamp(min=1e-3)
+        optimizer.step()
+    bf16_alone = start.to(torch.bfloat16)
+    for _ in range(100):  # the same updates applied to bf16 weights directly round away
+        bf16_alone = bf16_alone + (1e-4 * start.abs().clamp(min=1e-3)).to(torch.bfloat16)
+    big = start.abs() > 1e-2
+    assert torch.equal(bf16_alone[big], start.to(torch.bfloat16)[big])  # bf16 weights alone never moved
+    moved = parameter.detach().float() != start.to(torch.bfloat16).float()
+    assert moved[big].float().mean() > 0.5  # through the masters most of them did (+1% each)
+    torch.testing.assert_close(master.detach(), start + 1e-2 * start.abs().clamp(min=1e-3), rtol=1e-5, atol=1e-7)
+
+
+def test_fp32_backward_attention_matches_sdpa(tiny_model_dir):
+    reference, _ = load_policy(str(tiny_model_dir))
+    model, _ = load_policy(str(tiny_model_dir))
+    for m in (reference, model):
+        m.to(torch.bfloat16)
+    assert use_fp32_backward_attention(model)
+    assert model.config._attn_implementation == FP32_BACKWARD_ATTENTION
+    ids = torch.randint(0, model.config.vocab_size, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    with torch.no_grad():  # inference: exactly transformers' bf16 SDPA
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, reference(input_ids=ids, attention_mask=mask).logits)
+    outputs = []
+    for m in (reference, model):
+        logits = m(input_ids=ids, attention_mask=mask).logits
+        logits.float().pow(2).mean().backward()
+        outputs.append((logits.detach().float(), [p.grad.float() for p in m.parameters()]))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=0.05, atol=0.05)
+    for ours, theirs in zip(outputs[1][1], outputs[0][1]):
+        assert torch.isfinite(ours).all()
+        assert (ours - theirs).norm() <= 0.05 * theirs.norm() + 1e-6
+
+
+def test_auto_precision_picks_master_weights_unless_a_critic_is_trained(monkeypatch):
+    monkeypatch.setattr(trainer_module, "cpu_supports_bf16", lambda: True)
+    assert resolve_train_precision(load_config({"train": {"precision": "auto"}})) == "bf16_master"
+    ppo = load_config({"algorithm": {"name": "ppo"}, "train": {"precision": "auto"}})
+    assert resolve_train_precision(ppo) == "bf16"
+    with pytest.raises(ConfigError, match="bf16_master.*critic"):
+        resolve_train_precision(load_config({"algorithm": {"name": "ppo"}, "train": {"precision": "bf16_master"}}))
+    monkeypatch.setattr(trainer_module, "cpu_supports_bf16", lambda: False)
+    assert resolve_train_precision(load_config({"train": {"precision": "auto"}})) == "fp32"
+
+
+def test_bf16_master_run_saves_fp32_weights_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    """Checkpoints hold the fp32 masters (loadable anywhere), and Ctrl-C + resume equals a straight run."""
+    sections = {"train": {"precision": "bf16_master"}, "output": {"save_every": 3, "tensorboard": False, "plots": False}}
+    straight = train(tiny_config(tiny_model_dir, tmp_path / "straight", **sections))
+    weights = final_weights(tmp_path / "straight")
+    assert all(tensor.dtype == torch.float32 for tensor in weights.values())
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert any(not torch.equal(weights[name], initial[name]) for name in initial)  # it trained
+    saved_config = json.loads((sorted((tmp_path / "straight" / "checkpoints").glob("step-*"))[-1] / "config.json").read_text())
+    assert FP32_BACKWARD_ATTENTION not in json.dumps(saved_config)  # a plain transformers checkpoint
+
+    real_step, calls = trainer_module.rl_step, []
+
+    def interrupt_on_third_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return real_step(*args, **kwargs)
+
+    interrupted = tiny_config(tiny_model_dir, tmp_path / "resumed", **sections)
+    monkeypatch.setattr(trainer_module, "rl_step", interrupt_on_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(interrupted)
+    monkeypatch.setattr(trainer_module, "rl_step", real_step)
+    resumed = train(interrupted, ["output.resume=true"])
+    assert without_times(resumed.metrics) == without_times(straight.metrics)
+    resumed_weights = final_weights(tmp_path / "resumed")
+    assert all(torch.equal(weights[name], resumed_weights[name]) for name in weights)
