@@ -1,10 +1,11 @@
-"""Does the fast path learn like the plain one? GRPO reward curves in bf16 autocast and in fp32.
+"""Does the fast path learn like the plain one? GRPO reward curves with polo's bf16 default and in fp32.
 
 Runs `recipes/grpo_arith.yaml` (the demo's task and model) for the same number of steps, each in
 its own subprocess:
 
   fp32       train.precision=fp32, seed 0: the plain path
-  fast       train.precision=auto (bf16 autocast with fp32 master weights where the CPU has it), seed 0
+  fast       train.precision=auto, seed 0: where the CPU has native bf16, bf16 weights for every
+             forward and backward with fp32 master weights and AdamW state (bf16_master)
   fp32_seed1 train.precision=fp32, seed 1: how far two fp32 runs drift apart by chance
 
 The two seed-0 runs see the same prompts in the same order; their sampled completions part ways at
@@ -52,14 +53,14 @@ def plot(results: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     styles = {"fp32": ("tab:blue", "-"), "fast": ("tab:orange", "-"), "fp32_seed1": ("tab:blue", ":")}
-    labels = {"fp32": "fp32, seed 0", "fast": "bf16 autocast (polo's default), seed 0", "fp32_seed1": "fp32, seed 1 (noise)"}
+    labels = {"fp32": "fp32, seed 0", "fast": "bf16 weights + fp32 masters (polo's default), seed 0", "fp32_seed1": "fp32, seed 1 (noise)"}
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, result in results.items():
         color, style = styles[name]
         axes[0].plot(result["steps"], result["reward"], color=color, linestyle=style, alpha=0.25, linewidth=1)
         axes[0].plot(result["steps"], moving_average(result["reward"]), color=color, linestyle=style, linewidth=2, label=labels[name])
         axes[1].plot(result["steps"], moving_average(result["completion_length"]), color=color, linestyle=style, linewidth=2, label=labels[name])
-    axes[0].set(xlabel="step", ylabel="training reward (thin: per step; thick: moving average of 5)", title="Reward: bf16 autocast vs fp32")
+    axes[0].set(xlabel="step", ylabel="training reward (thin: per step; thick: moving average of 5)", title="Reward: polo's bf16 default vs fp32")
     axes[1].set(xlabel="step", ylabel="mean completion length (tokens, moving average of 5)", title="Response length")
     for axis in axes:
         axis.grid(alpha=0.3)

@@ -218,16 +218,18 @@ class TrainingForward(nn.Module):
         self.value_head = value_head
 
     def forward(
-        self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature: float = 1.0, detach_trunk_for_values: bool = False
+        self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature: float = 1.0, detach_trunk_for_values: bool = False,
+        group_size: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Return (log-probs, entropy, values or None), each (batch, completion_len)."""
+        """Return (log-probs, entropy, values or None), each (batch, completion_len); `group_size` as in `completion_logprobs`."""
         if self.value_head is not None:
             return logprobs_and_values(
                 self.model, self.value_head, prompt_ids, prompt_mask, completion_ids, completion_mask,
                 temperature=temperature, with_entropy=True, detach_trunk_for_values=detach_trunk_for_values,
             )
         logprobs, entropy = completion_logprobs(
-            self.model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature, with_entropy=True
+            self.model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature, with_entropy=True,
+            group_size=group_size,
         )
         return logprobs, entropy, None
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from polo.lm.logprobs import completion_logprobs_fused, supports_fused_logprobs
+from polo.lm.shared_prompt import shared_completion_logprobs
 
 # Score completions through the chunked lm_head path when the model allows it (see polo.lm.logprobs).
 FUSED_LOGPROBS = True
@@ -249,14 +250,24 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    group_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return per-token log-probs of the completion under `model`, (batch, completion_len).
+
+    With `group_size` > 1 and rows in groups of identical prompts, each group's prompt is run
+    once for all its completions when that saves compute (polo.lm.shared_prompt).
 
     log π(y_t | x, y_<t) = z[y_t]/T − logsumexp(z/T): taken with a gather and a logsumexp so
     no full-vocabulary log-softmax tensor is kept for backward. Logits are computed only for
     the completion positions. With `with_entropy`, also returns the per-token entropy of the
     sampling distribution (no gradient).
     """
+    if FUSED_LOGPROBS and group_size > 1:
+        shared = shared_completion_logprobs(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, temperature=temperature, with_entropy=with_entropy
+        )
+        if shared is not None:
+            return shared
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)
     completion_len = completion_ids.shape[1]

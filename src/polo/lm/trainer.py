@@ -202,7 +202,8 @@ def score_completions(model, rollouts: Rollouts, micro_batch_size: int, precisio
         part = trim_padding(rollouts.select(rows))
         with autocast_context(precision):
             logprobs, _ = completion_logprobs(
-                model, part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask, temperature=temperature
+                model, part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask, temperature=temperature,
+                group_size=rollouts.group_size,
             )
         scored[rows, : logprobs.shape[1]] = logprobs.float()
     return scored
@@ -858,7 +859,8 @@ def policy_update(
                     if train_policy or (critic is not None and critic.layout == "head"):
                         with autocast_context(precision):
                             logprobs, entropy, values = modules.policy(
-                                *inputs, temperature=config.sampling.temperature, detach_trunk_for_values=not train_policy
+                                *inputs, temperature=config.sampling.temperature, detach_trunk_for_values=not train_policy,
+                                group_size=group_size,
                             )
                     if train_policy:
                         logprobs = logprobs.float()

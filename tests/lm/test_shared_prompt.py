@@ -1,0 +1,104 @@
+"""A group's prompt run once for all its completions: same log-probs, entropies and gradients as separate rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polo.lm import rollout as rollout_module
+from polo.lm.models import load_policy
+from polo.lm.rollout import completion_logprobs
+from polo.lm.shared_prompt import share_prompts, shared_completion_logprobs, sharing_pays
+
+
+def grouped_batch(vocab: int, group_size: int = 3, prompt_lengths=(5, 2), completion_lengths=(4, 1, 3, 2, 4, 1), seed: int = 0):
+    """Two groups: left-padded prompts of different lengths, right-padded completions of different lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(prompt_lengths)
+    prompt_ids, prompt_mask = [], []
+    for length in prompt_lengths:
+        ids = torch.randint(3, vocab, (width,), generator=generator)
+        mask = (torch.arange(width) >= width - length).long()
+        for _ in range(group_size):
+            prompt_ids.append(ids.masked_fill(mask == 0, 0))
+            prompt_mask.append(mask)
+    completion_width = max(completion_lengths)
+    completion_ids = torch.randint(3, vocab, (len(completion_lengths), completion_width), generator=generator)
+    completion_mask = (torch.arange(completion_width)[None, :] < torch.tensor(completion_lengths)[:, None]).long()
+    return torch.stack(prompt_ids), torch.stack(prompt_mask), completion_ids.masked_fill(completion_mask == 0, 0), completion_mask
+
+
+@pytest.fixture(autouse=True)
+def always_share(monkeypatch):
+    """Tiny shapes would not pass the cost test; the layout is what is under test here."""
+    monkeypatch.setattr("polo.lm.shared_prompt.sharing_pays", lambda *args: True)
+
+
+def test_mask_lets_a_completion_see_its_prompt_and_itself_only():
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(50)
+    shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, 3)
+    p, c = prompt_ids.shape[1], completion_ids.shape[1]
+    assert shared.input_ids.shape == (2, p + 3 * c) and shared.attention_mask.shape == (2, 1, p + 3 * c, p + 3 * c)
+    mask = shared.attention_mask[:, 0]
+    for group in range(2):
+        for k in range(3):
+            row = group * 3 + k
+            real = int(completion_mask[row].sum())
+            for t in range(real):
+                query = p + k * c + t
+                visible = mask[group, query].nonzero().squeeze(1).tolist()
+                expected = [i for i in range(p) if prompt_mask[row, i]] + [p + k * c + s for s in range(t + 1)]
+                assert visible == expected
+            # positions restart after the prompt for every completion
+            assert shared.position_ids[group, p + k * c : p + k * c + real].tolist() == [int(prompt_mask[row].sum()) + s for s in range(real)]
+
+
+def test_rows_that_are_not_whole_groups_of_one_prompt_are_not_shared():
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(50)
+    assert share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, 1) is None
+    assert share_prompts(prompt_ids[:5], prompt_mask[:5], completion_ids[:5], completion_mask[:5], 3) is None
+    different = prompt_ids.clone()
+    different[1, -1] += 1
+    assert share_prompts(different, prompt_mask, completion_ids, completion_mask, 3) is None
+
+
+def test_cost_model_shares_short_completions_not_long_ones():
+    d, per_layer = 576, 4 * 576 * 576 + 3 * 576 * 1536  # SmolLM2-135M
+    assert sharing_pays(84, 64, 8, d, per_layer)
+    assert not sharing_pays(100, 1024, 8, d, per_layer)
+    assert not sharing_pays(84, 64, 1, d, per_layer)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_shared_layout_gives_the_same_logprobs_and_gradients(tiny_model_dir, with_entropy):
+    model, _ = load_policy(str(tiny_model_dir))
+    model.config.use_cache = False
+    batch = grouped_batch(model.config.vocab_size)
+    completion_mask = batch[3]
+    results = []
+    for group_size in (1, 3):  # 1: every row on its own
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = completion_logprobs(model, *batch, temperature=0.7, with_entropy=with_entropy, group_size=group_size)
+        (logprobs * completion_mask).sum().backward()
+        results.append((logprobs.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (separate, separate_entropy, separate_grads), (shared, shared_entropy, shared_grads) = results
+    real = completion_mask.bool()
+    torch.testing.assert_close(shared[real], separate[real], rtol=1e-5, atol=1e-5)
+    if with_entropy:
+        torch.testing.assert_close(shared_entropy[real], separate_entropy[real], rtol=1e-5, atol=1e-5)
+    for name, grad in separate_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_shared_path_is_taken_only_when_asked(tiny_model_dir, monkeypatch):
+    model, _ = load_policy(str(tiny_model_dir))
+    batch = grouped_batch(model.config.vocab_size)
+    calls = []
+    real = rollout_module.shared_completion_logprobs
+    monkeypatch.setattr(rollout_module, "shared_completion_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        completion_logprobs(model, *batch)
+        assert calls == []
+        completion_logprobs(model, *batch, group_size=3)
+        assert calls == [1]
+    assert shared_completion_logprobs(model, *batch, group_size=3) is not None
