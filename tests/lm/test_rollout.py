@@ -100,3 +100,18 @@ def test_top_p_over_a_large_vocabulary_matches_the_full_sort(monkeypatch):
             draws = rollout_module.sample_next_token(logits.repeat(200, 1), temperature=1.0, top_p=0.9)
             kept.append(draws)
         assert torch.equal(kept[0], kept[1])
+
+
+def test_one_prefill_per_prompt_samples_like_repeated_prompts(tiny_model_dir):
+    """samples_per_prompt=3 (the prompt run once, its cache repeated) draws what 3 copies of the prompt draw."""
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, ["1+1=", "a longer prompt: 12+30="])
+    options = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, stop_ids=stop_token_ids(tokenizer, model), pad_id=tokenizer.pad_token_id)
+    torch.manual_seed(5)
+    shared = generate(model, prompt_ids, prompt_mask, samples_per_prompt=3, **options)
+    torch.manual_seed(5)
+    repeated = generate(model, prompt_ids.repeat_interleave(3, 0), prompt_mask.repeat_interleave(3, 0), **options)
+    assert shared[0].shape[0] == 6
+    for ours, theirs in zip(shared, repeated):
+        assert torch.equal(ours, theirs)
+    assert not all(torch.equal(shared[0][0], shared[0][row]) for row in (1, 2))  # the samples of a prompt differ

@@ -141,6 +141,79 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
+def _preallocated_layer_class():
+    """Return a transformers cache layer that writes new keys/values into a preallocated buffer.
+
+    The default layer concatenates the whole cache with every new token (O(length) copying per
+    step; 16% of sampling time for 32 x 64 tokens on SmolLM2-135M); this one copies only the new
+    token and hands attention a view of the filled part. The buffer doubles if it ever fills.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity, self.length = capacity, 0
+
+        def lazy_initialization(self, key_states, value_states):
+            self.dtype, self.device = key_states.dtype, key_states.device
+            batch, heads, _, _ = key_states.shape
+            self.key_buffer = key_states.new_empty((batch, heads, self.capacity, key_states.shape[-1]))
+            self.value_buffer = value_states.new_empty((batch, heads, self.capacity, value_states.shape[-1]))
+            self.is_initialized = True
+            self._refresh()
+
+        def _refresh(self):
+            self.keys = self.key_buffer[:, :, : self.length]
+            self.values = self.value_buffer[:, :, : self.length]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if end > self.capacity:
+                self.capacity = max(end, 2 * self.capacity)
+                keys, values = self.keys, self.values
+                self.lazy_initialization(key_states, value_states)
+                self.key_buffer[:, :, : self.length] = keys
+                self.value_buffer[:, :, : self.length] = values
+            self.key_buffer[:, :, self.length : end] = key_states
+            self.value_buffer[:, :, self.length : end] = value_states
+            self.length = end
+            self._refresh()
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self.is_initialized:
+                self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
+                self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
+                self._refresh()
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized:
+                self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+                self._refresh()
+
+    return PreallocatedLayer
+
+
+def sampling_cache(model, capacity: int):
+    """Return a KV cache for `model` whose plain full-attention layers hold `capacity` positions preallocated.
+
+    Layers of any other kind (sliding-window, linear-attention, ...) keep transformers' own cache layer.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=model.config)
+    layer_class = _preallocated_layer_class()
+    cache.layers = [layer_class(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -153,16 +226,17 @@ def generate(
     stop_ids: list[int],
     pad_id: int,
     precision: str = "fp32",
+    samples_per_prompt: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return `(completion_ids, completion_mask, truncated)` sampled with a KV cache.
 
-    Shapes: prompt (batch, prompt_len) -> completion (batch, max_completion_len), truncated
-    (batch,). Rows that have emitted a stop token are dropped from the batch and from the
-    cache, so no work is spent on finished sequences.
+    Shapes: prompt (prompts, prompt_len) -> completion (batch, max_completion_len), truncated
+    (batch,), with batch = prompts x `samples_per_prompt` and each prompt's samples in
+    consecutive rows. Each prompt is run through the model once and its cache and next-token
+    logits are repeated for its samples. Rows that have emitted a stop token are dropped from
+    the batch and from the cache, so no work is spent on finished sequences.
     """
-    from transformers import DynamicCache
-
-    batch = prompt_ids.shape[0]
+    batch = prompt_ids.shape[0] * samples_per_prompt
     completion_ids = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((batch, max_new_tokens), dtype=torch.long)
     truncated = torch.ones(batch, dtype=torch.bool)
@@ -171,7 +245,7 @@ def generate(
     attention_mask = prompt_mask.long()
     positions = position_ids_from_mask(attention_mask)
     next_position = positions[:, -1] + 1
-    cache = DynamicCache(config=model.config)
+    cache = sampling_cache(model, prompt_ids.shape[1] + max_new_tokens)
     was_training = model.training
     model.eval()
     length = 0
@@ -184,6 +258,11 @@ def generate(
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
+        if samples_per_prompt > 1:  # one prefill per prompt; its samples part ways from the first draw
+            cache.batch_repeat_interleave(samples_per_prompt)
+            logits = logits.repeat_interleave(samples_per_prompt, dim=0)
+            attention_mask = attention_mask.repeat_interleave(samples_per_prompt, dim=0)
+            next_position = next_position.repeat_interleave(samples_per_prompt, dim=0)
         for step in range(max_new_tokens):
             tokens = sample_next_token(logits, temperature, top_p)
             completion_ids[active_rows, step] = tokens
@@ -224,12 +303,11 @@ def rollout(
 ) -> Rollouts:
     """Return `group_size` sampled completions for each prompt, groups contiguous."""
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
-    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
-    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     completion_ids, completion_mask, truncated = generate(
         model,
         prompt_ids,
         prompt_mask,
+        samples_per_prompt=group_size,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -237,6 +315,8 @@ def rollout(
         pad_id=tokenizer.pad_token_id,
         precision=precision,
     )
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
     return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, group_size)
 
