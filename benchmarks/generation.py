@@ -7,11 +7,18 @@ including the stop token) per second of wall-clock time; the median over repetit
 On a shared machine it waits for other processes to go quiet and redoes any measurement during
 which they used the CPU.
 
+Then, in the same process, it runs polo's GRPO step of benchmarks/grpo_vs_trl.py (4 prompts x 8,
+64 tokens, beta 0.04, polo's defaults) for 1 warm-up + --grpo-steps timed steps, counts the FLOPs
+one step actually executes with torch.utils.flop_counter.FlopCounterMode (matmuls and attention,
+on an extra step: counting slows it), and reports the achieved FLOP/s of a step, executed FLOPs /
+median step time, as a fraction of the bf16 matmul rate measured at the start of the run; beside
+it the same for the nominal 10*N*T FLOPs of grpo_vs_trl's compute floor.
+
 Usage:
   python benchmarks/generation.py                       # 8 prompts x 8, 64 tokens, 3 timed reps
-  python benchmarks/generation.py --prompts 4 --group-size 8 --reps 5
+  python benchmarks/generation.py --prompts 4 --group-size 8 --reps 5 --grpo-steps 0
 The last line printed is
-  generation polo_vs_hf tokens_per_s_ratio=<polo bf16 / HF bf16>
+  generation polo_vs_hf tokens_per_s_ratio=<polo bf16 / HF bf16> grpo_step_matmul_fraction=<executed FLOP/s / matmul rate>
 """
 
 from __future__ import annotations
@@ -64,6 +71,58 @@ def polo_generate(model, tokenizer, prompts, group_size, max_new_tokens, tempera
     return int(rollouts.completion_mask.sum())
 
 
+def grpo_step_flops(steps: int, out_dir: Path) -> dict:
+    """Run polo's GRPO benchmark step `steps` + 2 times; return timed step seconds, executed FLOPs of one step, tokens."""
+    import json
+
+    import polo
+    import polo.lm.trainer as trainer_module
+    from grpo_vs_trl import polo_config
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def cpu_attention(query_shape, key_shape, *args, **kwargs) -> int:  # QK^T and PV (grouped K/V heads count as the query's)
+        batch, heads, queries, dim = query_shape
+        return 4 * batch * heads * queries * key_shape[2] * dim
+
+    def cpu_attention_backward(grad_out_shape, query_shape, key_shape, *args, **kwargs) -> int:  # dV, dP, dQ, dK
+        batch, heads, queries, dim = query_shape
+        return 8 * batch * heads * queries * key_shape[2] * dim
+
+    aten = torch.ops.aten
+    cpu_flops = {  # FlopCounterMode knows the GPU attention kernels, not the CPU flash kernel
+        aten._scaled_dot_product_flash_attention_for_cpu: cpu_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: cpu_attention_backward,
+    }
+    counted: list[int] = []
+    calls = [0]
+    original_step = trainer_module.rl_step
+    total = steps + 2  # warm-up, timed steps, then one counted step
+
+    def step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == total:
+            with FlopCounterMode(display=False, custom_mapping=cpu_flops) as counter:
+                result = original_step(*args, **kwargs)
+            counted.append(counter.get_total_flops())
+            return result
+        return original_step(*args, **kwargs)
+
+    trainer_module.rl_step = step
+    try:
+        polo.train(polo_config(total, out_dir))
+    finally:
+        trainer_module.rl_step = original_step
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = sorted((row for row in rows if "time/step" in row), key=lambda row: row["step"])
+    timed = rows[1 : 1 + steps]
+    return {
+        "step_times": [row["time/step"] for row in timed],
+        "phases": {key: median([row[f"time/{key}"] for row in timed]) for key in ("generation", "reference", "update")},
+        "tokens": median([row["tokens_per_second"] * row["time/step"] for row in timed]),
+        "executed_flops": counted[0] if counted else float("nan"),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=8)
@@ -71,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
+    parser.add_argument("--grpo-steps", type=int, default=3, help="timed GRPO steps for the FLOP/s measurement (0: skip; default 3)")
     parser.add_argument("--max-wait", type=float, default=900.0,
                         help="seconds to wait for other processes to go quiet before measuring (default 900)")
     args = parser.parse_args(argv)
@@ -131,7 +191,29 @@ def main(argv: list[str] | None = None) -> None:
     print(f"polo/HF tokens/s: fp32 {fp32_ratio:.3f}, bf16 {bf16_ratio:.3f}")
     if busiest > 0.2:
         print(f"WARNING: other processes used up to {busiest:.2f} CPU cores during timed reps; timings are inflated")
-    print(f"generation polo_vs_hf tokens_per_s_ratio={bf16_ratio:.3f}")
+    matmul_fraction = float("nan")
+    if args.grpo_steps > 0:
+        import tempfile
+
+        from grpo_vs_trl import parameter_count
+
+        del model
+        wait_for_quiet(args.max_wait)
+        with tempfile.TemporaryDirectory(prefix="polo-grpo-flops-") as tmp:
+            step = grpo_step_flops(args.grpo_steps, Path(tmp))
+        step_time = median(step["step_times"])
+        executed = step["executed_flops"] / step_time
+        nominal_flops = 10 * parameter_count() * step["tokens"]
+        matmul_fraction = executed / rate_bf16
+        print()
+        print(f"GRPO step (benchmarks/grpo_vs_trl.py's job, polo defaults): timed steps "
+              f"{', '.join(f'{t:.2f}' for t in step['step_times'])} s, median {step_time:.2f} s; "
+              + ", ".join(f"{key} {value:.2f} s" for key, value in step["phases"].items()))
+        print(f"  executed FLOPs of one step (FlopCounterMode: matmuls + attention) {step['executed_flops'] / 1e12:.2f} TFLOP "
+              f"-> {executed / 1e9:,.1f} GFLOP/s = {matmul_fraction:.1%} of the bf16 matmul rate")
+        print(f"  nominal 10*N*T = {nominal_flops / 1e12:.2f} TFLOP (T = {step['tokens']:,.0f} tokens) -> "
+              f"{nominal_flops / step_time / 1e9:,.1f} GFLOP/s = {nominal_flops / step_time / rate_bf16:.1%} of the bf16 matmul rate")
+    print(f"generation polo_vs_hf tokens_per_s_ratio={bf16_ratio:.3f} grpo_step_matmul_fraction={matmul_fraction:.3f}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from polo.config import ConfigError, load_config
 from polo.lm import trainer as trainer_module
 from polo.lm.models import load_policy
-from polo.lm.precision import FP32_BACKWARD_ATTENTION, MasterWeights, use_fp32_backward_attention
+from polo.lm.attention import POLO_ATTENTION
+from polo.lm.precision import MasterWeights
 from polo.lm.trainer import resolve_train_precision, train
 
 from test_trainer import final_weights, tiny_config, without_times
@@ -77,29 +78,6 @@ def test_updates_below_bf16_resolution_accumulate_in_the_masters(tiny_model_dir)
     torch.testing.assert_close(master.detach(), start + 1e-2 * start.abs().clamp(min=1e-3), rtol=1e-5, atol=1e-7)
 
 
-def test_fp32_backward_attention_matches_sdpa(tiny_model_dir):
-    reference, _ = load_policy(str(tiny_model_dir))
-    model, _ = load_policy(str(tiny_model_dir))
-    for m in (reference, model):
-        m.to(torch.bfloat16)
-    assert use_fp32_backward_attention(model)
-    assert model.config._attn_implementation == FP32_BACKWARD_ATTENTION
-    ids = torch.randint(0, model.config.vocab_size, (3, 7))
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0  # left padding
-    with torch.no_grad():  # inference: exactly transformers' bf16 SDPA
-        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, reference(input_ids=ids, attention_mask=mask).logits)
-    outputs = []
-    for m in (reference, model):
-        logits = m(input_ids=ids, attention_mask=mask).logits
-        logits.float().pow(2).mean().backward()
-        outputs.append((logits.detach().float(), [p.grad.float() for p in m.parameters()]))
-    torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=0.05, atol=0.05)
-    for ours, theirs in zip(outputs[1][1], outputs[0][1]):
-        assert torch.isfinite(ours).all()
-        assert (ours - theirs).norm() <= 0.05 * theirs.norm() + 1e-6
-
-
 def test_auto_precision_picks_master_weights_unless_a_critic_is_trained(monkeypatch):
     monkeypatch.setattr(trainer_module, "cpu_supports_bf16", lambda: True)
     assert resolve_train_precision(load_config({"train": {"precision": "auto"}})) == "bf16_master"
@@ -120,7 +98,7 @@ def test_bf16_master_run_saves_fp32_weights_and_resumes_exactly(tiny_model_dir, 
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
     assert any(not torch.equal(weights[name], initial[name]) for name in initial)  # it trained
     saved_config = json.loads((sorted((tmp_path / "straight" / "checkpoints").glob("step-*"))[-1] / "config.json").read_text())
-    assert FP32_BACKWARD_ATTENTION not in json.dumps(saved_config)  # a plain transformers checkpoint
+    assert POLO_ATTENTION not in json.dumps(saved_config)  # a plain transformers checkpoint
 
     real_step, calls = trainer_module.rl_step, []
 

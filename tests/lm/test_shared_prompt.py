@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from polo.lm import rollout as rollout_module
+from polo.lm import shared_prompt
+from polo.lm.attention import use_polo_attention
 from polo.lm.models import load_policy
 from polo.lm.rollout import completion_logprobs
 from polo.lm.shared_prompt import share_prompts, shared_completion_logprobs, sharing_pays
@@ -65,14 +67,22 @@ def test_rows_that_are_not_whole_groups_of_one_prompt_are_not_shared():
 def test_cost_model_shares_short_completions_not_long_ones():
     d, per_layer = 576, 4 * 576 * 576 + 3 * 576 * 1536  # SmolLM2-135M
     assert sharing_pays(84, 64, 8, d, per_layer)
-    assert not sharing_pays(100, 1024, 8, d, per_layer)
-    assert not sharing_pays(84, 64, 1, d, per_layer)
+    assert not sharing_pays(100, 1024, 8, d, per_layer)  # dense attention over 8,292 positions
+    assert not sharing_pays(400, 512, 8, d, per_layer) and sharing_pays(400, 512, 8, d, per_layer, blockwise=True)
+    assert not sharing_pays(100, 1024, 8, d, per_layer, blockwise=True)  # saves under 20%: not worth a second code path
+    assert not sharing_pays(84, 64, 1, d, per_layer, blockwise=True)
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_shared_layout_gives_the_same_logprobs_and_gradients(tiny_model_dir, with_entropy):
+@pytest.mark.parametrize("attention", ["sdpa", "polo"])
+def test_shared_layout_gives_the_same_logprobs_and_gradients(tiny_model_dir, with_entropy, attention, monkeypatch):
+    """Dense (transformers' SDPA over the full mask) and block-wise (polo's attention) alike."""
     model, _ = load_policy(str(tiny_model_dir))
-    model.config.use_cache = False
+    blocks = []
+    if attention == "polo":
+        assert use_polo_attention(model)
+        real_shared_attention = shared_prompt.shared_attention
+        monkeypatch.setattr(shared_prompt, "shared_attention", lambda *a: blocks.append(1) or real_shared_attention(*a))
     batch = grouped_batch(model.config.vocab_size)
     completion_mask = batch[3]
     results = []
@@ -88,6 +98,24 @@ def test_shared_layout_gives_the_same_logprobs_and_gradients(tiny_model_dir, wit
         torch.testing.assert_close(shared_entropy[real], separate_entropy[real], rtol=1e-5, atol=1e-5)
     for name, grad in separate_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert len(blocks) == (model.config.num_hidden_layers if attention == "polo" else 0)  # the layout reached every layer
+
+
+def test_block_wise_attention_equals_attention_under_the_full_mask():
+    from polo.lm.attention import polo_attention
+
+    torch.manual_seed(0)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(50)
+    shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, 3)
+    groups, length = shared.input_ids.shape
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 2, True, False
+    query, key, value = torch.randn(groups, 4, length, 8), torch.randn(groups, 2, length, 8), torch.randn(groups, 2, length, 8)
+    dense, _ = polo_attention(module, query, key, value, shared.attention_mask)
+    blocks, _ = polo_attention(module, query, key, value, shared.attention_mask, shared_layout=shared.layout)
+    assert blocks.shape == dense.shape == (groups, length, 4, 8)
+    real = torch.cat([prompt_mask.view(2, 3, -1)[:, 0], completion_mask.view(2, -1)], dim=1).bool()
+    torch.testing.assert_close(blocks[real], dense[real], rtol=1e-5, atol=1e-6)
 
 
 def test_the_shared_path_is_taken_only_when_asked(tiny_model_dir, monkeypatch):

@@ -1,4 +1,4 @@
-"""bf16 training on the CPU with fp32 master weights, and attention whose backward runs in fp32.
+"""bf16 training on the CPU with fp32 master weights.
 
 `train.precision` chooses how the policy's forward and backward are computed:
 
@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MasterWeights", "FP32_BACKWARD_ATTENTION", "use_fp32_backward_attention"]
-
-FP32_BACKWARD_ATTENTION = "polo_sdpa"
+__all__ = ["MasterWeights"]
 
 
 class MasterWeights:
@@ -79,45 +77,3 @@ class MasterWeights:
             name: self._master_of.get(id(tensor), tensor).detach()
             for name, tensor in model.state_dict(keep_vars=True).items()
         }
-
-
-def _fp32_backward_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
-    """SDPA that computes in fp32 when a bf16 graph is recorded on the CPU, else exactly transformers' SDPA.
-
-    On the CPU the bf16 flash-attention backward is slow: for 32 sequences x 148 tokens x 9
-    heads (SmolLM2-135M) it took 74 ms per layer against 26 ms in fp32, while the fp32 forward
-    costs 3 ms more than bf16. Inference (no grad: sampling, reference scoring) stays bf16.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if not (torch.is_grad_enabled() and query.dtype == torch.bfloat16 and query.device.type == "cpu"):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.float()
-    with torch.autocast("cpu", enabled=False):
-        output, weights = sdpa_attention_forward(
-            module, query.float(), key.float(), value.float(), attention_mask, *args, **kwargs
-        )
-    return output.to(query.dtype), weights
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(FP32_BACKWARD_ATTENTION, _fp32_backward_sdpa)
-    AttentionMaskInterface.register(FP32_BACKWARD_ATTENTION, sdpa_mask)
-
-
-def use_fp32_backward_attention(model: torch.nn.Module) -> bool:
-    """Switch a model that uses transformers' "sdpa" attention to the fp32-backward variant; return whether it did.
-
-    Same masks, same maths; only the dtype of the attention computation while gradients are
-    recorded changes. Models on any other attention implementation are left alone.
-    """
-    config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
-        return False
-    _register_attention()
-    model.set_attn_implementation(FP32_BACKWARD_ATTENTION)
-    return True

@@ -27,7 +27,8 @@ from polo.config import Config, ConfigError, config_to_dict, load_config
 from polo.lm.critic import ValueModel, completion_values, logprobs_and_values, new_value_head
 from polo.lm.evaluate import greedy_accuracy
 from polo.lm import parallel
-from polo.lm.precision import MasterWeights, use_fp32_backward_attention
+from polo.lm.attention import use_polo_attention
+from polo.lm.precision import MasterWeights
 from polo.lm.models import enable_activation_checkpointing, frozen_copy, load_policy, resolve_model_path
 from polo.lm.rewards import RewardSet
 from polo.lm.saving import staged_directory
@@ -349,8 +350,9 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
     masters = None
     if precision == "bf16_master":  # after the reference copy, which is cast from the fp32 weights
         masters = MasterWeights(model, torch.bfloat16)
-    if precision != "fp32":
-        use_fp32_backward_attention(model)
+    for module in (model, reference):  # faster attention, same maths (polo.lm.attention)
+        if module is not None:
+            use_polo_attention(module)
     optimizer = torch.optim.AdamW(
         masters.parameters if masters is not None else model.parameters(),
         lr=train_config.learning_rate,
