@@ -99,6 +99,7 @@ def test_bf16_master_run_saves_fp32_weights_and_resumes_exactly(tiny_model_dir, 
     assert any(not torch.equal(weights[name], initial[name]) for name in initial)  # it trained
     saved_config = json.loads((sorted((tmp_path / "straight" / "checkpoints").glob("step-*"))[-1] / "config.json").read_text())
     assert POLO_ATTENTION not in json.dumps(saved_config)  # a plain transformers checkpoint
+    assert saved_config["dtype"] == "float32"  # what from_pretrained(dtype="auto") will load
 
     real_step, calls = trainer_module.rl_step, []
 

@@ -18,9 +18,12 @@ GRPO update of SmolLM2-135M about 30% faster than autocast (see benchmarks/grpo_
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
-__all__ = ["MasterWeights"]
+__all__ = ["MasterWeights", "mark_float32"]
 
 
 class MasterWeights:
@@ -77,3 +80,10 @@ class MasterWeights:
             name: self._master_of.get(id(tensor), tensor).detach()
             for name, tensor in model.state_dict(keep_vars=True).items()
         }
+
+
+def mark_float32(config_path: Path) -> None:
+    """Set `dtype` to float32 in a saved model's config.json (its weights are the fp32 masters, not the bf16 working copy)."""
+    config = json.loads(Path(config_path).read_text())
+    config["dtype"] = "float32"
+    Path(config_path).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

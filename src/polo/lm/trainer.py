@@ -28,7 +28,7 @@ from polo.lm.critic import ValueModel, completion_values, logprobs_and_values, n
 from polo.lm.evaluate import greedy_accuracy
 from polo.lm import parallel
 from polo.lm.attention import use_polo_attention
-from polo.lm.precision import MasterWeights
+from polo.lm.precision import MasterWeights, mark_float32
 from polo.lm.models import enable_activation_checkpointing, frozen_copy, load_policy, resolve_model_path
 from polo.lm.rewards import RewardSet
 from polo.lm.saving import staged_directory
@@ -234,16 +234,20 @@ class Checkpointer:
         target = None
         if is_main_process():
             extra = {**extra, "rng_per_rank": rng_per_rank}
-            target = self._write(step, model, model_state, tokenizer, optimizer_state, scheduler, extra)
+            target = self._write(step, model, model_state, tokenizer, optimizer_state, scheduler, extra, fp32_masters=masters is not None)
         parallel.barrier()
         return target
 
-    def _write(self, step: int, model, model_state: dict | None, tokenizer, optimizer_state: dict, scheduler, extra: dict) -> Path:
+    def _write(
+        self, step: int, model, model_state: dict | None, tokenizer, optimizer_state: dict, scheduler, extra: dict, fp32_masters: bool = False,
+    ) -> Path:
         target = self.root / f"step-{step:06d}"
         previous = self.latest()
         keeps = f"the last complete checkpoint {previous} is intact" if previous else "no checkpoint was written yet"
         with staged_directory(target, f"checkpoint step {step}", keeps) as staging:
             model.save_pretrained(str(staging), safe_serialization=True, state_dict=model_state)
+            if fp32_masters:  # transformers writes the in-memory (bf16) dtype; the saved weights are the fp32 masters
+                mark_float32(staging / "config.json")
             tokenizer.save_pretrained(str(staging))
             state = {
                 "step": step,
