@@ -130,3 +130,12 @@ def test_the_shared_path_is_taken_only_when_asked(tiny_model_dir, monkeypatch):
         completion_logprobs(model, *batch, group_size=3)
         assert calls == [1]
     assert shared_completion_logprobs(model, *batch, group_size=3) is not None
+
+
+def test_micro_batches_hold_whole_groups_when_they_can():
+    from polo.lm.trainer import micro_batches
+
+    rows = torch.arange(24)
+    assert [len(m) for m in micro_batches(rows, 20, group_size=8)] == [16, 8]  # rounded down to 2 groups
+    assert [len(m) for m in micro_batches(rows, 5, group_size=8)] == [5, 5, 5, 5, 4]  # smaller than a group: as asked
+    assert [len(m) for m in micro_batches(rows, 20)] == [20, 4]

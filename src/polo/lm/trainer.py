@@ -190,8 +190,15 @@ def trim_padding(rollouts: Rollouts) -> Rollouts:
     )
 
 
-def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Return `rows` (1-D indices) cut into consecutive chunks of at most `size`."""
+def micro_batches(rows: torch.Tensor, size: int, group_size: int = 1) -> list[torch.Tensor]:
+    """Return `rows` (1-D indices) cut into consecutive chunks of at most `size`.
+
+    With `group_size` > 1 and `size` >= group_size, `size` is rounded down to whole groups, so a
+    chunk that starts at a group boundary holds whole groups (their prompt then runs once, see
+    polo.lm.shared_prompt).
+    """
+    if group_size > 1 and size >= group_size:
+        size -= size % group_size
     return [rows[start : start + size] for start in range(0, len(rows), size)]
 
 
@@ -199,7 +206,7 @@ def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
 def score_completions(model, rollouts: Rollouts, micro_batch_size: int, precision: str, temperature: float) -> torch.Tensor:
     """Return per-token log-probs of every completion under `model` (no gradient), (batch, completion_len)."""
     scored = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32)
-    for rows in micro_batches(torch.arange(len(rollouts)), micro_batch_size):
+    for rows in micro_batches(torch.arange(len(rollouts)), micro_batch_size, rollouts.group_size):
         part = trim_padding(rollouts.select(rows))
         with autocast_context(precision):
             logprobs, _ = completion_logprobs(
@@ -853,7 +860,7 @@ def policy_update(
             if critic is not None and critic.optimizer is not None:
                 critic.optimizer.zero_grad(set_to_none=True)
             minibatch_loss = 0.0
-            micros = micro_batches(rows, train_config.micro_batch_size)
+            micros = micro_batches(rows, train_config.micro_batch_size, group_size)
             for index, micro in enumerate(micros):
                 with modules.gradient_sync(index == len(micros) - 1):
                     part = trim_padding(rollouts.select(micro))
