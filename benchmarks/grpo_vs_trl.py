@@ -12,8 +12,12 @@ Runs, each in its own subprocess so peak RSS is per run:
             master weights and AdamW state, see polo.lm.precision)
   trl_fast  TRL GRPOTrainer, bf16 autocast, no gradient checkpointing (its fastest)
   trl_lean  TRL GRPOTrainer, fp32, gradient checkpointing (its leanest)
+  polo_lora polo's defaults with LoRA adapters (r=16, alpha=32, every linear layer but the LM head)
+  trl_lora  TRL GRPOTrainer with the same peft LoRA adapters, bf16 autocast, no gradient checkpointing
 (`--only ... trl_default` adds TRL's own defaults, bf16 autocast + gradient checkpointing.)
-They alternate (polo, trl_fast, trl_lean, repeated --rounds times). The first step of every run
+The LoRA runs are reported beside the full fine-tuning ones; the ratios on the last line compare
+full fine-tuning only. They alternate (polo, trl_fast, trl_lean, polo_lora, trl_lora, repeated
+--rounds times). The first step of every run
 is a warm-up and is dropped; the step time is the median over the remaining steps of all rounds.
 Peak RSS is ru_maxrss as of the end of the last step (polo writes a final checkpoint after it;
 TRL, with saving off, does not). On a shared machine the script waits for other processes to go
@@ -55,25 +59,31 @@ MAX_NEW_TOKENS = 64
 TEMPERATURE = 1.0
 BETA = 0.04
 LEARNING_RATE = 1e-6
-RUNS = ("polo", "trl_fast", "trl_lean")
+LORA = {"r": 16, "alpha": 32.0}  # on every linear layer but the LM head (polo's and peft's "all-linear")
+FULL_RUNS = ("polo", "trl_fast", "trl_lean")
+LORA_RUNS = ("polo_lora", "trl_lora")
+RUNS = FULL_RUNS + LORA_RUNS
 EXTRA_RUNS = ("trl_default",)  # only with --only: TRL's own defaults, bf16 autocast + gradient checkpointing
 TRL_SETTINGS = {  # run -> (bf16 autocast, gradient checkpointing)
     "trl_fast": (True, False),
     "trl_lean": (False, True),
     "trl_default": (True, True),
+    "trl_lora": (True, False),
 }
 DESCRIPTIONS = {
     "polo": "polo defaults (precision auto)",
     "trl_fast": "TRL bf16, no grad ckpt",
     "trl_lean": "TRL fp32, grad ckpt",
     "trl_default": "TRL bf16, grad ckpt (defaults)",
+    "polo_lora": "polo defaults, LoRA r=16",
+    "trl_lora": "TRL bf16, no ckpt, LoRA r=16",
 }
 
 
-def polo_config(steps: int, output_dir: Path) -> dict:
-    """Return the polo run configuration (a mapping of config sections)."""
+def polo_config(steps: int, output_dir: Path, lora: bool = False) -> dict:
+    """Return the polo run configuration (a mapping of config sections); `lora` adds the LoRA adapters."""
     return {
-        "model": {"name": MODEL},
+        "model": {"name": MODEL, **({"lora": dict(LORA)} if lora else {})},
         "task": {"name": "arithmetic", "min_digits": 2, "max_digits": 2, "answer_in_tags": True, "num_eval": 0},
         "rewards": {"correct": 1.0, "r1_format": 1.0},
         "sampling": {"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS},
@@ -111,7 +121,7 @@ def step_prompts(config, tokenizer, steps: int):
 # children
 
 
-def run_polo(steps: int, out_dir: Path) -> dict:
+def run_polo(steps: int, out_dir: Path, lora: bool = False) -> dict:
     import polo
     import polo.lm.trainer as trainer_module
     from polo.config import load_config
@@ -119,7 +129,7 @@ def run_polo(steps: int, out_dir: Path) -> dict:
     from polo.lm.trainer import resolve_train_precision
     from transformers import AutoTokenizer
 
-    config_dict = polo_config(steps, out_dir / "run")
+    config_dict = polo_config(steps, out_dir / "run", lora)
     config = load_config(config_dict)
 
     # Prompt tokens per step (for T when the metrics do not give it).
@@ -248,12 +258,18 @@ def run_trl(variant: str, steps: int, out_dir: Path, requested_micro_batch: int 
             self.lengths.append(lengths[-1] if lengths else float("nan"))
 
     timer = StepTimer()
+    peft_config = None
+    if variant == "trl_lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(
         model=model_dir,
         reward_funcs=[correct, r1_format_reward],
         args=args,
         train_dataset=dataset,
         callbacks=[timer],
+        peft_config=peft_config,
     )
     timer.trainer = trainer
     # TRL tokenizes plain-text prompts itself (no chat template); check it sees polo's exact tokens.
@@ -279,8 +295,8 @@ def child_main(args) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     foreign = ForeignLoad()
-    if args.child == "polo":
-        result = run_polo(args.steps, out_dir)
+    if args.child.startswith("polo"):
+        result = run_polo(args.steps, out_dir, lora=args.child == "polo_lora")
     else:
         result = run_trl(args.child, args.steps, out_dir, args.trl_micro_batch)
     import torch
@@ -332,6 +348,15 @@ def run_child(name: str, steps: int, out_dir: Path, trl_micro_batch: int | None 
 
 def fmt(value: float, spec: str = ".3f") -> str:
     return "nan" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def print_phase_medians(name: str, runs: list[dict]) -> None:
+    """Print the median time of each phase of a polo run over its timed steps (all rounds)."""
+    phases = runs[0].get("phase_times", {})
+    if phases:
+        print(f"{name} phase medians (timed steps): " + ", ".join(
+            f"{key} {median([v for r in runs for v in r['phase_times'][key][1:] if v is not None]):.2f} s" for key in phases
+        ))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -423,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
               f"at the last step, {mib(s['peak'])} whole process")
 
     step_ratio = rss_ratio = floor_fraction = float("nan")
-    trl_runs = [name for name in order if name.startswith("trl")]
+    trl_runs = [name for name in order if name in FULL_RUNS and name.startswith("trl")]
     if "polo" in summary:
         polo_median = summary["polo"]["median"]
         polo_timed_tokens = [t for result in results["polo"] for t in result["tokens"][1:]]
@@ -441,12 +466,7 @@ def main(argv: list[str] | None = None) -> None:
         first = results["polo"][0]
         print(f"polo settings: precision {first['precision']}, gradient checkpointing {first['gradient_checkpointing']}, "
               f"micro-batch {first['micro_batch']}; step time from {first['time_source']}")
-        phases = results["polo"][0].get("phase_times", {})
-        if phases:
-            print("polo phase medians (timed steps): " + ", ".join(
-                f"{key} {median([v for r in results['polo'] for v in r['phase_times'][key][1:] if v is not None]):.2f} s"
-                for key in phases
-            ))
+        print_phase_medians("polo", results["polo"])
         if trl_runs:
             fastest = min(trl_runs, key=lambda name: summary[name]["median"])
             leanest = min(trl_runs, key=lambda name: summary[name]["peak_train"])
@@ -457,6 +477,14 @@ def main(argv: list[str] | None = None) -> None:
                   f"{results[trl_runs[0]][0]['micro_batch']} x {PROMPTS_PER_STEP * GROUP_SIZE // results[trl_runs[0]][0]['micro_batch']} accumulation steps")
             print(f"TRL fastest: {fastest} ({summary[fastest]['median']:.2f} s); TRL lowest peak: {leanest} "
                   f"({mib(summary[leanest]['peak_train'])}); peak RSS compared at the end of the last step")
+    lora_runs = [name for name in LORA_RUNS if name in summary]
+    if lora_runs:
+        print("LoRA beside (r=16 on every linear layer; not in the ratios below): " + "; ".join(
+            f"{name} {summary[name]['median']:.2f} s, {mib(summary[name]['peak_train'])}" for name in lora_runs
+        ) + (f"; trl_lora / polo_lora step time {summary['trl_lora']['median'] / summary['polo_lora']['median']:.3f}, "
+             f"peak RSS {summary['polo_lora']['peak_train'] / summary['trl_lora']['peak_train']:.3f}" if len(lora_runs) == 2 else ""))
+        if "polo_lora" in results:
+            print_phase_medians("polo_lora", results["polo_lora"])
     busy = [f"{name} round {i + 1} ({r['foreign_cores']:.2f} cores)" for name in order for i, r in enumerate(results[name]) if r["foreign_cores"] > 0.2]
     if busy:
         print("WARNING: other processes used the CPU during " + ", ".join(busy) + "; those timings are inflated")

@@ -22,11 +22,22 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class LoraSettings:
+    """Low-rank adapters (peft's LoRA) instead of full fine-tuning; `r: 0` trains every weight."""
+
+    r: int = 0  # adapter rank; 0 = full fine-tuning (the default)
+    alpha: float = 32.0  # the adapter's update is scaled by alpha / r
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # module names, or all-linear (every linear layer but the LM head)
+
+
+@dataclass
 class ModelConfig:
     """Which causal LM to train."""
 
     name: str = "smollm2-135m-instruct"  # a built-in model name or a local HF model directory
     attn_implementation: str | None = None  # eager | sdpa | None (transformers' default: sdpa)
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass
@@ -344,6 +355,18 @@ _CHOICES = {
 }
 
 
+def check_lora(lora: LoraSettings) -> None:
+    """Raise `ConfigError` for LoRA settings that make no sense."""
+    if lora.r < 0:
+        raise ConfigError(f"model.lora.r must be >= 0 (0 = full fine-tuning), got {lora.r}")
+    if lora.r and lora.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha must be > 0, got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
+    if lora.r and not lora.target_modules:
+        raise ConfigError("model.lora.target_modules is empty; name modules (e.g. [q_proj, v_proj]) or use [all-linear]")
+
+
 def check_choices(config: Any, choices: dict[str, tuple]) -> None:
     """Raise `ConfigError` for the first `section.field` whose value is not among its allowed choices."""
     for dotted, allowed in choices.items():
@@ -374,6 +397,11 @@ def validate(config: Config) -> None:
     })
     if config.train.steps < 0:
         raise ConfigError(f"train.steps must be >= 0, got {config.train.steps}")
+    check_lora(config.model.lora)
+    if config.model.lora.r and config.algorithm.advantage_estimator == "gae":
+        raise ConfigError("model.lora.r > 0 is not supported with PPO's critic (advantage_estimator gae) yet; use full fine-tuning (model.lora.r=0)")
+    if config.model.lora.r and config.train.data_parallel == "fsdp":
+        raise ConfigError("model.lora.r > 0 is not supported with train.data_parallel=fsdp (the adapters are small: use ddp)")
     if config.algorithm.group_size < 2 and config.algorithm.scale_rewards and config.algorithm.advantage_estimator == "grpo":
         raise ConfigError("algorithm.group_size must be at least 2 for group-relative advantages")
     if config.train.prompts_per_step % config.train.num_minibatches:

@@ -109,6 +109,12 @@ def validate_finetune(config: Any) -> None:
         "train.micro_batch_size": train.micro_batch_size,
         "data.max_length": config.data.max_length,
     })
+    lora = getattr(getattr(config, "model", None), "lora", None)
+    if lora is not None and lora.r:
+        raise ConfigError(
+            f"model.lora.r={lora.r}: LoRA is available for RL training (polo train) only; "
+            "polo sft, dpo and train-rm fine-tune every weight (set model.lora.r=0)"
+        )
     if not config.data.train_path:
         raise ConfigError("data.train_path is required: a jsonl file of training examples")
     if train.max_steps is not None and train.max_steps < 1:

@@ -123,6 +123,10 @@ def resolve_model_path(name_or_path: str, architectures: tuple[str, ...] = CAUSA
             f"(built-in: {sorted(BUILTIN_MODELS)}); nothing is downloaded from a hub"
         )
     if not (path / "config.json").exists():
+        from polo.lm.lora import is_adapter_dir
+
+        if is_adapter_dir(path):  # a LoRA checkpoint: load_policy loads its base and merges it
+            return path
         raise ModelLoadError(f"model directory {path} has no config.json: not a Hugging Face model directory")
     config = json.loads((path / "config.json").read_text())
     found = config.get("architectures") or []
@@ -139,11 +143,21 @@ def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32, attn_impl
     """Return `(model, tokenizer)` for a causal LM directory or built-in model name.
 
     The tokenizer is set up for batched generation: left padding, and a pad token (the EOS
-    token when the model has none).
+    token when the model has none). A LoRA checkpoint (adapter_config.json, see `polo.lm.lora`)
+    loads the base model it names with the adapter merged in.
     """
     from transformers import AutoModelForCausalLM
 
+    from polo.lm.lora import adapter_base, is_adapter_dir, merged
+
     path = resolve_model_path(name_or_path)
+    if is_adapter_dir(path) and not (path / "config.json").exists():
+        try:
+            base = adapter_base(path)
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from error
+        model, _ = load_policy(base, dtype, attn_implementation)
+        return merged(model, path), load_tokenizer(str(path))
     try:
         options = {"attn_implementation": attn_implementation} if attn_implementation else {}
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **options)

@@ -214,6 +214,27 @@ def sampling_cache(model, capacity: int):
     return cache
 
 
+@contextlib.contextmanager
+def contiguous_head_input(model):
+    """Within the block, the output layer's input is made contiguous before its matmul.
+
+    The prefill asks for the last position's logits only (`logits_to_keep=1`), so the LM head
+    sees a strided (prompts, 1, hidden) view. For a weight that does not require grad (a frozen
+    or LoRA base model) `torch.matmul` will not fold such a view into one mm: it expands the
+    whole (hidden, vocab) weight per prompt for a bmm, a ~0.2 GB copy per prefill on SmolLM2
+    (measured: 0.37 s of a 4.2 s rollout). Copying the (prompts, hidden) input instead is free.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    handle = None
+    if isinstance(head, torch.nn.Module):
+        handle = head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]) if args else None)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -249,7 +270,7 @@ def generate(
     was_training = model.training
     model.eval()
     length = 0
-    with autocast_context(precision):
+    with autocast_context(precision), contiguous_head_input(model):
         logits = model(
             input_ids=prompt_ids,
             attention_mask=attention_mask,

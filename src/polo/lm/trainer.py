@@ -14,6 +14,8 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -28,6 +30,7 @@ from polo.lm.critic import ValueModel, completion_values, logprobs_and_values, n
 from polo.lm.evaluate import greedy_accuracy
 from polo.lm import parallel
 from polo.lm.attention import use_polo_attention
+from polo.lm.lora import add_adapters, freeze_base_dtype, load_adapters, merged_for_sampling, reference_scope, trainable_summary
 from polo.lm.precision import MasterWeights, mark_float32
 from polo.lm.models import enable_activation_checkpointing, frozen_copy, load_policy, resolve_model_path
 from polo.lm.rewards import RewardSet
@@ -253,7 +256,7 @@ class Checkpointer:
         keeps = f"the last complete checkpoint {previous} is intact" if previous else "no checkpoint was written yet"
         with staged_directory(target, f"checkpoint step {step}", keeps) as staging:
             model.save_pretrained(str(staging), safe_serialization=True, state_dict=model_state)
-            if fp32_masters:  # transformers writes the in-memory (bf16) dtype; the saved weights are the fp32 masters
+            if fp32_masters and (staging / "config.json").exists():  # transformers writes the in-memory (bf16) dtype; the saved weights are the fp32 masters
                 mark_float32(staging / "config.json")
             tokenizer.save_pretrained(str(staging))
             state = {
@@ -344,12 +347,20 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
     if parallel.rank() == 0:
         resolve_model_path(config.model.name)  # one process fetches/converts a built-in model, the others wait
     parallel.barrier()
-    model, tokenizer = load_policy(str(resume_from) if resume_from else config.model.name, attn_implementation=config.model.attn_implementation)
+    lora = config.model.lora
+    # A LoRA checkpoint holds only the adapter: the base model comes from model.name again.
+    start_from = str(resume_from) if resume_from is not None and not lora.r else config.model.name
+    model, tokenizer = load_policy(start_from, attn_implementation=config.model.attn_implementation)
     model.train()
     if train_config.gradient_checkpointing:
         enable_activation_checkpointing(model)
     reference = None
-    if alg.beta > 0:
+    if lora.r:
+        model = load_adapters(model, resume_from) if resume_from is not None else add_adapters(model, lora)
+        if precision == "bf16_master":
+            freeze_base_dtype(model, torch.bfloat16)  # the base never changes: no master copy needed
+        reference = model if alg.beta > 0 else None  # scored with the adapters off (polo.lm.lora)
+    elif alg.beta > 0:
         # The reference is never trained: under bf16 it is kept in bf16 (half the memory, no casts).
         source = model if resume_from is None else load_policy(config.model.name, attn_implementation=config.model.attn_implementation)[0]
         reference = frozen_copy(source, dtype=torch.bfloat16 if precision != "fp32" else None)
@@ -361,9 +372,8 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
     masters = None
     if precision == "bf16_master":  # after the reference copy, which is cast from the fp32 weights
         masters = MasterWeights(model, torch.bfloat16)
-    for module in (model, reference):  # faster attention, same maths (polo.lm.attention)
-        if module is not None:
-            use_polo_attention(module)
+    for module in {id(m): m for m in (model, reference) if m is not None}.values():  # faster attention, same maths (polo.lm.attention)
+        use_polo_attention(module)
     optimizer = torch.optim.AdamW(
         masters.parameters if masters is not None else model.parameters(),
         lr=train_config.learning_rate,
@@ -404,9 +414,9 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
     eval_tokens = config.eval.max_new_tokens or config.sampling.max_new_tokens
 
     def evaluate(step: int) -> dict:
-        with parallel.gathered_weights(model):
+        with sampling_weights(model) as sampler:
             result = greedy_accuracy(
-                model, tokenizer, eval_prompts, eval_rows, task.correctness,
+                sampler, tokenizer, eval_prompts, eval_rows, task.correctness,
                 max_new_tokens=eval_tokens, batch_size=config.eval.batch_size, precision=precision,
             ) if eval_rows else None
         result = combine_eval(parallel.gather_objects((len(eval_rows), result)))
@@ -420,6 +430,7 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
     logger.write(
         f"polo: {alg.name} on {task.name} | model {config.model.name} | precision {precision} | "
         f"{train_config.prompts_per_step} prompts x {alg.group_size} completions | steps {start_step}->{train_config.steps}"
+        + (f" | LoRA r={lora.r}: {trainable_summary(model)}" if lora.r else "")
     )
     if eval_before is None and config.eval.before and task.eval_rows:
         eval_before = evaluate(0)
@@ -470,6 +481,13 @@ def _train(config, overrides: list[str] | None, reward_functions: dict | None) -
 
         plot_run(output_dir)
     return TrainResult(output_dir, train_config.steps, eval_before, eval_after, read_metrics(output_dir / "metrics.jsonl"))
+
+
+@contextmanager
+def sampling_weights(model) -> Iterator[torch.nn.Module]:
+    """Yield the module sampling and evaluation run on: whole weights (gathered under FSDP), LoRA adapters merged in."""
+    with parallel.gathered_weights(model), merged_for_sampling(model) as sampler:
+        yield sampler
 
 
 def combine_eval(per_rank: list[tuple[int, dict | None]]) -> dict:
@@ -596,9 +614,9 @@ def collect_batch(
         row_batch = parallel.rank_share(all_rows, "train.prompts_per_step")
         started = time.perf_counter()
         prompts = task.prompts(tokenizer, row_batch, instruction, config.task.system_prompt)
-        with parallel.gathered_weights(model):
+        with sampling_weights(model) as sampler:
             rollouts = rollout(
-                model, tokenizer, prompts, group_size,
+                sampler, tokenizer, prompts, group_size,
                 max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p, precision=precision,
             )
         timings["generation"] += time.perf_counter() - started
@@ -758,7 +776,10 @@ def rl_step(
     rollouts = batch.rollouts
 
     started = time.perf_counter()
-    ref_logprobs = score_completions(reference, rollouts, train_config.micro_batch_size, precision, sampling.temperature) if alg.beta > 0 else None
+    ref_logprobs = None
+    if alg.beta > 0:
+        with reference_scope(model, reference):  # the LoRA policy itself, adapters off
+            ref_logprobs = score_completions(reference, rollouts, train_config.micro_batch_size, precision, sampling.temperature)
     old_logprobs = old_values = None
     if critic is not None:
         old_values, old_logprobs = score_values(critic, model, rollouts, train_config.micro_batch_size, precision, sampling.temperature)
