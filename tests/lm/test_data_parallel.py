@@ -97,11 +97,14 @@ def test_two_processes_update_equals_one_process(tiny_model_dir, saved_batch, tm
             assert parallel["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), f"{name}: {key}"
 
 
-@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp", "ddp_lora"])
 def test_two_process_resume_equals_an_uninterrupted_two_process_run(tiny_model_dir, tmp_path, data_parallel):
     def run(directory: Path, *extra: str, **output) -> subprocess.CompletedProcess:
         config = tiny_config(tiny_model_dir, directory, output={"save_every": 3, "plots": False, "tensorboard": False, **output})
-        config["train"].update({"prompts_per_step": 4, "data_parallel": data_parallel})
+        config["train"].update({"prompts_per_step": 4, "data_parallel": data_parallel.removesuffix("_lora")})
+        if data_parallel.endswith("_lora"):  # LoRA adapters under DDP, with the KL to the base (adapters off)
+            config["model"]["lora"] = {"r": 4, "alpha": 8}
+            config["algorithm"]["beta"] = 0.05
         config_path = directory.with_suffix(".json")
         config_path.write_text(json.dumps(config))
         return torchrun("train", str(config_path), *extra)

@@ -40,8 +40,10 @@ def without_times(rows):
 
 
 def final_weights(output_dir):
+    """The last checkpoint's weights: the whole model, or the adapter of a LoRA run."""
     latest = sorted((output_dir / "checkpoints").glob("step-*"))[-1]
-    return load_file(str(latest / "model.safetensors"))
+    weights = latest / "model.safetensors"
+    return load_file(str(weights if weights.exists() else latest / "adapter_model.safetensors"))
 
 
 def test_train_writes_metrics_checkpoints_and_plots(tiny_model_dir, tmp_path):
