@@ -39,14 +39,15 @@ def random_case(batch=1, seq=37, vocab=101, d=16, dtype=torch.float32, seed=0):
     return hidden, weight, targets, upstream
 
 
+@pytest.mark.parametrize("vocab_block", [4096, 16, 7])  # one block, and blocks merged online (7 does not divide 101)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("shape", [(1, 37), (3, 5)])
-def test_forward_and_gradients_match_full_logits(temperature, shape):
+def test_forward_and_gradients_match_full_logits(temperature, shape, vocab_block):
     hidden, weight, targets, upstream = random_case(*shape)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 
-    logprobs, entropy = token_logprobs(h1, w1, targets, temperature=temperature, chunk_size=8)
+    logprobs, entropy = token_logprobs(h1, w1, targets, temperature=temperature, chunk_size=8, vocab_block=vocab_block)
     ref_logprobs, ref_entropy = naive(h2, w2, targets, temperature)
     assert logprobs.shape == entropy.shape == targets.shape and logprobs.dtype == torch.float32
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
@@ -61,7 +62,7 @@ def test_forward_and_gradients_match_full_logits(temperature, shape):
 
 def test_float64_matches_reference_tightly():
     hidden, weight, targets, _ = random_case(dtype=torch.float64)
-    logprobs, entropy = token_logprobs(hidden, weight, targets, temperature=1.3, chunk_size=8)
+    logprobs, entropy = token_logprobs(hidden, weight, targets, temperature=1.3, chunk_size=8, vocab_block=10)
     ref_logprobs, ref_entropy = naive(hidden, weight, targets, 1.3)
     assert logprobs.dtype == torch.float64
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-12, rtol=0)
@@ -75,7 +76,7 @@ def test_gradcheck_float64():
     targets = torch.randint(0, 7, (5,), generator=generator)
 
     def logprobs_only(h, w):
-        return ChunkedTokenLogprobs.apply(h, w, targets, 0.7, 2, torch.float64, True)[0]
+        return ChunkedTokenLogprobs.apply(h, w, targets, 0.7, 2, torch.float64, True, 3)[0]
 
     assert torch.autograd.gradcheck(logprobs_only, (hidden, weight))
 

@@ -115,3 +115,22 @@ def test_one_prefill_per_prompt_samples_like_repeated_prompts(tiny_model_dir):
     for ours, theirs in zip(shared, repeated):
         assert torch.equal(ours, theirs)
     assert not all(torch.equal(shared[0][0], shared[0][row]) for row in (1, 2))  # the samples of a prompt differ
+
+
+def test_prepacked_linears_give_the_plain_layers_outputs_and_are_removed(tiny_model_dir):
+    """bf16 linear layers with oneDNN-packed weights: same logits bit for bit; plain layers again afterwards."""
+    from polo.lm.rollout import _can_prepack, prepacked_linears
+
+    model, _ = load_policy(str(tiny_model_dir))
+    model.to(torch.bfloat16).eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 5))
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with prepacked_linears(model, batch_hint=3):
+            patched = [m for m in linears if "forward" in vars(m)]
+            packed = model(input_ids=ids).logits
+    # Where the CPU has native bf16 (this project's machines) every layer is packed; elsewhere none is.
+    assert len(patched) == (len(linears) if _can_prepack() else 0)
+    assert torch.equal(packed, plain)
+    assert not any("forward" in vars(m) for m in linears)  # the class forward is back

