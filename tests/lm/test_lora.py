@@ -25,10 +25,11 @@ def checkpoints(output_dir):
     return sorted((output_dir / "checkpoints").glob("step-*"))
 
 
-def test_lora_run_trains_adapters_against_the_base_model(tiny_model_dir, tmp_path):
-    """bf16_master + LoRA + KL: step 1 starts at the reference (B = 0), adapters move it away, checkpoints hold fp32 adapters."""
+@pytest.mark.parametrize("precision", ["bf16_master", "bf16"])
+def test_lora_run_trains_adapters_against_the_base_model(tiny_model_dir, tmp_path, precision):
+    """LoRA + KL: step 1 starts at the reference (B = 0), adapters move it away, checkpoints hold fp32 adapters."""
     sections = {
-        "model": LORA, "algorithm": {"beta": 0.1}, "train": {"precision": "bf16_master", "steps": 3},
+        "model": LORA, "algorithm": {"beta": 0.1}, "train": {"precision": precision, "steps": 3},
         "output": {"save_every": 3, "tensorboard": False, "plots": False},
     }
     result = train(tiny_config(tiny_model_dir, tmp_path / "run", **sections))
