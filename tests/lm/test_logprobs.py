@@ -333,3 +333,12 @@ def test_fused_path_matches_on_other_families(name):
     ref_logprobs.sum().backward()
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused_head_grad, head.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_no_tokens_give_empty_results_and_zero_gradients():
+    hidden = torch.zeros(0, 16, requires_grad=True)
+    weight = torch.randn(101, 16, requires_grad=True)
+    logprobs, entropy = ChunkedTokenLogprobs.apply(hidden, weight, torch.zeros(0, dtype=torch.long), 1.0, 8, torch.float32, True, 7)
+    assert logprobs.shape == entropy.shape == (0,)
+    logprobs.sum().backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight))

@@ -190,7 +190,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             w = weight.to(compute_dtype)
             neg_g = grad_logprobs.to(acc_dtype) * -inv_t  # (N,): −g_t / T
             grad_hidden = torch.zeros(hidden.shape, dtype=acc_dtype, device=device) if need_hidden else None
-            grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_weight else None
+            grad_weight = (torch.empty if n else torch.zeros)(weight.shape, dtype=weight.dtype, device=device) if need_weight else None  # every row is written when n > 0
             buffers = _tile_buffers(min(chunk_size, n), min(vocab_block, vocab), compute_dtype, acc_dtype, device)
             block_grad = None
             for t0, t1, v0, v1 in _tiles(n, vocab, chunk_size, vocab_block):
