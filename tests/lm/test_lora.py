@@ -53,6 +53,14 @@ def test_lora_run_trains_adapters_against_the_base_model(tiny_model_dir, tmp_pat
     changed = {name for name in base_state if not torch.equal(merged_state[name], base_state[name])}
     assert changed and all(name.endswith("proj.weight") for name in changed)  # only adapted linear layers moved
 
+    # `polo eval` takes the adapter checkpoint like any model directory
+    if precision == "bf16_master":
+        from polo.cli import main
+
+        command = ["eval", "--model", str(latest), "--greedy", "--limit", "3", "--max-new-tokens", "4", "--no-progress"]
+        assert main(command + ["-o", str(tmp_path / "eval.json")]) == 0
+        assert len(json.loads((tmp_path / "eval.json").read_text())["problems"]) == 3
+
 
 def test_lora_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
     """Ctrl-C during step 3 of a LoRA run, resume from the adapter checkpoint: same metrics, same adapter."""
