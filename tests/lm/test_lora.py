@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-import signal
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from polo.config import ConfigError, load_config
-from polo.lm import trainer as trainer_module
 from polo.lm.lora import add_adapters, is_adapter_dir
 from polo.lm.models import load_policy
 from polo.lm.sft import load_sft_config
 from polo.lm.trainer import train
 
-from test_trainer import tiny_config, without_times
+from test_trainer import interrupted_then_resumed, tiny_config, without_times
 
 LORA = {"lora": {"r": 4, "alpha": 8}}
 
@@ -67,20 +65,7 @@ def test_lora_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path, monkeypa
     sections = {"model": LORA, "algorithm": {"beta": 0.05}, "output": {"save_every": 3, "tensorboard": False, "plots": False}}
     straight = train(tiny_config(tiny_model_dir, tmp_path / "straight", **sections))
 
-    real_step, calls = trainer_module.rl_step, []
-
-    def interrupt_on_third_step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            signal.raise_signal(signal.SIGINT)
-        return real_step(*args, **kwargs)
-
-    interrupted = tiny_config(tiny_model_dir, tmp_path / "resumed", **sections)
-    monkeypatch.setattr(trainer_module, "rl_step", interrupt_on_third_step)
-    with pytest.raises(KeyboardInterrupt):
-        train(interrupted)
-    monkeypatch.setattr(trainer_module, "rl_step", real_step)
-    resumed = train(interrupted, ["output.resume=true"])
+    resumed = interrupted_then_resumed(tiny_config(tiny_model_dir, tmp_path / "resumed", **sections), monkeypatch)
     assert without_times(resumed.metrics) == without_times(straight.metrics)
     a = load_file(str(checkpoints(tmp_path / "straight")[-1] / "adapter_model.safetensors"))
     b = load_file(str(checkpoints(tmp_path / "resumed")[-1] / "adapter_model.safetensors"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from polo.lm.attention import POLO_ATTENTION
 from polo.lm.precision import MasterWeights
 from polo.lm.trainer import resolve_train_precision, train
 
-from test_trainer import final_weights, tiny_config, without_times
+from test_trainer import interrupted_then_resumed, final_weights, tiny_config, without_times
 
 
 def test_master_weights_cast_the_model_and_keep_fp32_copies(tiny_model_dir):
@@ -101,20 +100,7 @@ def test_bf16_master_run_saves_fp32_weights_and_resumes_exactly(tiny_model_dir, 
     assert POLO_ATTENTION not in json.dumps(saved_config)  # a plain transformers checkpoint
     assert saved_config["dtype"] == "float32"  # what from_pretrained(dtype="auto") will load
 
-    real_step, calls = trainer_module.rl_step, []
-
-    def interrupt_on_third_step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            signal.raise_signal(signal.SIGINT)
-        return real_step(*args, **kwargs)
-
-    interrupted = tiny_config(tiny_model_dir, tmp_path / "resumed", **sections)
-    monkeypatch.setattr(trainer_module, "rl_step", interrupt_on_third_step)
-    with pytest.raises(KeyboardInterrupt):
-        train(interrupted)
-    monkeypatch.setattr(trainer_module, "rl_step", real_step)
-    resumed = train(interrupted, ["output.resume=true"])
+    resumed = interrupted_then_resumed(tiny_config(tiny_model_dir, tmp_path / "resumed", **sections), monkeypatch)
     assert without_times(resumed.metrics) == without_times(straight.metrics)
     resumed_weights = final_weights(tmp_path / "resumed")
     assert all(torch.equal(weights[name], resumed_weights[name]) for name in weights)

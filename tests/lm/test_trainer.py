@@ -46,6 +46,25 @@ def final_weights(output_dir):
     return load_file(str(weights if weights.exists() else latest / "adapter_model.safetensors"))
 
 
+def interrupted_then_resumed(config, monkeypatch, interrupt_at: int = 3):
+    """Run `config`, Ctrl-C in the middle of step `interrupt_at` (which finishes and is saved), then resume; return the resumed result."""
+    from polo.lm import trainer
+
+    real_step, calls = trainer.rl_step, []
+
+    def interrupting_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == interrupt_at:
+            signal.raise_signal(signal.SIGINT)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "rl_step", interrupting_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(config)
+    monkeypatch.setattr(trainer, "rl_step", real_step)
+    return train(config, ["output.resume=true"])
+
+
 def test_train_writes_metrics_checkpoints_and_plots(tiny_model_dir, tmp_path):
     result = train(tiny_config(tiny_model_dir, tmp_path / "run"), ["algorithm.beta=0.1", "algorithm.update_epochs=2"])
     rows = [row for row in result.metrics if "reward/mean" in row]
