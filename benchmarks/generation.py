@@ -38,7 +38,7 @@ MODEL = "smollm2-135m-instruct"
 
 def hf_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, precision, stop_ids):
     """Return the number of generated tokens (through the first stop token) from `model.generate`."""
-    from polo.lm.rollout import autocast_context
+    from polo.runtime.device import autocast_context
 
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     input_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0)
@@ -63,7 +63,7 @@ def hf_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperatu
 
 def polo_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, precision):
     """Return the number of generated tokens from polo's sampler."""
-    from polo.lm.rollout import rollout
+    from polo.generation.cpu_sampler import rollout
 
     rollouts = rollout(
         model, tokenizer, prompts, group_size, max_new_tokens=max_new_tokens, temperature=temperature, precision=precision
@@ -76,7 +76,7 @@ def grpo_step_flops(steps: int, out_dir: Path) -> dict:
     import json
 
     import polo
-    import polo.lm.trainer as trainer_module
+    import polo.rl.train as trainer_module
     from grpo_vs_trl import polo_config
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -136,9 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from polo.config import load_config
-    from polo.lm.models import load_policy
-    from polo.lm.rollout import stop_token_ids
-    from polo.lm.trainer import batch_rows, instruction_for, make_task
+    from polo.models.loading import load_policy
+    from polo.generation.prompts import stop_token_ids
+    from polo.data import instruction_for, make_task
+    from polo.rl.train import batch_rows
 
     rate_bf16, rate_fp32 = matmul_rates(args.max_wait)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -9,7 +9,7 @@ which TRL tokenizes without templating again) in the same order.
 
 Runs, each in its own subprocess so peak RSS is per run:
   polo      polo's defaults (precision "auto": on a CPU with native bf16, bf16 weights with fp32
-            master weights and AdamW state, see polo.lm.precision)
+            master weights and AdamW state, see polo.models.precision)
   trl_fast  TRL GRPOTrainer, bf16 autocast, no gradient checkpointing (its fastest)
   trl_lean  TRL GRPOTrainer, fp32, gradient checkpointing (its leanest)
   polo_lora polo's defaults with LoRA adapters (r=16, alpha=32, every linear layer but the LM head)
@@ -105,7 +105,8 @@ def trl_micro_batch(config, requested: int | None = None) -> int:
 
 def step_prompts(config, tokenizer, steps: int):
     """Return (task, rows, prompt strings) that polo trains on in steps 1..steps, in order."""
-    from polo.lm.trainer import batch_rows, instruction_for, make_task
+    from polo.data import instruction_for, make_task
+    from polo.rl.train import batch_rows
 
     task = make_task(config)
     rows = [
@@ -123,10 +124,10 @@ def step_prompts(config, tokenizer, steps: int):
 
 def run_polo(steps: int, out_dir: Path, lora: bool = False) -> dict:
     import polo
-    import polo.lm.trainer as trainer_module
+    import polo.rl.train as trainer_module
     from polo.config import load_config
-    from polo.lm.models import ensure_builtin_model
-    from polo.lm.trainer import resolve_train_precision
+    from polo.models.loading import ensure_builtin_model
+    from polo.runtime.device import resolve_train_precision
     from transformers import AutoTokenizer
 
     config_dict = polo_config(steps, out_dir / "run", lora)
@@ -196,8 +197,8 @@ def run_trl(variant: str, steps: int, out_dir: Path, requested_micro_batch: int 
     from trl import GRPOConfig, GRPOTrainer
 
     from polo.config import load_config
-    from polo.lm.models import ensure_builtin_model
-    from polo.lm.rewards import r1_format
+    from polo.models.loading import ensure_builtin_model
+    from polo.rewards import r1_format
 
     model_dir = str(ensure_builtin_model(MODEL))
     config = load_config(polo_config(steps, out_dir / "unused"))
@@ -320,7 +321,7 @@ def parameter_count() -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from polo.lm.models import ensure_builtin_model
+    from polo.models.loading import ensure_builtin_model
 
     config = AutoConfig.from_pretrained(str(ensure_builtin_model(MODEL)))
     with torch.device("meta"):  # shapes only: nothing is allocated or read

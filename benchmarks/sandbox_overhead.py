@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from polo.lm.sandbox import SandboxLimits, run_python
+from polo.sandbox.runner import SandboxLimits, run_python
 
 
 def measure(runs: int, limits: SandboxLimits) -> list[float]:

@@ -16,9 +16,9 @@ RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 def test_every_recipe_loads(recipe):
     import yaml
 
-    from polo.lm.dpo import load_dpo_config
-    from polo.lm.reward_model import load_reward_model_config
-    from polo.lm.sft import load_sft_config
+    from polo.finetune.dpo import load_dpo_config
+    from polo.finetune.reward_model import load_reward_model_config
+    from polo.finetune.sft import load_sft_config
 
     # the recipes of `polo sft`, `polo rm` and `polo dpo`; every other one is `polo train` or `polo control`
     finetune_loaders = {"sft": load_sft_config, "rm": load_reward_model_config, "dpo": load_dpo_config}

@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 
 def train(config=None, overrides=None, **kwargs):
-    """Train a causal LM from a recipe path, mapping or `polo.config.Config`; see `polo.lm.trainer.train`."""
-    from polo.lm.trainer import train as _train
+    """Train a causal LM from a recipe path, mapping or `polo.config.Config`; see `polo.rl.train.train`."""
+    from polo.rl.train import train as _train
 
     return _train(config, overrides, **kwargs)

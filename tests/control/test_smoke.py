@@ -7,7 +7,7 @@ import pytest
 
 from polo.config import ConfigError
 from polo.control import load_control_config, train
-from polo.control.cli import add_parser, run
+from polo.cli.control import add_parser, run
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 FAST = ["train.rollout_steps=16", "train.epochs=2", "output.progress=false", "output.tensorboard=false"]

@@ -2,7 +2,7 @@
 
     update  BATCH CONFIGS OUT   one `rl_step` per config on this rank's share of a saved batch;
                                 rank 0 saves the updated weights to OUT/<name>.pt
-    train   CONFIG [--interrupt-at N]   `polo.lm.trainer.train` on a JSON config; with
+    train   CONFIG [--interrupt-at N]   `polo.rl.train.train` on a JSON config; with
                                 --interrupt-at, rank 0 receives Ctrl-C during step N
 """
 
@@ -16,8 +16,8 @@ import torch
 
 
 def rank_share_batch(batch, group_size: int):
-    from polo.lm import parallel
-    from polo.lm.trainer import Batch
+    from polo.runtime import distributed as parallel
+    from polo.rl.batching import Batch
 
     groups = len(batch.rollouts) // group_size
     mine = parallel.rank_share(list(range(groups)), "groups")
@@ -28,8 +28,12 @@ def rank_share_batch(batch, group_size: int):
 def one_update(batch, config_dict: dict, model_dir: str):
     """Return the weights after one `rl_step` over `batch` (this rank's share of it under torchrun)."""
     from polo.config import load_config
-    from polo.lm import parallel, trainer
-    from polo.lm.models import frozen_copy, load_policy
+    from polo.rl import step as rl_step_module
+    from polo.rl.critic import build_critic
+    from polo.rl.setup import Run, lr_lambda
+    from polo.rl.update import update_modules
+    from polo.runtime import distributed as parallel
+    from polo.models.loading import frozen_copy, load_policy
 
     config = load_config(config_dict)
     torch.manual_seed(0)
@@ -39,16 +43,17 @@ def one_update(batch, config_dict: dict, model_dir: str):
     if config.train.data_parallel == "fsdp" and parallel.is_distributed():
         parallel.shard_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.learning_rate)
-    critic = trainer.build_critic(config, model, optimizer)
+    critic = build_critic(config, model, optimizer, lr_lambda(config))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    modules = trainer.update_modules(model, critic)
+    modules = update_modules(model, critic)
+    run = Run(config, "fp32", None, None, "", model, tokenizer, reference, optimizer, scheduler, critic, modules, None, None, None)
     share = rank_share_batch(batch, config.algorithm.group_size)
-    original = trainer.collect_batch
-    trainer.collect_batch = lambda *args, **kwargs: (share, {"reward/mean": float(share.rewards.mean())}, [])
+    original = rl_step_module.collect_batch
+    rl_step_module.collect_batch = lambda *args, **kwargs: (share, {"reward/mean": float(share.rewards.mean())}, [])
     try:
-        metrics, _ = trainer.rl_step(model, reference, tokenizer, optimizer, scheduler, None, None, 1, "", config, "fp32", critic, modules)
+        metrics, _ = rl_step_module.rl_step(run, 1)
     finally:
-        trainer.collect_batch = original
+        rl_step_module.collect_batch = original
     model_state, _ = parallel.full_state_dicts(model, optimizer)  # gathered whole under FSDP
     weights = {name: value.detach().clone() for name, value in (model_state or model.state_dict()).items()}
     if critic is not None:
@@ -57,7 +62,7 @@ def one_update(batch, config_dict: dict, model_dir: str):
 
 
 def main(argv: list[str]) -> None:
-    from polo.lm import parallel
+    from polo.runtime import distributed as parallel
 
     mode = argv[0]
     if mode == "update":
@@ -70,7 +75,7 @@ def main(argv: list[str]) -> None:
                 torch.save({"weights": weights, "metrics": metrics}, f"{out_dir}/{name}.pt")
         torch.distributed.destroy_process_group()
     elif mode == "train":
-        from polo.lm import trainer
+        from polo.rl import train as trainer
 
         config = json.loads(open(argv[1]).read())
         if "--interrupt-at" in argv:

@@ -8,10 +8,11 @@ from safetensors.torch import load_file
 
 from polo import core
 from polo.config import PRESETS, load_config
-from polo.lm import trainer
-from polo.lm.models import load_policy
-from polo.lm.rollout import rollout
-from polo.lm.trainer import policy_update, train
+from polo.rl import step as rl_step_module
+from polo.models.loading import load_policy
+from polo.generation.cpu_sampler import rollout
+from polo.rl.train import train
+from polo.rl.update import policy_update
 
 from test_trainer import final_weights, tiny_config, without_times
 
@@ -50,14 +51,14 @@ def test_dapo_dynamic_sampling_never_trains_on_a_zero_spread_group(tiny_model_di
         # by completion length, which varies within a group.
         return 1.0 if row["operands"][0] % 2 == 0 else float(len(completion) % 2)
 
-    batches, real_collect = [], trainer.collect_batch
+    batches, real_collect = [], rl_step_module.collect_batch
 
     def recording_collect(*args, **kwargs):
         batch, metrics, samples = real_collect(*args, **kwargs)
         batches.append((batch, metrics))
         return batch, metrics, samples
 
-    monkeypatch.setattr(trainer, "collect_batch", recording_collect)
+    monkeypatch.setattr(rl_step_module, "collect_batch", recording_collect)
     config = tiny_config(tiny_model_dir, tmp_path / "dapo", eval={"before": False, "after": False})
     train(config, ["algorithm.name=dapo", "train.steps=4", "train.prompts_per_step=3", "algorithm.max_sampling_rounds=4"], reward_functions={parity: 1.0})
     assert len(batches) == 4

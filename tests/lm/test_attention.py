@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from polo.lm.attention import POLO_ATTENTION, use_polo_attention
-from polo.lm.models import load_policy
+from polo.kernels.cpu.attention import POLO_ATTENTION, use_polo_attention
+from polo.models.loading import load_policy
 
 
 def test_bf16_training_attention_computes_in_fp32_and_matches_sdpa(tiny_model_dir):

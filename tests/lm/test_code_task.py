@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from polo.lm.rewards import BUILTIN_REWARDS, RewardSet
-from polo.lm.rewards.code import CodeReward, extract_code, parse_test, run_tests
-from polo.lm.sandbox import SandboxLimits
-from polo.lm.tasks import TASKS, TaskDataError, build_task
-from polo.lm.tasks.code import CODE_PROBLEMS_PATH, read_code_problems
+from polo.rewards import BUILTIN_REWARDS, RewardSet
+from polo.rewards.code import CodeReward, extract_code, parse_test, run_tests
+from polo.sandbox.runner import SandboxLimits
+from polo.data import TASKS, TaskDataError, build_task
+from polo.data.code import CODE_PROBLEMS_PATH, read_code_problems
 
 FAST = SandboxLimits(timeout_s=2.0)
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]

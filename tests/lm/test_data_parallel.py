@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from polo.lm.rollout import rollout
-from polo.lm.trainer import Batch
+from polo.generation.cpu_sampler import rollout
+from polo.rl.batching import Batch
 from test_trainer import final_weights, tiny_config, without_times
 
 WORKER = Path(__file__).with_name("data_parallel_worker.py")
@@ -53,7 +53,7 @@ def config_for(model_dir, name: str) -> dict:
 @pytest.fixture(scope="module")
 def saved_batch(tiny_model_dir, tmp_path_factory):
     """Four groups of four sampled completions with spread-out rewards, saved for every process to load."""
-    from polo.lm.models import load_policy
+    from polo.models.loading import load_policy
 
     torch.manual_seed(1)
     model, tokenizer = load_policy(str(tiny_model_dir))

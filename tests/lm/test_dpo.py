@@ -11,11 +11,11 @@ import torch
 from polo import core
 from polo.cli import main
 from polo.config import ConfigError
-from polo.lm.dpo import DPOObjective, dpo, load_dpo_config, with_reference_logps
-from polo.lm.finetune import collate, sequence_logprobs
-from polo.lm.models import load_policy
-from polo.lm.preferences import Ranking
-from polo.lm.reward_model import encode_rankings
+from polo.finetune.dpo import DPOObjective, dpo, load_dpo_config, with_reference_logps
+from polo.finetune.fit import collate, sequence_logprobs
+from polo.models.loading import load_policy
+from polo.data.preferences import Ranking
+from polo.finetune.reward_model import encode_rankings
 
 PROMPT = ({"role": "user", "content": "Say 1."},)
 
@@ -99,7 +99,7 @@ def test_dpo_config_errors(tmp_path):
 
 
 def test_running_each_prompt_once_gives_the_same_log_probs_and_gradients(tiny_model_dir):
-    from polo.lm.finetune import collate_rankings, ranking_logprobs
+    from polo.finetune.fit import collate_rankings, ranking_logprobs
 
     model, tokenizer = load_policy(str(tiny_model_dir))
     rankings = [Ranking(PROMPT, ("1", "one, I think so", "111")), Ranking(({"role": "user", "content": "A longer prompt here?"},), ("x", "yy"))]

@@ -1,4 +1,4 @@
-"""Tests for polo.lm.evaluate (pass@k, cons@k, answer keys, sampling) and the `polo eval` command."""
+"""Tests for polo.evaluation.evaluate (pass@k, cons@k, answer keys, sampling) and the `polo eval` command."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from polo.lm.evaluate import (
+from polo.evaluation.evaluate import (
     add_reward_scores,
     answer_key_for,
     cons_at_k,
@@ -26,7 +26,7 @@ from polo.lm.evaluate import (
     summarize,
     text_answer_key,
 )
-from polo.lm.rewards.answers import exact_number, exact_string, math_verify_answer
+from polo.rewards.answers import exact_number, exact_string, math_verify_answer
 
 
 # ---------------------------------------------------------------- pass@k
@@ -243,7 +243,7 @@ def test_summarize_averages_over_problems():
 
 @pytest.fixture(scope="module")
 def tiny_policy(tiny_model_dir):
-    from polo.lm.models import load_policy
+    from polo.models.loading import load_policy
 
     return load_policy(str(tiny_model_dir))
 
@@ -298,7 +298,7 @@ def test_greedy_accuracy_keeps_its_contract(tiny_policy):
 
 
 def eval_parser() -> argparse.ArgumentParser:
-    from polo.lm.eval_cli import add_parsers
+    from polo.cli.eval import add_parsers
 
     parser = argparse.ArgumentParser(prog="polo")
     add_parsers(parser.add_subparsers(dest="command", required=True))
@@ -306,7 +306,7 @@ def eval_parser() -> argparse.ArgumentParser:
 
 
 def test_polo_eval_writes_per_problem_results(tiny_model_dir, tmp_path, capsys):
-    from polo.lm.eval_cli import run
+    from polo.cli.eval import run
 
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(3)))
@@ -326,7 +326,7 @@ def test_polo_eval_writes_per_problem_results(tiny_model_dir, tmp_path, capsys):
 
 
 def test_polo_eval_greedy_on_arithmetic(tiny_model_dir, tmp_path):
-    from polo.lm.eval_cli import run
+    from polo.cli.eval import run
 
     output = tmp_path / "eval.json"
     args = eval_parser().parse_args([
@@ -350,7 +350,7 @@ def test_polo_eval_greedy_on_arithmetic(tiny_model_dir, tmp_path):
     ],
 )
 def test_polo_eval_rejects_bad_arguments(tiny_model_dir, tmp_path, capsys, extra, message):
-    from polo.lm.eval_cli import run
+    from polo.cli.eval import run
 
     args = eval_parser().parse_args(["eval", "--model", str(tiny_model_dir), "--output", str(tmp_path / "e.json"), *extra])
     assert run(args) == 2
@@ -358,7 +358,7 @@ def test_polo_eval_rejects_bad_arguments(tiny_model_dir, tmp_path, capsys, extra
 
 
 def test_gsm8k_folder_resolution(tmp_path, monkeypatch):
-    from polo.lm.eval_cli import GSM8K_ENV, gsm8k_data_dir
+    from polo.cli.eval import GSM8K_ENV, gsm8k_data_dir
 
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "test.jsonl").write_text("{}\n")

@@ -13,10 +13,12 @@ import pytest
 import torch
 from test_trainer import final_weights, tiny_config, without_times
 
-from polo.lm import trainer
-from polo.lm.saving import SaveError
-from polo.lm.trainer import NonFiniteLossError, train
-from polo.logging import read_metrics
+from polo.rl import step as rl_step_module
+from polo.runtime import checkpoint as checkpoint_module
+from polo.runtime.checkpoint import SaveError
+from polo.rl.train import train
+from polo.runtime.errors import NonFiniteLossError
+from polo.runtime.metrics import read_metrics
 
 CHILD = "import json, sys, polo; polo.train(json.loads(sys.argv[1]))"
 
@@ -54,7 +56,7 @@ def test_a_partial_last_metrics_line_is_ignored(tmp_path):
 
 
 def test_a_nan_step_is_skipped_and_the_run_goes_on(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    real_update, calls = trainer.policy_update, []
+    real_update, calls = rl_step_module.policy_update, []
 
     def nan_on_second_call(*args, **kwargs):
         calls.append(1)
@@ -62,7 +64,7 @@ def test_a_nan_step_is_skipped_and_the_run_goes_on(tiny_model_dir, tmp_path, mon
             raise NonFiniteLossError("loss is nan (injected)")
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "policy_update", nan_on_second_call)
+    monkeypatch.setattr(rl_step_module, "policy_update", nan_on_second_call)
     result = train(tiny_config(tiny_model_dir, tmp_path / "run", eval={"before": False, "after": False}))
     rows = [row for row in result.metrics if "step" in row]
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
@@ -72,7 +74,7 @@ def test_a_nan_step_is_skipped_and_the_run_goes_on(tiny_model_dir, tmp_path, mon
 
 
 def test_consecutive_nan_steps_stop_the_run_and_keep_the_last_good_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
-    real_update, calls = trainer.policy_update, []
+    real_update, calls = rl_step_module.policy_update, []
 
     def nan_from_third_call(*args, **kwargs):
         calls.append(1)
@@ -80,7 +82,7 @@ def test_consecutive_nan_steps_stop_the_run_and_keep_the_last_good_checkpoint(ti
             raise NonFiniteLossError("loss is inf (injected)")
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "policy_update", nan_from_third_call)
+    monkeypatch.setattr(rl_step_module, "policy_update", nan_from_third_call)
     config = tiny_config(tiny_model_dir, tmp_path / "run", train={"steps": 8, "max_nonfinite_steps": 2}, eval={"before": False})
     with pytest.raises(NonFiniteLossError, match=r"2 steps in a row had a non-finite loss, stopping at step 4 .*step-000002"):
         train(config)
@@ -106,7 +108,7 @@ def test_a_raising_reward_can_score_zero_and_be_counted(tiny_model_dir, tmp_path
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_as_the_latest(tiny_model_dir, tmp_path, monkeypatch):
     config = tiny_config(tiny_model_dir, tmp_path / "run", eval={"before": False, "after": False})
-    real_save, saves = trainer.torch.save, []
+    real_save, saves = checkpoint_module.torch.save, []
 
     def crash_on_second_checkpoint(obj, path, *args, **kwargs):
         if str(path).endswith("trainer_state.pt"):
@@ -119,15 +121,15 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_as_the_latest(tiny_
                 raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed (injected)")
         return real_save(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(trainer.torch, "save", crash_on_second_checkpoint)
+    monkeypatch.setattr(checkpoint_module.torch, "save", crash_on_second_checkpoint)
     with pytest.raises(SaveError) as error:
         train(config)
     message = str(error.value)
     assert "could not write checkpoint step 4" in message and "injected" in message and "free space there" in message
     assert "the last complete checkpoint" in message and "step-000002 is intact" in message
-    monkeypatch.setattr(trainer.torch, "save", real_save)
+    monkeypatch.setattr(checkpoint_module.torch, "save", real_save)
     assert not list((tmp_path / "run" / "checkpoints").glob(".incomplete-*"))  # the half-written copy is gone
-    checkpointer = trainer.Checkpointer(tmp_path / "run", keep=2)
+    checkpointer = checkpoint_module.Checkpointer(tmp_path / "run", keep=2)
     assert checkpointer.latest().name == "step-000002"  # the half-written step 4 never became a checkpoint
     resumed = train(config, ["output.resume=true"])
     assert [row["step"] for row in resumed.metrics if "loss" in row] == [1, 2, 3, 4]

@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from polo.lm.evaluate import answer_key_for, score_problem, summarize
-from polo.lm.eval_cli import gsm8k_data_dir
-from polo.lm.tasks import gsm8k_task
+from polo.evaluation.evaluate import answer_key_for, score_problem, summarize
+from polo.cli.eval import gsm8k_data_dir
+from polo.data import gsm8k_task
 
 NUM_PROBLEMS = 200
 

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from polo.lm.logprobs import (
+from polo.kernels.cpu.logprobs import (
     FUSED_MODEL_TYPES,
     ChunkedTokenLogprobs,
     completion_logprobs_fused,

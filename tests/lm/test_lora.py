@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from polo.config import ConfigError, load_config
-from polo.lm.lora import add_adapters, is_adapter_dir
-from polo.lm.models import load_policy
-from polo.lm.sft import load_sft_config
-from polo.lm.trainer import train
+from polo.models.lora import add_adapters, is_adapter_dir
+from polo.models.loading import load_policy
+from polo.finetune.sft import load_sft_config
+from polo.rl.train import train
 
 from test_trainer import interrupted_then_resumed, tiny_config, without_times
 
@@ -95,7 +95,7 @@ def test_unknown_target_module_names_the_model_linear_layers(tiny_model_dir):
 
 
 def test_adapter_checkpoint_without_a_base_is_a_clear_error(tmp_path):
-    from polo.lm.models import ModelLoadError
+    from polo.models.loading import ModelLoadError
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4}))
     with pytest.raises(ModelLoadError, match="base_model_name_or_path"):
@@ -103,7 +103,7 @@ def test_adapter_checkpoint_without_a_base_is_a_clear_error(tmp_path):
 
 
 def test_merged_sampling_weights_match_the_adapters_and_restore_the_base(tiny_model_dir):
-    from polo.lm.lora import merged_for_sampling
+    from polo.models.lora import merged_for_sampling
 
     model, _ = load_policy(str(tiny_model_dir))
     model = add_adapters(model, load_config({"model": LORA}).model.lora)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from polo.lm.models import ModelLoadError, frozen_copy, load_policy, resolve_model_path
+from polo.models.loading import ModelLoadError, frozen_copy, load_policy, resolve_model_path
 
 
 def test_missing_path_names_it_and_the_builtins(tmp_path):
@@ -43,7 +43,7 @@ def test_reference_copy_is_frozen_and_independent(tiny_model_dir):
 
 
 def test_bf16_copy_keeps_float32_buffers_and_can_be_resynced(tiny_model_dir):
-    from polo.lm.models import copy_weights, frozen_copy
+    from polo.models.loading import copy_weights, frozen_copy
 
     model, _ = load_policy(str(tiny_model_dir))
     sampler = frozen_copy(model, dtype=torch.bfloat16)

@@ -9,11 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from polo.config import ConfigError, load_config
-from polo.lm import trainer as trainer_module
-from polo.lm.models import load_policy
-from polo.lm.attention import POLO_ATTENTION
-from polo.lm.precision import MasterWeights
-from polo.lm.trainer import resolve_train_precision, train
+from polo.runtime import device as trainer_module
+from polo.models.loading import load_policy
+from polo.kernels.cpu.attention import POLO_ATTENTION
+from polo.models.precision import MasterWeights
+from polo.rl.train import train
+from polo.runtime.device import resolve_train_precision
 
 from test_trainer import interrupted_then_resumed, final_weights, tiny_config, without_times
 

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from polo.cli import main
-from polo.lm.preferences import (
+from polo.data.preferences import (
     Ranking,
     arithmetic_preference_data,
     comparisons_from_samples,
@@ -22,8 +22,8 @@ from polo.lm.preferences import (
     sampled_preference_data,
     wrong_answer,
 )
-from polo.lm.rewards import exact_number
-from polo.lm.tasks import TaskDataError, arithmetic_task
+from polo.rewards import exact_number
+from polo.data import TaskDataError, arithmetic_task
 
 
 def write_rows(path, rows) -> str:
@@ -99,7 +99,7 @@ def test_malformed_demonstration_rows_name_file_and_line(tmp_path, row, message)
 
 
 def test_a_user_prompt_renders_exactly_as_the_rl_trainer_prompts(tiny_model_dir):
-    from polo.lm.models import load_tokenizer
+    from polo.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
     task = arithmetic_task(num_train=10, num_eval=2)
@@ -195,7 +195,7 @@ def test_comparisons_from_samples_rank_each_right_answer_above_a_wrong_one():
 
 
 def test_sampled_preferences_rank_the_models_own_answers_on_training_problems(tiny_model_dir):
-    from polo.lm.models import load_policy
+    from polo.models.loading import load_policy
 
     model, tokenizer = load_policy(str(tiny_model_dir))
     task = arithmetic_task(num_train=60, num_eval=10)

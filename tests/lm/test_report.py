@@ -1,4 +1,4 @@
-"""Tests for polo.lm.report on a fake run directory shaped like the trainer's output."""
+"""Tests for polo.evaluation.report on a fake run directory shaped like the trainer's output."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from polo.lm.report import build_report, pick_steps, running_mean, write_report
+from polo.evaluation.report import build_report, pick_steps, running_mean, write_report
 
 CONFIG_YAML = """model:
   name: smollm2-135m-instruct
@@ -113,7 +113,7 @@ def test_report_rejects_a_folder_that_is_not_a_run(tmp_path):
 
 
 def test_write_report_and_the_command(tmp_path, capsys):
-    from polo.lm.eval_cli import add_parsers, run
+    from polo.cli.eval import add_parsers, run
 
     run_dir = make_fake_run(tmp_path / "run")
     assert write_report(run_dir) == run_dir / "report.html"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from polo.cli import main
-from polo.lm.finetune import collate, encode, sequence_rewards
-from polo.lm.models import ModelLoadError, load_tokenizer
-from polo.lm.reward_model import (
+from polo.finetune.fit import collate, encode, sequence_rewards
+from polo.models.loading import ModelLoadError, load_tokenizer
+from polo.finetune.reward_model import (
     RewardModelReward,
     encode_rankings,
     new_reward_model,
@@ -20,10 +20,10 @@ from polo.lm.reward_model import (
     ranking_metrics,
     train_reward_model,
 )
-from polo.lm.preferences import Ranking
-from polo.lm.rewards import RewardFunctionError, RewardSet, exact_number
-from polo.lm.tasks import Task
-from polo.lm.tasks.base import PLAIN_INSTRUCTION
+from polo.data.preferences import Ranking
+from polo.rewards import RewardFunctionError, RewardSet, exact_number
+from polo.data import Task
+from polo.data.base import PLAIN_INSTRUCTION
 
 ROW = {"question": "What is 2 + 3?", "answer": "5"}
 
@@ -218,7 +218,7 @@ def test_encode_rankings_keeps_rankings_whole(tiny_model_dir):
 
 def test_rl_trains_against_a_reward_model(tiny_model_dir, reward_model_dir, tmp_path):
     """`polo train` with a `model:PATH` reward (and the checker logged at weight 0) runs and logs both columns."""
-    from polo.lm.trainer import train
+    from polo.rl.train import train
 
     config = {
         "model": {"name": str(tiny_model_dir)},
@@ -236,7 +236,7 @@ def test_rl_trains_against_a_reward_model(tiny_model_dir, reward_model_dir, tmp_
 
 
 def test_running_each_prompt_once_gives_the_same_rewards(reward_model_dir):
-    from polo.lm.finetune import collate_rankings, ranking_rewards
+    from polo.finetune.fit import collate_rankings, ranking_rewards
 
     reward = RewardModelReward(reward_model_dir, precision="fp32")
     rankings = [Ranking(({"role": "user", "content": "q"},), ("a", "bb b", "c")), Ranking(({"role": "user", "content": "a longer prompt"},), ("x", "yy"))]
@@ -247,7 +247,7 @@ def test_running_each_prompt_once_gives_the_same_rewards(reward_model_dir):
 def test_polo_eval_scores_every_sample_with_the_reward_model(tiny_model_dir, reward_model_dir, tmp_path, capsys):
     import argparse
 
-    from polo.lm.eval_cli import add_parsers, run
+    from polo.cli.eval import add_parsers, run
 
     parser = argparse.ArgumentParser()
     add_parsers(parser.add_subparsers(dest="command"))
@@ -273,7 +273,7 @@ def test_polo_eval_scores_every_sample_with_the_reward_model(tiny_model_dir, rew
 def test_polo_eval_refuses_a_missing_reward_model_before_sampling(tiny_model_dir, tmp_path):
     import argparse
 
-    from polo.lm.eval_cli import add_parsers, run
+    from polo.cli.eval import add_parsers, run
 
     parser = argparse.ArgumentParser()
     add_parsers(parser.add_subparsers(dest="command"))

@@ -1,4 +1,4 @@
-"""Tests for polo.lm.rewards: answer extraction, checkers, format rewards, RewardSet."""
+"""Tests for polo.rewards: answer extraction, checkers, format rewards, RewardSet."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from polo.lm.rewards import (
+from polo.rewards import (
     BUILTIN_REWARDS,
     RewardFunctionError,
     RewardSet,
@@ -24,7 +24,7 @@ from polo.lm.rewards import (
     resolve_reward,
     tag_count,
 )
-from polo.lm.tasks import Task
+from polo.data import Task
 
 ROW_85 = {"question": "What is 47 + 38?", "answer": "85"}
 

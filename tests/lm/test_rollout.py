@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from polo.lm.models import load_policy
-from polo.lm.rollout import completion_logprobs, generate, rollout, stop_token_ids, tokenize_prompts
+from polo.models.loading import load_policy
+from polo.generation.cpu_sampler import generate, rollout
+from polo.generation.prompts import stop_token_ids, tokenize_prompts
+from polo.models.scoring import completion_logprobs
 
 
 def test_greedy_sampler_matches_transformers_generate(tiny_model_dir):
@@ -65,7 +67,7 @@ def test_logprobs_do_not_depend_on_padding(tiny_model_dir):
 
 
 def test_inverse_cdf_sampling_matches_the_distribution_and_skips_zero_weights():
-    from polo.lm.rollout import inverse_cdf_sample
+    from polo.generation.sampling import inverse_cdf_sample
 
     torch.manual_seed(0)
     weights = torch.tensor([[0.5, 0.0, 0.2, 0.3, 0.0]]).repeat(20000, 1)
@@ -76,7 +78,7 @@ def test_inverse_cdf_sampling_matches_the_distribution_and_skips_zero_weights():
 
 
 def test_top_p_keeps_only_the_nucleus():
-    from polo.lm.rollout import sample_next_token
+    from polo.generation.sampling import sample_next_token
 
     torch.manual_seed(0)
     logits = torch.log(torch.tensor([[0.6, 0.25, 0.1, 0.05]])).repeat(5000, 1)
@@ -87,7 +89,7 @@ def test_top_p_keeps_only_the_nucleus():
 
 def test_top_p_over_a_large_vocabulary_matches_the_full_sort(monkeypatch):
     """The top-candidates shortcut and the full sort keep the same nucleus (both branches taken)."""
-    from polo.lm import rollout as rollout_module
+    from polo.generation import sampling as rollout_module
 
     torch.manual_seed(0)
     peaked = torch.randn(3, 5000) * 8  # the nucleus sits in the top candidates
@@ -119,7 +121,7 @@ def test_one_prefill_per_prompt_samples_like_repeated_prompts(tiny_model_dir):
 
 def test_prepacked_linears_give_the_plain_layers_outputs_and_are_removed(tiny_model_dir):
     """bf16 linear layers with oneDNN-packed weights: same logits bit for bit; plain layers again afterwards."""
-    from polo.lm.rollout import _can_prepack, prepacked_linears
+    from polo.kernels.cpu.linear import _can_prepack, prepacked_linears
 
     model, _ = load_policy(str(tiny_model_dir))
     model.to(torch.bfloat16).eval()

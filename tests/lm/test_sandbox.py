@@ -1,4 +1,4 @@
-"""Adversarial programs against polo.lm.sandbox: each must be contained, and the caller keep running.
+"""Adversarial programs against polo.sandbox.runner: each must be contained, and the caller keep running.
 
 Which isolation the kernel grants is detected once (``detect_isolation``); cases whose outcome
 depends on it assert the behaviour documented in docs/sandbox.md for what is in force.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from polo.lm import sandbox
-from polo.lm.sandbox import SandboxLimits, detect_isolation, run_python
+from polo.sandbox import runner as sandbox
+from polo.sandbox.runner import SandboxLimits, detect_isolation, run_python
 
 # Small limits keep every case fast and harmless.
 LIMITS = SandboxLimits(timeout_s=2.0, cpu_seconds=2, memory_bytes=256 * 2**20,

@@ -9,10 +9,10 @@ import torch
 
 from polo.cli import main
 from polo.config import ConfigError
-from polo.lm.finetune import Example, collate, encode, sequence_logprobs
-from polo.lm.models import load_policy
-from polo.lm.sft import SFTObjective, encode_demonstrations, load_sft_config, sft
-from polo.lm.preferences import Demonstration
+from polo.finetune.fit import Example, collate, encode, sequence_logprobs
+from polo.models.loading import load_policy
+from polo.finetune.sft import SFTObjective, encode_demonstrations, load_sft_config, sft
+from polo.data.preferences import Demonstration
 
 USER = ({"role": "user", "content": "What is 2 + 3?"},)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polo.lm import rollout as rollout_module
-from polo.lm import shared_prompt
-from polo.lm.attention import use_polo_attention
-from polo.lm.models import load_policy
-from polo.lm.rollout import completion_logprobs
-from polo.lm.shared_prompt import share_prompts, shared_completion_logprobs, sharing_pays
+from polo.models import scoring as rollout_module
+from polo.kernels.cpu import shared_prompt
+from polo.kernels.cpu.attention import use_polo_attention
+from polo.models.loading import load_policy
+from polo.models.scoring import completion_logprobs
+from polo.kernels.cpu.shared_prompt import share_prompts, shared_completion_logprobs, sharing_pays
 
 
 def grouped_batch(vocab: int, group_size: int = 3, prompt_lengths=(5, 2), completion_lengths=(4, 1, 3, 2, 4, 1), seed: int = 0):
@@ -33,7 +33,7 @@ def grouped_batch(vocab: int, group_size: int = 3, prompt_lengths=(5, 2), comple
 @pytest.fixture(autouse=True)
 def always_share(monkeypatch):
     """Tiny shapes would not pass the cost test; the layout is what is under test here."""
-    monkeypatch.setattr("polo.lm.shared_prompt.sharing_pays", lambda *args: True)
+    monkeypatch.setattr("polo.kernels.cpu.shared_prompt.sharing_pays", lambda *args: True)
 
 
 def test_mask_lets_a_completion_see_its_prompt_and_itself_only():
@@ -102,7 +102,7 @@ def test_shared_layout_gives_the_same_logprobs_and_gradients(tiny_model_dir, wit
 
 
 def test_block_wise_attention_equals_attention_under_the_full_mask():
-    from polo.lm.attention import polo_attention
+    from polo.kernels.cpu.attention import polo_attention
 
     torch.manual_seed(0)
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(50)
@@ -133,7 +133,7 @@ def test_the_shared_path_is_taken_only_when_asked(tiny_model_dir, monkeypatch):
 
 
 def test_micro_batches_hold_whole_groups_when_they_can():
-    from polo.lm.trainer import micro_batches
+    from polo.rl.batching import micro_batches
 
     rows = torch.arange(24)
     assert [len(m) for m in micro_batches(rows, 20, group_size=8)] == [16, 8]  # rounded down to 2 groups

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pathlib import Path
 
-from polo.lm.trainer import train
+from polo.rl.train import train
 
 
 @pytest.mark.slow

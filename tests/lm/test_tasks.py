@@ -1,4 +1,4 @@
-"""Tests for polo.lm.tasks: arithmetic generation, GSM8K and jsonl loading, prompts."""
+"""Tests for polo.data: arithmetic generation, GSM8K and jsonl loading, prompts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from polo.lm.tasks import (
+from polo.data import (
     DEFAULT_INSTRUCTION,
     PLAIN_INSTRUCTION,
     TASKS,
@@ -19,7 +19,7 @@ from polo.lm.tasks import (
     gsm8k_task,
     jsonl_task,
 )
-from polo.lm.tasks.arithmetic import count_problems
+from polo.data.arithmetic import count_problems
 
 GSM8K_DIR = Path("/work/shared/data/gsm8k")
 needs_gsm8k = pytest.mark.skipif(

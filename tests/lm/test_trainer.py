@@ -11,10 +11,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from polo.config import load_config
-from polo.lm.models import load_policy
-from polo.lm.rewards import RewardFunctionError, RewardSet
-from polo.lm.rollout import rollout
-from polo.lm.trainer import NonFiniteLossError, batch_rows, lr_lambda, make_task, policy_update, train
+from polo.models.loading import load_policy
+from polo.rewards import RewardFunctionError, RewardSet
+from polo.generation.cpu_sampler import rollout
+from polo.data import make_task
+from polo.rl.batching import batch_rows
+from polo.rl.setup import lr_lambda
+from polo.rl.train import train
+from polo.rl.update import policy_update
+from polo.runtime.errors import NonFiniteLossError
 
 TIME_KEYS = ("time/", "tokens_per_second", "timestamp")
 
@@ -48,7 +53,7 @@ def final_weights(output_dir):
 
 def interrupted_then_resumed(config, monkeypatch, interrupt_at: int = 3):
     """Run `config`, Ctrl-C in the middle of step `interrupt_at` (which finishes and is saved), then resume; return the resumed result."""
-    from polo.lm import trainer
+    from polo.rl import train as trainer
 
     real_step, calls = trainer.rl_step, []
 
@@ -100,7 +105,7 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
     """Ctrl-C during step 3, resume: same metrics and the same weights as 4 straight steps."""
     straight = train(tiny_config(tiny_model_dir, tmp_path / "straight", output={"save_every": 3}))
 
-    from polo.lm import trainer
+    from polo.rl import train as trainer
 
     real_step, calls = trainer.rl_step, []
 

@@ -26,7 +26,7 @@ from polo.control.ppo import PPO
 from polo.control.reinforce import Reinforce
 from polo.control.rollout import EpisodeCollector, EpisodeTracker, StepCollector, build_batch
 from polo.control.trpo import TRPO
-from polo.logging import MetricsLogger
+from polo.runtime.metrics import MetricsLogger
 
 ALGORITHMS: dict[str, type[OnPolicyAlgorithm]] = {
     "reinforce": Reinforce,

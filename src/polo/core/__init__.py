@@ -14,6 +14,18 @@ from polo.core.advantages import (
     zero_spread_groups,
 )
 from polo.core.distributed import all_reduce_sum, global_count
+from polo.core.registry import (
+    ADVANTAGE_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    AdvantageInputs,
+    Registry,
+    register_advantage,
+    register_aggregation,
+    register_kl,
+    register_policy_loss,
+)
+from polo.core.schedules import lr_multiplier
 from polo.core.preference import dpo_loss, pairwise_loss
 from polo.core.shaping import overlong_penalty
 from polo.core.trpo import backtracking_line_search, conjugate_gradient, fisher_vector_product, flat_grad, trust_region_step
@@ -31,6 +43,16 @@ from polo.core.losses import (
 )
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
+    "AdvantageInputs",
+    "Registry",
+    "lr_multiplier",
+    "register_advantage",
+    "register_aggregation",
+    "register_kl",
+    "register_policy_loss",
     "backtracking_line_search",
     "conjugate_gradient",
     "fisher_vector_product",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from polo.core.distributed import all_reduce_sum
+from polo.core.registry import AdvantageInputs, register_advantage
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -223,3 +224,38 @@ def explained_variance(predicted: torch.Tensor, target: torch.Tensor, mask: torc
         return float("nan")
     variance = target_valid.var(unbiased=False)
     return float("nan") if variance == 0 else float(1.0 - residual.var(unbiased=False) / variance)
+
+
+# The registered estimators: each turns one batch of whole groups into per-token advantages
+# (batch, seq) (+ value targets for a critic), reading its knobs from `settings` (the recipe's
+# `algorithm` section: scale_rewards, advantage_eps, beta, gamma, lam).
+
+
+@register_advantage("grpo")
+def grpo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, None]:
+    """Return GRPO's (r_i − mean_G r) / (std_G r + ε) on every token of completion i (Dr. GRPO: no std)."""
+    advantages = group_advantages(inputs.rewards, inputs.group_size, scale_by_std=settings.scale_rewards, eps=settings.advantage_eps)
+    return expand_to_tokens(advantages, inputs.mask), None
+
+
+@register_advantage("rloo")
+def rloo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, None]:
+    """Return RLOO's r_i − mean of the other G − 1 rewards on every token of completion i."""
+    return expand_to_tokens(rloo_advantages(inputs.rewards, inputs.group_size), inputs.mask), None
+
+
+@register_advantage("reinforce_pp", token_level=True)
+def reinforce_pp_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, None]:
+    """Return REINFORCE++'s batch-whitened reward-to-go of the per-token rewards (KL folded in)."""
+    token_rewards = token_level_rewards(inputs.rewards, inputs.mask, inputs.kl, settings.beta)
+    return reinforce_pp_advantages(token_rewards, inputs.mask, settings.gamma), None
+
+
+@register_advantage("gae", needs_critic=True, token_level=True)
+def gae_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return PPO's whitened GAE(γ, λ) advantages of the per-token rewards and the returns the critic regresses to."""
+    if inputs.values is None:
+        raise ValueError("the gae estimator needs critic values (AdvantageInputs.values)")
+    token_rewards = token_level_rewards(inputs.rewards, inputs.mask, inputs.kl, settings.beta)
+    advantages, returns = gae_advantages(token_rewards, inputs.values, inputs.mask, settings.gamma, settings.lam)
+    return whiten(advantages, inputs.mask), returns

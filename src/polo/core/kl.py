@@ -10,9 +10,9 @@ All take log-probabilities of the sampled tokens, shapes `(batch, seq)`, and ret
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+
+from polo.core.registry import KL_ESTIMATORS, register_kl
 
 # exp(20) ≈ 4.9e8 is finite in fp16/bf16/fp32 alike, while an unclamped exp overflows to inf
 # (fp32 past ~88, fp16 past ~11) the first time the policy drifts far from the reference on a
@@ -20,16 +20,19 @@ import torch
 K3_LOG_RATIO_LIMIT = 20.0
 
 
+@register_kl("k1")
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Return the k1 estimate `(batch, seq)`: log π(y) − log π_ref(y)."""
     return logprobs - ref_logprobs
 
 
+@register_kl("k2")
 def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Return the k2 estimate `(batch, seq)`: ½ (log π(y) − log π_ref(y))²."""
     return 0.5 * (logprobs - ref_logprobs) ** 2
 
 
+@register_kl("k3")
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Return the k3 estimate `(batch, seq)`: exp(d) − d − 1 with d = log π_ref(y) − log π(y).
 
@@ -41,17 +44,6 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "k1": kl_k1,
-    "k2": kl_k2,
-    "k3": kl_k3,
-}
-
-
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Return the per-token KL estimate `(batch, seq)` of the named kind ("k1", "k2", "k3")."""
-    try:
-        estimator = KL_ESTIMATORS[kind]
-    except KeyError:
-        raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {sorted(KL_ESTIMATORS)}") from None
-    return estimator(logprobs, ref_logprobs)
+    """Return the per-token KL estimate `(batch, seq)` of the registered kind ("k1", "k2", "k3", ...)."""
+    return KL_ESTIMATORS[kind](logprobs, ref_logprobs)

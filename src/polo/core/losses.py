@@ -8,9 +8,9 @@ positions reaches neither the loss nor the gradients.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+
+from polo.core.registry import LOSS_AGGREGATIONS, register_aggregation, register_policy_loss
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -72,6 +72,7 @@ def _clipped_surrogate(
     return per_token, stats
 
 
+@register_policy_loss("ppo_clip")
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -103,6 +104,7 @@ def ppo_clip_loss(
     return _clipped_surrogate(ratio, _token_advantages(advantages, mask), is_valid, eps_low, eps_high, dual_clip)
 
 
+@register_policy_loss("gspo")
 def gspo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -172,16 +174,20 @@ def _checked(name: str, value: float) -> float:
     return value
 
 
+@register_aggregation("grpo")
 def _seq_mean_token_mean(
     per_token: torch.Tensor, mask: torch.Tensor, *, num_sequences: float, **_unused: float
 ) -> torch.Tensor:
     return masked_mean(per_token, mask, dim=-1).sum() / _checked("num_sequences", num_sequences)
 
 
+@register_aggregation("bnpo")
+@register_aggregation("dapo")
 def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, *, num_tokens: float, **_unused: float) -> torch.Tensor:
     return masked_sum(per_token, mask) / _checked("num_tokens", num_tokens)
 
 
+@register_aggregation("dr_grpo")
 def _seq_mean_token_sum_norm(
     per_token: torch.Tensor,
     mask: torch.Tensor,
@@ -194,12 +200,7 @@ def _seq_mean_token_sum_norm(
     return masked_sum(per_token, mask) / normaliser
 
 
-AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
-    "grpo": _seq_mean_token_mean,
-    "bnpo": _token_mean,
-    "dapo": _token_mean,
-    "dr_grpo": _seq_mean_token_sum_norm,
-}
+AGGREGATIONS = LOSS_AGGREGATIONS  # the registry under its older name
 
 
 def aggregate_loss(
@@ -228,11 +229,7 @@ def aggregate_loss(
 
     Shapes: per_token (batch, seq), mask (batch, seq) → scalar.
     """
-    try:
-        aggregate = AGGREGATIONS[mode]
-    except KeyError:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {sorted(AGGREGATIONS)}") from None
-    return aggregate(
+    return LOSS_AGGREGATIONS[mode](
         per_token,
         mask,
         num_sequences=num_sequences,

@@ -1,0 +1,85 @@
+"""The `polo` command line: thin wrappers over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from polo.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `polo` command and return its exit status."""
+    parser = argparse.ArgumentParser(prog="polo", description="Policy optimization from REINFORCE to GRPO.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train_parser = commands.add_parser("train", help="train a language model with a recipe")
+    train_parser.add_argument("recipe", help="path to a YAML recipe (see recipes/)")
+    train_parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=10 output.resume=true")
+
+    fetch_parser = commands.add_parser("fetch-model", help="fetch and convert a built-in model into the cache")
+    fetch_parser.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+
+    plot_parser = commands.add_parser("plot", help="draw reward/accuracy/length curves of a run directory")
+    plot_parser.add_argument("run_dir")
+
+    from polo.cli import control as control_cli
+    from polo.cli import eval as eval_cli, rlhf as rlhf_cli
+
+    eval_cli.add_parsers(commands)  # eval, report
+    rlhf_cli.add_parsers(commands)  # sft, rm, dpo, make-preferences
+    control_cli.add_parser(commands)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command in ("eval", "report"):
+            return eval_cli.run(args)
+        if args.command == "control":
+            return control_cli.run(args)
+        if args.command in rlhf_cli.COMMANDS:
+            return rlhf_cli.run(args)
+        if args.command == "train":
+            from polo.rl.train import train
+
+            result = train(args.recipe, args.overrides)
+            rank_zero = os.environ.get("RANK", "0") == "0"  # under torchrun only the first process reports
+            if result.eval_before is not None and result.eval_after is not None and rank_zero:
+                print(f"held-out accuracy: {result.eval_before['accuracy']:.3f} -> {result.eval_after['accuracy']:.3f}")
+        elif args.command == "fetch-model":
+            from polo.models.loading import ensure_builtin_model
+
+            print(ensure_builtin_model(args.name))
+        elif args.command == "plot":
+            from polo.evaluation.plots import plot_run
+
+            for path in plot_run(args.run_dir):
+                print(path)
+    except KeyboardInterrupt:
+        print("polo: interrupted", file=sys.stderr)
+        return 130
+    except (ConfigError, FileNotFoundError) as error:
+        print(f"polo: error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # noqa: BLE001 - known polo errors get one clear line, others a traceback
+        from polo.models.loading import ModelLoadError
+        from polo.runtime.checkpoint import SaveError
+        from polo.runtime.errors import NonFiniteLossError
+
+        known = (ModelLoadError, NonFiniteLossError, SaveError) + _data_errors()
+        if isinstance(error, known):
+            print(f"polo: error: {error}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+def _data_errors() -> tuple[type, ...]:
+    from polo.rewards import RewardFunctionError
+    from polo.data.base import TaskDataError
+
+    return (RewardFunctionError, TaskDataError)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The RLHF subcommands: `polo sft`, `polo rm`, `polo dpo` and `polo make-preferences`.
+
+Thin wrappers over `polo.finetune.sft.sft`, `polo.finetune.reward_model.train_reward_model`, `polo.finetune.dpo.dpo`
+and `polo.data.preferences.write_arithmetic_preferences`. `polo.cli` calls `add_parsers(subcommands)`
+to register them and `run(args)` to execute one.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+COMMANDS = ("sft", "rm", "dpo", "make-preferences")
+
+
+def mistake_list(text: str) -> list[str]:
+    """Parse `--mistakes` ("carry,units") into kinds of `polo.data.preferences.wrong_answer`; argparse reports a bad one."""
+    from polo.data.preferences import MISTAKES
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MISTAKES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(MISTAKES)}, comma-separated")
+    return names
+
+
+def add_parsers(subcommands) -> None:
+    """Add the `sft`, `rm`, `dpo` and `make-preferences` subcommands to an argparse subparsers object."""
+    helps = {
+        "sft": "supervised fine-tuning on prompt/response demonstrations (loss on the responses only)",
+        "rm": "train a reward model (causal-LM trunk + scalar head) on comparisons (pairs or K-way rankings)",
+        "dpo": "Direct Preference Optimization on comparisons (pairs or K-way rankings)",
+    }
+    for name, help_text in helps.items():
+        parser = subcommands.add_parser(name, help=help_text, description=help_text)
+        parser.add_argument("recipe", help=f"path to a YAML recipe (e.g. recipes/rlhf_{name}.yaml)")
+        parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=10")
+        parser.set_defaults(rlhf_command=name)
+
+    data_parser = subcommands.add_parser(
+        "make-preferences",
+        help="write arithmetic SFT demonstrations and comparisons as jsonl, or (--from-model) comparisons of a model's own answers",
+        description=(
+            "Write sft_train/sft_eval/preferences_train/preferences_eval.jsonl to OUT_DIR: arithmetic problems "
+            "from the training split of the RL task (never its held-out problems); demonstrations give the correct "
+            "concise answer, comparisons prefer it to the same answer with a mistake (by default in the carry into the tens)."
+        ),
+    )
+    data_parser.add_argument("out_dir")
+    data_parser.add_argument("--recipe", default=None, help="an RL recipe (polo train) whose arithmetic task settings and instruction to use (default: the built-in defaults, those of recipes/rlhf_rl.yaml)")
+    data_parser.add_argument("--seed", type=int, default=0, help="shuffles problems into splits and picks wrong answers and wordings (default 0)")
+    data_parser.add_argument("--num-sft", type=int, default=1000, help="SFT demonstrations (default 1000)")
+    data_parser.add_argument("--num-sft-eval", type=int, default=100, help="held-out SFT demonstrations (default 100)")
+    data_parser.add_argument("--num-comparisons", type=int, default=3000, help="comparisons, the correct answer over a wrong one (default 3000)")
+    data_parser.add_argument("--num-comparisons-eval", type=int, default=200, help="held-out comparisons (default 200)")
+    data_parser.add_argument("--mistakes", type=mistake_list, default=["carry"],
+                             help="kinds of wrong answer in the comparisons, cycled problem by problem, comma-separated: "
+                             "carry (the carry into the tens forgotten or added), tens (the tens digit off by one the other way), "
+                             "units (off by one) (default: carry)")
+    sampled = data_parser.add_argument_group(
+        "comparisons of a model's own answers",
+        "with --from-model, write preferences_train/eval.jsonl from the model's samples on the RL task's training "
+        "problems instead, each correct sample ranked above a wrong one by the task's checker (any task of the recipe)",
+    )
+    sampled.add_argument("--from-model", default=None, metavar="MODEL", help="a causal-LM directory or built-in name to sample")
+    sampled.add_argument("--samples", type=int, default=8, help="samples per prompt (default 8, the RL group size)")
+    sampled.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0, as in RL)")
+    sampled.add_argument("--num-prompts", type=int, default=1500, help="training prompts to sample (default 1500)")
+    sampled.add_argument("--num-prompts-eval", type=int, default=200, help="held-out prompts to sample (default 200)")
+    sampled.add_argument("--max-pairs", type=int, default=4, help="comparisons per prompt at most (default 4)")
+    data_parser.set_defaults(rlhf_command="make-preferences")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the subcommand the arguments were parsed for; return the exit status."""
+    if args.rlhf_command == "sft":
+        from polo.finetune.sft import sft
+
+        result = sft(args.recipe, args.overrides)
+        print(f"saved {result.model_dir} ({result.steps} steps, {result.seconds:.0f} s)")
+        _print_change("held-out loss", result, "loss")
+    elif args.rlhf_command == "rm":
+        from polo.finetune.reward_model import train_reward_model
+
+        result = train_reward_model(args.recipe, args.overrides)
+        print(f"saved {result.model_dir} ({result.steps} steps, {result.seconds:.0f} s)")
+        _print_change("held-out pair accuracy", result, "pair_accuracy")
+    elif args.rlhf_command == "dpo":
+        from polo.finetune.dpo import dpo
+
+        result = dpo(args.recipe, args.overrides)
+        print(f"saved {result.model_dir} ({result.steps} steps, {result.seconds:.0f} s)")
+        _print_change("held-out preference accuracy (implicit reward)", result, "rewards/accuracies")
+        _print_change("held-out reward margin", result, "rewards/margins")
+    else:
+        return make_preferences(args)
+    return 0
+
+
+def _print_change(label: str, result, key: str) -> None:
+    if result.eval_before is not None and result.eval_after is not None:
+        print(f"{label}: {result.eval_before[key]:.3f} -> {result.eval_after[key]:.3f}")
+
+
+def make_preferences(args: argparse.Namespace) -> int:
+    """Write the built-in arithmetic data set for the RL task of `--recipe` (or the default task)."""
+    from polo.config import ConfigError, load_config
+    from polo.data.preferences import write_arithmetic_preferences
+    from polo.data import instruction_for, make_task
+
+    config = load_config(args.recipe)
+    if args.from_model is not None:
+        return sampled_preferences(args, config)
+    if config.task.name != "arithmetic":
+        raise ConfigError(f"make-preferences builds arithmetic data; the recipe's task.name is {config.task.name!r}")
+    if config.task.answer_in_tags:
+        raise ConfigError("make-preferences writes plain answers ('47 + 38 = 85'); the recipe sets task.answer_in_tags=true")
+    task = make_task(config)  # the RL run's own task: its held-out problems are left out
+    paths = write_arithmetic_preferences(
+        args.out_dir, task, instruction=instruction_for(config, task), seed=args.seed, num_sft=args.num_sft,
+        num_sft_eval=args.num_sft_eval, num_comparisons=args.num_comparisons, num_comparisons_eval=args.num_comparisons_eval,
+        mistakes=args.mistakes,
+    )
+    for path in paths.values():
+        print(f"{path}  ({sum(1 for _ in path.open())} rows)")
+    return 0
+
+
+def sampled_preferences(args: argparse.Namespace, config) -> int:
+    """`make-preferences --from-model`: rank the model's own samples on the recipe's task with its checker."""
+    import json
+    from pathlib import Path
+
+    from polo.config import ConfigError
+    from polo.models.loading import load_policy
+    from polo.data.preferences import check_sampling_request, sampled_preference_data, write_jsonl
+    from polo.data import instruction_for, make_task
+    from polo.runtime.device import resolve_precision
+
+    task = make_task(config)
+    if not args.temperature > 0:
+        raise ConfigError(f"make-preferences --from-model: --temperature must be > 0 (samples must differ), got {args.temperature}")
+    try:  # before the model loads: a bad count costs nothing
+        check_sampling_request(task, args.num_prompts, args.num_prompts_eval, args.samples, args.max_pairs)
+    except ValueError as error:
+        raise ConfigError(f"make-preferences --from-model: {error}") from None
+    model, tokenizer = load_policy(args.from_model)
+    splits, stats = sampled_preference_data(
+        model, tokenizer, task, instruction=instruction_for(config, task), system_prompt=config.task.system_prompt,
+        num_prompts=args.num_prompts, num_prompts_eval=args.num_prompts_eval, samples=args.samples,
+        temperature=args.temperature, max_new_tokens=config.sampling.max_new_tokens, max_pairs=args.max_pairs,
+        seed=args.seed, precision=resolve_precision("auto"), progress=True,
+    )
+    out_dir = Path(args.out_dir)
+    for name, rows in splits.items():
+        print(f"{write_jsonl(out_dir / f'{name}.jsonl', rows)}  ({len(rows)} rows)")
+    stats = {"model": args.from_model, "temperature": args.temperature, **stats}
+    (out_dir / "sampling.json").write_text(json.dumps(stats, indent=1) + "\n")
+    print(
+        f"{args.from_model}: {stats['sample_accuracy']:.3f} of {stats['prompts'] * args.samples} samples correct; "
+        f"{stats['prompts_with_a_comparison']} of {stats['prompts']} prompts had both a right and a wrong answer"
+    )
+    return 0

@@ -1,0 +1,158 @@
+"""YAML recipes and `dotted.key=value` overrides into checked dataclasses.
+
+Every key is checked: an unknown key or a value of the wrong type is a `ConfigError` naming the
+key and what is accepted, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from polo.config.presets import apply_preset
+from polo.config.schema import Config, ConfigError
+from polo.config.validation import validate
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Return `value` checked (and, where lossless, converted) against a type annotation."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as error:
+                errors.append(error)
+        raise ConfigError(f"{key}: {value!r} is not a {_type_name(annotation)}")
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {annotation.__name__} fields, got {value!r}")
+        return _build(annotation, value, key)
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if isinstance(value, (str, int, float)):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(item, item_type, f"{key}[{index}]") for index, item in enumerate(value)]
+    if origin is dict:
+        key_type, item_type = typing.get_args(annotation)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {str(k): _coerce(v, item_type, f"{key}.{k}") for k, v in value.items()}
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads "1e-6" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported field type {_type_name(annotation)}")
+
+
+
+def _build(cls: type, values: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in hints:
+            raise ConfigError(f"unknown config key {key!r}; valid keys{' in ' + prefix if prefix else ''}: {', '.join(valid)}")
+        kwargs[name] = _coerce(value, hints[name], key)
+    return cls(**kwargs)
+
+
+
+def config_to_dict(config: Config) -> dict:
+    """Return the configuration as plain nested dicts (for YAML, JSON and TensorBoard)."""
+    return dataclasses.asdict(config)
+
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Return `data` with each `dotted.key=value` override set (values parsed as YAML scalars)."""
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(f"override {override!r} is not of the form dotted.key=value")
+        dotted, raw = override.split("=", 1)
+        parts = dotted.strip().split(".")
+        if parts[0] == "rewards" and len(parts) > 2:
+            # reward names may be import paths with dots: rewards.my_pkg.scoring:fn=0.5
+            parts = ["rewards", ".".join(parts[1:])]
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {override!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    return data
+
+
+
+def read_recipe(recipe: str | Path | dict | None, overrides: list[str] | None = None) -> dict:
+    """Return a recipe (YAML path, mapping or None) as a plain dict with the overrides applied."""
+    if recipe is None:
+        data: dict = {}
+    elif isinstance(recipe, dict):
+        data = dict(recipe)
+    else:
+        path = Path(recipe)
+        if not path.exists():
+            raise FileNotFoundError(f"recipe {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"recipe {path} is not valid YAML: {error}") from error
+        if not isinstance(data, dict):
+            raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
+    return apply_overrides(data, overrides or [])
+
+
+
+def build_dataclass(cls: type, data: dict) -> Any:
+    """Return an instance of the dataclass `cls` built from nested dicts, every key and type checked."""
+    return _build(cls, data)
+
+
+
+def load_config(recipe: str | Path | dict | None = None, overrides: list[str] | None = None) -> Config:
+    """Return a validated `Config` from a recipe (path or mapping) plus dotted overrides."""
+    config = _build(Config, apply_preset(read_recipe(recipe, overrides)))
+    validate(config)
+    return config

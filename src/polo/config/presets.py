@@ -1,0 +1,48 @@
+"""Algorithm presets: each algorithm is a set of `AlgorithmConfig` values over the one RL loop.
+
+A preset names registered functions (`advantage_estimator`, `policy_loss`, `loss_aggregation`,
+`kl_estimator`, see `polo.core.registry`) and the knobs around them; it is data, not code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polo.config.schema import ConfigError
+
+# Each algorithm is a set of AlgorithmConfig values over the one loop. References: GRPO (Shao et al.
+# 2024, DeepSeekMath); Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"); DAPO
+# (Yu et al. 2025: eps_high 0.28, dynamic sampling, token-level loss, soft overlong punishment with
+# a 4096-token buffer under a 20480 cap = 0.2); RLOO (Ahmadian et al. 2024); REINFORCE++ (Hu 2025:
+# KL in the reward, batch-normalised returns); GSPO (Zheng et al. 2025: clip range 3e-4 / 4e-4);
+# PPO for LMs (Ouyang et al. 2022; Stiennon et al. 2020).
+PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    "dr_grpo": {"scale_rewards": False, "loss_aggregation": "dr_grpo"},
+    "dapo": {
+        "clip_eps_low": 0.2, "clip_eps_high": 0.28, "dynamic_sampling": True, "loss_aggregation": "dapo",
+        "overlong_buffer": 0.2, "beta": 0.0,
+    },
+    "rloo": {"advantage_estimator": "rloo"},
+    "reinforce_pp": {
+        "advantage_estimator": "reinforce_pp", "kl_in_reward": True, "beta": 0.01, "kl_estimator": "k1",
+        "loss_aggregation": "dapo",
+    },
+    "gspo": {"policy_loss": "gspo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4},
+    "ppo": {
+        "advantage_estimator": "gae", "kl_in_reward": True, "beta": 0.05, "kl_estimator": "k1",
+        "loss_aggregation": "dapo", "gamma": 1.0, "lam": 0.95,
+    },
+}
+
+
+
+def apply_preset(data: dict) -> dict:
+    """Return recipe data whose `algorithm` section is the named preset under the recipe's own keys."""
+    algorithm = data.get("algorithm") or {}
+    if not isinstance(algorithm, dict):
+        raise ConfigError(f"algorithm: expected a mapping of AlgorithmConfig fields, got {algorithm!r}")
+    name = algorithm.get("name", "grpo")
+    if name not in PRESETS:
+        raise ConfigError(f"algorithm.name: {name!r} is not one of {', '.join(PRESETS)}")
+    return {**data, "algorithm": {**PRESETS[name], **algorithm, "name": name}}

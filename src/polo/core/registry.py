@@ -1,0 +1,125 @@
+"""Registries: the algorithms' parts by name, so a preset is data and the loop never branches on it.
+
+Four kinds of part are registered, each a pure function:
+
+    ADVANTAGE_ESTIMATORS  (AdvantageInputs, settings) -> (advantages (batch, seq), returns | None)
+    POLICY_LOSSES         (logprobs, old_logprobs, advantages, mask, eps_low, eps_high) -> (per_token, stats)
+    LOSS_AGGREGATIONS     (per_token, mask, *, num_sequences, num_tokens, max_completion_length) -> scalar
+    KL_ESTIMATORS         (logprobs, ref_logprobs) -> (batch, seq)
+
+A user adds one with a decorator in their own module::
+
+    from polo.core import register_advantage
+
+    @register_advantage("centered")
+    def centered(inputs, settings):
+        advantages = inputs.rewards - inputs.rewards.mean()
+        return advantages[:, None] * inputs.mask, None
+
+and names it in a recipe as ``algorithm.advantage_estimator: my_module:centered`` (polo imports
+``my_module`` first, which runs the decorator). Built-in parts register themselves where their
+equations live (`polo.core.advantages`, `polo.core.losses`, `polo.core.kl`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Registered:
+    """One registered function and what the loop must provide for it."""
+
+    name: str
+    function: Callable[..., Any]
+    needs_critic: bool = False  # the estimator reads critic values (PPO's GAE): the loop builds a critic
+    token_level: bool = False  # the estimator takes per-token rewards, so the KL can be folded into them
+
+
+class Registry:
+    """A name -> function table of one kind of part; unknown names get an error listing the valid ones."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, Registered] = {}
+
+    def register(self, name: str, **flags: bool) -> Callable[[Callable], Callable]:
+        """Return a decorator that registers its function under `name` (re-registering replaces it)."""
+        if not isinstance(name, str) or not name or ":" in name:
+            raise ValueError(f"a {self.kind} needs a non-empty name without ':', got {name!r}")
+
+        def decorate(function: Callable) -> Callable:
+            self._entries[name] = Registered(name, function, **flags)
+            return function
+
+        return decorate
+
+    def entry(self, name: str) -> Registered:
+        """Return the registration of `name`, or raise ValueError naming the registered ones."""
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ValueError(f"unknown {self.kind} {name!r}; registered: {sorted(self._entries)}") from None
+
+    def __getitem__(self, name: str) -> Callable[..., Any]:
+        return self.entry(name).function
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self):
+        return iter(sorted(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def names(self) -> list[str]:
+        """Return the registered names, sorted."""
+        return sorted(self._entries)
+
+
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+POLICY_LOSSES = Registry("policy loss")
+LOSS_AGGREGATIONS = Registry("loss aggregation")
+KL_ESTIMATORS = Registry("KL estimator")
+
+
+def register_advantage(name: str, *, needs_critic: bool = False, token_level: bool = False) -> Callable[[Callable], Callable]:
+    """Register an advantage estimator `(AdvantageInputs, settings) -> (advantages, returns | None)`."""
+    return ADVANTAGE_ESTIMATORS.register(name, needs_critic=needs_critic, token_level=token_level)
+
+
+def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
+    """Register a policy loss `(logprobs, old_logprobs, advantages, mask, eps_low, eps_high) -> (per_token, stats)`."""
+    return POLICY_LOSSES.register(name)
+
+
+def register_aggregation(name: str) -> Callable[[Callable], Callable]:
+    """Register a loss aggregation `(per_token, mask, *, num_sequences, num_tokens, max_completion_length) -> scalar`."""
+    return LOSS_AGGREGATIONS.register(name)
+
+
+def register_kl(name: str) -> Callable[[Callable], Callable]:
+    """Register a per-token KL estimator `(logprobs, ref_logprobs) -> (batch, seq)`."""
+    return KL_ESTIMATORS.register(name)
+
+
+@dataclass
+class AdvantageInputs:
+    """What the loop hands every advantage estimator for one batch of whole groups.
+
+    rewards (batch,) total reward per completion; mask (batch, seq) 1 on completion tokens;
+    groups of `group_size` rows are contiguous. `kl` (batch, seq) is the per-token KL to the
+    reference when `algorithm.kl_in_reward` folds it into the rewards (else None); `values`
+    (batch, seq) are the critic's values before the update (None without a critic).
+    """
+
+    rewards: torch.Tensor
+    mask: torch.Tensor
+    group_size: int
+    kl: torch.Tensor | None = None
+    values: torch.Tensor | None = None

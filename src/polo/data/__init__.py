@@ -1,0 +1,93 @@
+"""Tasks: datasets of prompts with reference answers, and the correctness check for each.
+
+Build one by name with ``build_task("arithmetic", seed=1)`` (names in ``TASKS``) or call a
+builder directly.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from polo.config import Config
+from polo.data.arithmetic import OPERATIONS, arithmetic_task
+from polo.data.base import (
+    DEFAULT_INSTRUCTION,
+    PLAIN_INSTRUCTION,
+    Task,
+    TaskDataError,
+    default_instruction,
+    fill_instruction,
+    format_prompt,
+    read_jsonl,
+)
+from polo.data.code import code_task
+from polo.data.gsm8k import gsm8k_task
+from polo.data.jsonl import jsonl_task
+
+TASKS: dict[str, Callable[..., Task]] = {
+    "arithmetic": arithmetic_task,
+    "code": code_task,
+    "gsm8k": gsm8k_task,
+    "jsonl": jsonl_task,
+}
+
+
+def build_task(name: str, **options: object) -> Task:
+    """Return the task built by the registered builder ``name`` with ``options``."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {sorted(TASKS)}")
+    builder = TASKS[name]
+    accepted = list(inspect.signature(builder).parameters)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        # Checked here so a config typo names the task and its real options, not a bare TypeError.
+        raise TypeError(f"task {name!r} has no options {unknown}; accepted options: {accepted}")
+    return builder(**options)
+
+
+__all__ = [
+    "DEFAULT_INSTRUCTION",
+    "OPERATIONS",
+    "PLAIN_INSTRUCTION",
+    "TASKS",
+    "Task",
+    "TaskDataError",
+    "arithmetic_task",
+    "build_task",
+    "code_task",
+    "default_instruction",
+    "fill_instruction",
+    "format_prompt",
+    "gsm8k_task",
+    "jsonl_task",
+    "read_jsonl",
+]
+
+
+# Which TaskConfig fields each built-in task takes.
+TASK_OPTIONS = {
+    "arithmetic": ("seed", "operators", "min_digits", "max_digits", "num_train", "num_eval", "answer_in_tags"),
+    "gsm8k": ("train_path", "eval_path", "num_train", "num_eval", "answer_in_tags"),
+    "jsonl": ("train_path", "eval_path", "prompt_field", "answer_field", "num_train", "num_eval", "answer_in_tags", "checker"),
+    "code": ("num_train", "num_eval", "seed"),
+}
+
+
+
+def make_task(config: Config) -> Task:
+    """Return the task the config names, built with the options that task understands."""
+    task_config = config.task
+    keys = TASK_OPTIONS.get(task_config.name, ())
+    options = {key: getattr(task_config, key) for key in keys if getattr(task_config, key) is not None}
+    return build_task(task_config.name, **options)
+
+
+
+def instruction_for(config: Config, task: Task | None = None) -> str:
+    """Return the prompt instruction template: the configured one, else the task's own, else the form's default."""
+    if config.task.instruction is not None:
+        return config.task.instruction
+    if task is not None and task.instruction:
+        return task.instruction
+    return DEFAULT_INSTRUCTION if config.task.answer_in_tags else PLAIN_INSTRUCTION

@@ -1,0 +1,124 @@
+"""The task abstraction: rows of problems, how to prompt for them, and what counts as correct.
+
+A *row* is a plain ``dict`` with at least ``"question"`` (the problem text shown to the model)
+and ``"answer"`` (the reference final answer, a string), plus any other fields a builder or a
+user reward function wants to keep (GSM8K keeps the worked ``"solution"``, arithmetic keeps the
+operands). Reward functions receive the whole row, so extra fields are how task-specific
+information reaches them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from polo.generation.prompts import (  # noqa: F401  (re-exported: tasks own their prompts)
+    DEFAULT_INSTRUCTION,
+    PLAIN_INSTRUCTION,
+    QUESTION_PLACEHOLDER,
+    default_instruction,
+    fill_instruction,
+    format_prompt,
+)
+
+class TaskDataError(ValueError):
+    """A task data file holds a row that cannot be used; the message names file and line."""
+
+    def __init__(self, path: str | Path, line: int | None, problem: str) -> None:
+        self.path = str(path)
+        self.line = line
+        self.problem = problem
+        where = self.path if line is None else f"{self.path} line {line}"
+        super().__init__(f"{where}: {problem}")
+
+
+@dataclass
+class Task:
+    """A named dataset of train and eval rows plus the function that decides correctness.
+
+    ``correctness(completion, row) -> float`` (1.0 correct, 0.0 not) is the single definition of
+    "right answer" for the task: the ``"correct"`` reward and the accuracy metric both use it.
+    ``instruction`` is the template used when ``prompts`` is not given one; builders pick the
+    tagged or plain form to match how their correctness reads the answer.
+    """
+
+    name: str
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    correctness: Callable[[str, dict], float]
+    instruction: str = DEFAULT_INSTRUCTION
+
+    def prompts(
+        self,
+        tokenizer: Any,
+        rows: Sequence[dict],
+        instruction: str | None = None,
+        system_prompt: str | None = None,
+    ) -> list[str]:
+        """Return one prompt string per row, in order (see ``format_prompt``)."""
+        template = self.instruction if instruction is None else instruction
+        return [format_prompt(tokenizer, row["question"], template, system_prompt) for row in rows]
+
+
+def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
+    """Return ``(line_number, row)`` for every non-blank line of a jsonl file (1-based lines).
+
+    Line numbers travel with the rows so later validation can point at the offending line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"task data file not found: {path}")
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TaskDataError(
+                    path, line_number, f"invalid JSON ({exc.msg} at column {exc.colno})"
+                ) from exc
+            if not isinstance(row, dict):
+                raise TaskDataError(
+                    path, line_number, f"expected a JSON object, got {type(row).__name__}"
+                )
+            rows.append((line_number, row))
+    if not rows:
+        raise TaskDataError(path, None, "file holds no rows")
+    return rows
+
+
+def text_field(
+    row: dict, field: str, path: str | Path, line: int, allow_numbers: bool = False
+) -> str:
+    """Return ``row[field]`` as a string, or raise TaskDataError naming file, line and field.
+
+    ``allow_numbers`` accepts JSON numbers (common for answers) and turns them into strings.
+    """
+    if field not in row:
+        raise TaskDataError(
+            path, line, f"missing field {field!r}; fields present: {sorted(row)}"
+        )
+    value = row[field]
+    accepted = (str, int, float) if allow_numbers else (str,)
+    if isinstance(value, bool) or not isinstance(value, accepted):
+        kinds = "a string or a number" if allow_numbers else "a string"
+        raise TaskDataError(
+            path, line, f"field {field!r} must be {kinds}, got {type(value).__name__} {value!r}"
+        )
+    return str(value)
+
+
+def first_rows(rows: list[dict], limit: int | None, what: str) -> list[dict]:
+    """Return the first ``limit`` rows (all of them when ``limit`` is None)."""
+    if limit is None:
+        return rows
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"{what}: row limit must be None or an integer >= 0, got {limit!r}")
+    if limit > len(rows):
+        raise ValueError(f"{what}: asked for {limit} rows but the file holds only {len(rows)}")
+    return rows[:limit]

@@ -1,0 +1,65 @@
+"""GSM8K grade-school maths word problems, read from the dataset's jsonl files."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from polo.rewards.answers import math_verify_answer
+from polo.data.base import (
+    Task,
+    TaskDataError,
+    default_instruction,
+    first_rows,
+    read_jsonl,
+    text_field,
+)
+
+FINAL_ANSWER_MARK = "####"
+
+
+def final_answer(solution: str, path: str | Path, line: int) -> str:
+    """Return the final answer after the last ``####`` of a GSM8K solution, commas removed."""
+    if FINAL_ANSWER_MARK not in solution:
+        raise TaskDataError(path, line, f"no {FINAL_ANSWER_MARK!r} final answer in 'answer'")
+    # GSM8K writes thousands as "1,000"; references are compared as plain numbers.
+    answer = solution.rpartition(FINAL_ANSWER_MARK)[2].strip().replace(",", "")
+    if not answer:
+        raise TaskDataError(
+            path, line, f"empty final answer after {FINAL_ANSWER_MARK!r} in 'answer'"
+        )
+    return answer
+
+
+def gsm8k_row(row: dict, path: str | Path, line: int) -> dict:
+    """Return a task row: the question, the final answer, and the worked ``solution``."""
+    question = text_field(row, "question", path, line)
+    solution = text_field(row, "answer", path, line)
+    answer = final_answer(solution, path, line)
+    return {**row, "question": question, "answer": answer, "solution": solution}
+
+
+def read_gsm8k(path: str | Path) -> list[dict]:
+    """Return every row of a GSM8K jsonl file as a task row."""
+    return [gsm8k_row(row, path, line) for line, row in read_jsonl(path)]
+
+
+def gsm8k_task(
+    train_path: str | Path,
+    eval_path: str | Path,
+    num_train: int | None = None,
+    num_eval: int | None = None,
+    answer_in_tags: bool = False,
+) -> Task:
+    """Return the GSM8K Task from its train and test jsonl files (first N rows when limited).
+
+    Correctness compares the final answer with math_verify, so "72", "72.00" and "$\\boxed{72}$"
+    all count.
+    """
+    return Task(
+        name="gsm8k",
+        train_rows=first_rows(read_gsm8k(train_path), num_train, f"gsm8k train {train_path}"),
+        eval_rows=first_rows(read_gsm8k(eval_path), num_eval, f"gsm8k eval {eval_path}"),
+        correctness=functools.partial(math_verify_answer, answer_in_tags=answer_in_tags),
+        instruction=default_instruction(answer_in_tags),
+    )

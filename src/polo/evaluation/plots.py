@@ -1,0 +1,70 @@
+"""Training curves as PNG files: reward, accuracy and completion length against step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from polo.runtime.metrics import read_metrics
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_run(output_dir: str | Path) -> list[Path]:
+    """Write reward.png, accuracy.png and length.png from `<output_dir>/metrics.jsonl`; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    output_dir = Path(output_dir)
+    rows = read_metrics(output_dir / "metrics.jsonl")
+    train_rows = [row for row in rows if "reward/mean" in row]
+    if not train_rows:
+        return []
+    written = []
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    steps, values = _series(train_rows, "reward/mean")
+    axis.plot(steps, values, label="total reward", linewidth=2)
+    for key in sorted(k for k in train_rows[-1] if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2):
+        steps, values = _series(train_rows, key)
+        axis.plot(steps, values, label=key.split("/")[1], alpha=0.7)
+    axis.set(xlabel="step", ylabel="reward (mean over batch)", title="Reward")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    written.append(_save(figure, output_dir / "reward.png"))
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    steps, values = _series(train_rows, "accuracy")
+    axis.plot(steps, values, label="train (sampled)", alpha=0.8)
+    steps, values = _series(rows, "eval/accuracy")
+    if steps:
+        axis.plot(steps, values, "o-", label="held-out (greedy)", linewidth=2)
+    axis.set(xlabel="step", ylabel="accuracy", title="Accuracy", ylim=(-0.02, 1.02))
+    axis.grid(alpha=0.3)
+    axis.legend()
+    written.append(_save(figure, output_dir / "accuracy.png"))
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    steps, mean = _series(train_rows, "completion_length/mean")
+    _, low = _series(train_rows, "completion_length/min")
+    _, high = _series(train_rows, "completion_length/max")
+    axis.fill_between(steps, low, high, alpha=0.2, label="min-max")
+    axis.plot(steps, mean, label="mean", linewidth=2)
+    axis.set(xlabel="step", ylabel="tokens", title="Completion length")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    written.append(_save(figure, output_dir / "length.png"))
+    return written
+
+
+def _save(figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
+    return path

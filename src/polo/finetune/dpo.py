@@ -1,0 +1,156 @@
+"""Direct Preference Optimization (`polo dpo`): learn from ranked responses without a reward model.
+
+For every (better, worse) pair (y_w, y_l) of every ranking (`polo.core.dpo_loss`):
+
+    loss = −log σ(β [(log π(y_w|x) − log π_ref(y_w|x)) − (log π(y_l|x) − log π_ref(y_l|x))])
+
+averaged over the pairs of the optimizer batch. log π(y|x) sums the response tokens' log-probs
+(EOS included, prompt excluded). DPO only moves the log-ratio between the two answers, and it
+commonly lowers the likelihood of the preferred one as well; `dpo.nll_weight` = α adds the
+preferred answer's negative log-likelihood per token, as Llama 3 did (α = 0.2) and TRL's
+`rpo_alpha` does:
+
+    loss = DPO loss + α · (−log π(y_w|x) / |y_w|)
+
+The reference π_ref is the starting model, frozen: its log-probs are computed once, before the
+first update, for every training and held-out response, so no second model is kept in memory.
+Logged like TRL's DPOTrainer: `rewards/chosen`, `rewards/rejected` (the implicit rewards
+β·log π/π_ref), `rewards/margins`, `rewards/accuracies` (fraction of pairs with r_w > r_l),
+`logps/chosen`, `logps/rejected`; plus `nll/chosen`, the preferred answers' per-token NLL.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from polo import core
+from polo.config import ConfigError, ModelConfig, config_to_dict
+from polo.finetune.fit import (
+    DataConfig,
+    Example,
+    FinetuneOutputConfig,
+    FinetuneResult,
+    FinetuneTrainConfig,
+    collate_rankings,
+    evaluate_objective,
+    fit,
+    load_finetune_config,
+    pair_indices,
+    prepare_run,
+    ranking_logprobs,
+    save_model,
+    score_sequences,
+    write_summary,
+)
+from polo.models.loading import enable_activation_checkpointing
+from polo.data.preferences import read_rankings
+from polo.finetune.reward_model import encode_rankings, num_pairs
+
+
+@dataclass
+class DPOSection:
+    """The DPO loss."""
+
+    beta: float = 0.1  # β: the strength of the KL anchor to the reference (TRL's default 0.1)
+    nll_weight: float = 0.0  # α: weight of the preferred answers' per-token NLL added to the loss (0: plain DPO)
+
+
+@dataclass
+class DPOConfig:
+    """A DPO run: `polo dpo RECIPE.yaml`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)  # the starting policy, also the frozen reference
+    data: DataConfig = field(default_factory=DataConfig)
+    dpo: DPOSection = field(default_factory=DPOSection)
+    train: FinetuneTrainConfig = field(default_factory=lambda: FinetuneTrainConfig(learning_rate=5e-7))
+    output: FinetuneOutputConfig = field(default_factory=lambda: FinetuneOutputConfig(dir="runs/dpo"))
+
+
+def load_dpo_config(recipe=None, overrides: list[str] | None = None) -> DPOConfig:
+    """Return a validated `DPOConfig` from a recipe (path, mapping or config) and dotted overrides."""
+    config = load_finetune_config(DPOConfig, recipe, overrides)
+    if not config.dpo.beta > 0:
+        raise ConfigError(f"dpo.beta must be > 0, got {config.dpo.beta}")
+    if config.dpo.nll_weight < 0:
+        raise ConfigError(f"dpo.nll_weight must be >= 0, got {config.dpo.nll_weight}")
+    return config
+
+
+class DPOObjective:
+    """The DPO loss (plus α times the preferred answers' per-token NLL); the unit is a (better, worse) pair.
+
+    Examples carry their reference log-probs.
+    """
+
+    def __init__(self, pad_id: int, beta: float, nll_weight: float = 0.0):
+        self.pad_id = pad_id
+        self.beta = beta
+        self.nll_weight = nll_weight
+
+    def units(self, example: Example) -> int:
+        return num_pairs(example)
+
+    def loss(self, model, examples: Sequence[Example]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Return (Σ loss over the pairs, summed statistics with TRL's names)."""
+        batch = collate_rankings(examples, self.pad_id)
+        logps = ranking_logprobs(model, batch)
+        reference = torch.tensor([value for example in examples for value in example.reference_logps], dtype=logps.dtype)
+        better, worse = pair_indices(examples)
+        losses, chosen_rewards, rejected_rewards = core.dpo_loss(logps[better], logps[worse], reference[better], reference[worse], self.beta)
+        chosen_nll = -logps[better] / batch.response_mask.sum(-1)[better].clamp(min=1)  # per token
+        if self.nll_weight:
+            losses = losses + self.nll_weight * chosen_nll
+        margins = chosen_rewards - rejected_rewards
+        stats = {
+            "loss": float(losses.detach().sum()),
+            "rewards/chosen": float(chosen_rewards.sum()),
+            "rewards/rejected": float(rejected_rewards.sum()),
+            "rewards/margins": float(margins.sum()),
+            "rewards/accuracies": float((margins > 0).sum()),
+            "logps/chosen": float(logps[better].detach().sum()),
+            "logps/rejected": float(logps[worse].detach().sum()),
+            "nll/chosen": float(chosen_nll.detach().sum()),
+        }
+        return losses.sum(), stats
+
+
+def with_reference_logps(model, examples: Sequence[Example], pad_id: int, micro_batch_size: int, precision: str) -> list[Example]:
+    """Return the examples with `reference_logps` = log π_ref(y|x) of each response under `model` (no gradient)."""
+    scores = score_sequences(ranking_logprobs, model, examples, pad_id, micro_batch_size, precision)
+    return [replace(example, reference_logps=tuple(values)) for example, values in zip(examples, scores)]
+
+
+def dpo(config: DPOConfig | str | Path | dict | None = None, overrides: list[str] | None = None) -> FinetuneResult:
+    """Train a policy with DPO on ranked comparisons and return the result; it lands in `<output.dir>/final`."""
+    from polo.models.loading import load_policy
+
+    config = load_dpo_config(config, overrides)
+    started = time.perf_counter()
+    precision = prepare_run(config, config_to_dict(config))
+    model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
+    data, micro, pad_id = config.data, config.train.micro_batch_size, tokenizer.pad_token_id
+    train_examples = encode_rankings(tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length)
+    eval_examples = (
+        encode_rankings(tokenizer, read_rankings(data.eval_path, data.num_eval), data.system_prompt, data.max_length) if data.eval_path else []
+    )
+    # The reference is the starting model: score every response with it before the first update.
+    train_examples = with_reference_logps(model, train_examples, pad_id, micro, precision)
+    eval_examples = with_reference_logps(model, eval_examples, pad_id, micro, precision) if eval_examples else []
+    if config.train.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    objective = DPOObjective(pad_id, config.dpo.beta, config.dpo.nll_weight)
+    evaluate = (lambda: evaluate_objective(model, eval_examples, objective, micro, precision)) if eval_examples else None
+    rows, before, after = fit(
+        model, train_examples, objective, config, precision=precision, evaluate=evaluate, name="polo dpo",
+        headline=("loss", "rewards/accuracies", "rewards/margins"),
+    )
+    output_dir = Path(config.output.dir)
+    model_dir = save_model(model, tokenizer, output_dir / "final")
+    seconds = time.perf_counter() - started
+    write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
+    return FinetuneResult(output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds)

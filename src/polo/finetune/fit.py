@@ -1,0 +1,572 @@
+"""Fine-tuning from fixed data: what SFT, reward-model training and DPO share.
+
+- `encode` and `collate`: a (prompt text, response) pair as token ids, the response followed by
+  EOS, and a batch of them in polo's rollout layout `[left-padded prompt | right-padded response]`
+  (`polo.generation.cpu_sampler`), so the response positions are always the last columns.
+- `sequence_logprobs`: log π(y|x) summed over the response tokens (never the prompt's), and
+  `sequence_rewards`: a sequence-classification model's scalar for each whole sequence.
+- `fit`: the small loop. AdamW, warm-up then a schedule, gradient accumulation over
+  micro-batches, gradient clipping, one metrics row per optimizer step (metrics.jsonl,
+  TensorBoard, progress bar through `polo.runtime.metrics.MetricsLogger`), held-out evaluation before,
+  every `train.eval_every` steps and after.
+- the recipe sections `data`, `train` and `output` the three commands share.
+
+An *objective* tells `fit` what to learn: `units(example)` is how many things an example's loss
+is averaged over (response tokens for SFT, pairs for a ranking), and `loss(model, examples)`
+returns the loss *summed* over those units plus summed statistics. `fit` divides both by the
+units of the whole optimizer batch, so accumulating micro-batches gives exactly the gradient of
+the full batch, and every logged statistic is a mean per unit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from polo import core
+from polo.core.schedules import lr_multiplier
+from polo.config import ConfigError, build_dataclass, check_at_least_one, check_choices, config_to_dict, read_recipe
+from polo.runtime.checkpoint import staged_directory
+from polo.models.scoring import completion_logprobs, position_ids_from_mask
+from polo.runtime.device import autocast_context
+from polo.runtime.distributed import is_main_process
+from polo.runtime.metrics import MetricsLogger, read_metrics
+
+
+# ---------------------------------------------------------------- recipe sections
+
+
+@dataclass
+class DataConfig:
+    """Where the examples are and how they are shaped into model inputs."""
+
+    train_path: str | None = None  # jsonl (required)
+    eval_path: str | None = None  # held-out jsonl, evaluated before, during and after training
+    num_train: int | None = None  # use the first N training rows (None: all)
+    num_eval: int | None = None  # use the first N held-out rows (None: all)
+    system_prompt: str | None = None  # for prompts without a system message of their own
+    max_length: int = 512  # prompt + response tokens; longer responses are cut at the end
+
+
+@dataclass
+class FinetuneTrainConfig:
+    """Optimizer, batch shape and schedule of a fine-tuning run."""
+
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many optimizer steps (None: all epochs)
+    batch_size: int = 32  # examples per optimizer step: demonstrations (SFT) or rankings/pairs (RM, DPO)
+    micro_batch_size: int = 32  # sequences per forward/backward (gradient accumulation); a ranking is never split
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    warmup_steps: int = 0
+    lr_schedule: str = "linear"  # constant | linear | cosine (after warm-up)
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    precision: str = "auto"  # auto | fp32 | bf16 (autocast; fp32 master weights)
+    threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    gradient_checkpointing: bool = False
+    eval_every: int = 0  # also evaluate every N steps (0: only before and after)
+
+
+@dataclass
+class FinetuneOutputConfig:
+    """Where a fine-tuning run writes; the trained model goes to `<dir>/final`."""
+
+    dir: str = "runs/finetune"
+    tensorboard: bool = True
+    progress: bool = True
+
+
+_CHOICES = {
+    "train.precision": ("auto", "fp32", "bf16"),
+    "train.lr_schedule": ("constant", "linear", "cosine"),
+}
+
+
+def load_finetune_config(cls: type, recipe: Any, overrides: list[str] | None = None) -> Any:
+    """Return a validated config of dataclass `cls` (with `data`, `train`, `output` sections) from a recipe and overrides."""
+    if isinstance(recipe, cls):
+        recipe = config_to_dict(recipe)
+    config = build_dataclass(cls, read_recipe(recipe, overrides))
+    validate_finetune(config)
+    return config
+
+
+def validate_finetune(config: Any) -> None:
+    """Raise `ConfigError` for the first shared-section value that has the right type but makes no sense."""
+    check_choices(config, _CHOICES)
+    train = config.train
+    check_at_least_one({
+        "train.epochs": train.epochs,
+        "train.batch_size": train.batch_size,
+        "train.micro_batch_size": train.micro_batch_size,
+        "data.max_length": config.data.max_length,
+    })
+    lora = getattr(getattr(config, "model", None), "lora", None)
+    if lora is not None and lora.r:
+        raise ConfigError(
+            f"model.lora.r={lora.r}: LoRA is available for RL training (polo train) only; "
+            "polo sft, dpo and train-rm fine-tune every weight (set model.lora.r=0)"
+        )
+    if not config.data.train_path:
+        raise ConfigError("data.train_path is required: a jsonl file of training examples")
+    if train.max_steps is not None and train.max_steps < 1:
+        raise ConfigError(f"train.max_steps must be at least 1 (or null for all epochs), got {train.max_steps}")
+    if train.learning_rate < 0:
+        raise ConfigError(f"train.learning_rate must be >= 0, got {train.learning_rate}")
+    for key, value in (("train.warmup_steps", train.warmup_steps), ("train.eval_every", train.eval_every)):
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    for key, value in (("data.num_train", config.data.num_train), ("data.num_eval", config.data.num_eval)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{key} must be at least 1 (or null for all rows), got {value}")
+
+
+# ---------------------------------------------------------------- tokens
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One (prompt, response) as token ids; the response ends with EOS unless it was cut at max_length."""
+
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Example:
+    """What one loss term is computed from: one sequence (SFT) or a ranking's K sequences, best first."""
+
+    sequences: tuple[Encoded, ...]
+    reference_logps: tuple[float, ...] | None = None  # DPO: log π_ref(y|x) of each sequence
+
+
+def encode(tokenizer: Any, prompt_texts: Sequence[str], responses: Sequence[str], max_length: int) -> list[Encoded]:
+    """Return each (prompt text, response) as token ids: prompt, then response + EOS, at most `max_length` in all.
+
+    Prompt and response are tokenized separately, the way the policy meets them (prompt tokens,
+    then generated ones), so no token spans the boundary. Prompts are already formatted (chat
+    template), hence no special tokens are added. A response too long for `max_length` loses its
+    end (EOS included); a prompt that alone fills `max_length` is an error.
+    """
+    if len(prompt_texts) != len(responses):
+        raise ValueError(f"got {len(prompt_texts)} prompts for {len(responses)} responses")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token; responses could not be terminated")
+    if not prompt_texts:
+        return []
+    prompt_ids = tokenizer(list(prompt_texts), add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
+    encoded = []
+    for prompt, response, text in zip(prompt_ids, response_ids, prompt_texts):
+        if len(prompt) >= max_length:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens leaves no room for a response under data.max_length={max_length}: "
+                f"{text[:80]!r}...; raise data.max_length"
+            )
+        encoded.append(Encoded(tuple(prompt), tuple((response + [tokenizer.eos_token_id])[: max_length - len(prompt)])))
+    return encoded
+
+
+@dataclass
+class TokenBatch:
+    """Sequences in the rollout layout: `[prompt | response]`, prompts left-padded, responses right-padded."""
+
+    prompt_ids: torch.Tensor  # (batch, prompt_len)
+    prompt_mask: torch.Tensor  # (batch, prompt_len), 1 on real prompt tokens
+    response_ids: torch.Tensor  # (batch, response_len)
+    response_mask: torch.Tensor  # (batch, response_len), 1 on response tokens (EOS included)
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """Return `[prompt | response]` token ids, (batch, prompt_len + response_len)."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """Return 1 on real tokens, 0 on padding, (batch, prompt_len + response_len)."""
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """Return the training targets in Hugging Face form: `input_ids` with −100 on prompt and padding positions.
+
+        Only response tokens are learned; `model(input_ids, labels=labels).loss` is the token-mean
+        negative log-likelihood of the responses.
+        """
+        prompt_labels = torch.full_like(self.prompt_ids, -100)
+        response_labels = self.response_ids.masked_fill(self.response_mask == 0, -100)
+        return torch.cat([prompt_labels, response_labels], dim=1)
+
+
+def collate(encoded: Sequence[Encoded], pad_id: int) -> TokenBatch:
+    """Return the sequences as one `TokenBatch`, padded with `pad_id` (prompts on the left, responses on the right)."""
+    if not encoded:
+        raise ValueError("cannot collate an empty list of sequences")
+    prompt_len = max(len(item.prompt_ids) for item in encoded)
+    response_len = max(len(item.response_ids) for item in encoded)
+    size = (len(encoded),)
+    prompt_ids = torch.full(size + (prompt_len,), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros(size + (prompt_len,), dtype=torch.long)
+    response_ids = torch.full(size + (response_len,), pad_id, dtype=torch.long)
+    response_mask = torch.zeros(size + (response_len,), dtype=torch.long)
+    for row, item in enumerate(encoded):
+        if item.prompt_ids:
+            prompt_ids[row, prompt_len - len(item.prompt_ids) :] = torch.tensor(item.prompt_ids)
+            prompt_mask[row, prompt_len - len(item.prompt_ids) :] = 1
+        response_ids[row, : len(item.response_ids)] = torch.tensor(item.response_ids)
+        response_mask[row, : len(item.response_ids)] = 1
+    return TokenBatch(prompt_ids, prompt_mask, response_ids, response_mask)
+
+
+def response_logprobs(model, batch: TokenBatch) -> torch.Tensor:
+    """Return log π(y_t | x, y_<t) for every response position, (batch, response_len); padding positions are not meaningful."""
+    logprobs, _ = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    return logprobs.float()
+
+
+def sequence_logprobs(model, batch: TokenBatch) -> torch.Tensor:
+    """Return log π(y | x) = Σ_t log π(y_t | x, y_<t) over each response's tokens only, (batch,)."""
+    return core.masked_sum(response_logprobs(model, batch), batch.response_mask, dim=1)
+
+
+def sequence_rewards(reward_model, batch: TokenBatch) -> torch.Tensor:
+    """Return a sequence-classification model's scalar output for each `[prompt | response]`, (batch,).
+
+    The Hugging Face head reads the rightmost token that is not `config.pad_token_id`, so the
+    batch must be padded with that id (where the pad token is EOS, as in SmolLM2, the score is read
+    at the last response token before EOS, exactly as for the same sequence unpadded). Position ids
+    count real tokens only, so left padding changes nothing either.
+    """
+    attention_mask = batch.attention_mask
+    output = reward_model(
+        input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
+    )
+    return output.logits[:, 0].float()
+
+
+@dataclass
+class RankingBatch:
+    """Rankings with each prompt stored once: the K responses of a ranking share its prompt's forward pass.
+
+    A ranking's prompt is most of its tokens (the arithmetic prompts are 54 tokens, the answers 11
+    to 45), so running it once instead of K times halves the work of reward-model and DPO steps.
+    """
+
+    prompt_ids: torch.Tensor  # (rankings, prompt_len), left-padded
+    prompt_mask: torch.Tensor  # (rankings, prompt_len)
+    response_ids: torch.Tensor  # (sequences, response_len), right-padded, rankings one after another
+    response_mask: torch.Tensor  # (sequences, response_len)
+    owner: torch.Tensor  # (sequences,) long: the ranking (prompt row) each response belongs to
+
+    def expanded(self) -> TokenBatch:
+        """Return the same sequences in the plain layout, each response with its own copy of the prompt."""
+        return TokenBatch(self.prompt_ids[self.owner], self.prompt_mask[self.owner], self.response_ids, self.response_mask)
+
+
+def collate_rankings(examples: Sequence[Example], pad_id: int) -> RankingBatch:
+    """Return the examples (rankings whose sequences share one prompt) as a `RankingBatch` padded with `pad_id`."""
+    prompts, owner = [], []
+    for index, example in enumerate(examples):
+        if any(sequence.prompt_ids != example.sequences[0].prompt_ids for sequence in example.sequences):
+            raise ValueError("the responses of a ranking must follow the same prompt tokens")
+        prompts.append(Encoded(example.sequences[0].prompt_ids, (pad_id,)))
+        owner.extend([index] * len(example.sequences))
+    prompt_part = collate(prompts, pad_id)
+    response_part = collate([sequence for example in examples for sequence in example.sequences], pad_id)
+    return RankingBatch(
+        prompt_part.prompt_ids, prompt_part.prompt_mask, response_part.response_ids, response_part.response_mask,
+        torch.tensor(owner, dtype=torch.long),
+    )
+
+
+def uses_gradient_checkpointing(model) -> bool:
+    """Return True when any module of `model` recomputes its activations in backward (no KV cache then)."""
+    return any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+
+
+def shared_prompt_hidden(trunk, batch: RankingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the trunk's last hidden states (prompt part (sequences, prompt_len, d), response part (sequences, response_len, d)).
+
+    The prompts run once, with a KV cache; the cache is then indexed by `owner` so every response
+    attends to its own prompt's keys and values, and the responses run on top of it. Gradients
+    flow back through the cache into the shared prompt pass. Position ids count real tokens only,
+    so the values equal those of `[prompt | response]` run whole.
+    """
+    prompt_out = trunk(
+        input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, position_ids=position_ids_from_mask(batch.prompt_mask), use_cache=True,
+    )
+    cache = prompt_out.past_key_values
+    cache.batch_select_indices(batch.owner)
+    attention_mask = torch.cat([batch.prompt_mask[batch.owner], batch.response_mask], dim=1)
+    response_hidden = trunk(
+        input_ids=batch.response_ids, attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask)[:, batch.prompt_ids.shape[1] :], past_key_values=cache, use_cache=True,
+    ).last_hidden_state
+    return prompt_out.last_hidden_state[batch.owner], response_hidden
+
+
+def ranking_logprobs(model, batch: RankingBatch) -> torch.Tensor:
+    """Return log π(y | x) summed over each response's tokens, (sequences,), running each prompt once.
+
+    The hidden state that predicts response token t sits one position earlier: the prompt's last
+    position for t = 0, the response's own position t − 1 after that. Falls back to
+    `sequence_logprobs` on the expanded batch when the lm_head cannot be applied directly (see
+    `polo.kernels.cpu.logprobs.supports_fused_logprobs`) or activations are recomputed.
+    """
+    from polo.kernels.cpu.logprobs import supports_fused_logprobs, token_logprobs
+
+    if not supports_fused_logprobs(model) or uses_gradient_checkpointing(model):
+        return sequence_logprobs(model, batch.expanded())
+    prompt_hidden, response_hidden = shared_prompt_hidden(model.get_decoder(), batch)
+    hidden = torch.cat([prompt_hidden[:, -1:], response_hidden[:, :-1]], dim=1)
+    logprobs, _ = token_logprobs(hidden, model.get_output_embeddings().weight, batch.response_ids, with_entropy=False)
+    return core.masked_sum(logprobs.float(), batch.response_mask, dim=1)
+
+
+def ranking_rewards(reward_model, batch: RankingBatch) -> torch.Tensor:
+    """Return the reward model's scalar for every response, (sequences,), running each prompt once.
+
+    The same value as `sequence_rewards` on the expanded batch: the linear `score` head applied at
+    the rightmost token that is not `config.pad_token_id`. Falls back to `sequence_rewards` for
+    heads other than a plain `score` layer, or when activations are recomputed.
+    """
+    score = getattr(reward_model, "score", None)
+    if not isinstance(score, torch.nn.Linear) or uses_gradient_checkpointing(reward_model):
+        return sequence_rewards(reward_model, batch.expanded())
+    prompt_hidden, response_hidden = shared_prompt_hidden(reward_model.base_model, batch)
+    hidden = torch.cat([prompt_hidden, response_hidden], dim=1)
+    input_ids = batch.expanded().input_ids
+    positions = torch.arange(input_ids.shape[1])
+    last_real = (positions * (input_ids != reward_model.config.pad_token_id)).argmax(-1)  # Hugging Face's own rule
+    pooled = hidden[torch.arange(len(last_real)), last_real]
+    return score(pooled).squeeze(-1).float()
+
+
+def pair_indices(examples: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (better, worse) indices into the flattened sequences of `examples`, each (pairs,).
+
+    Every example is a ranking, best first, standing for all its K(K−1)/2 (better, worse) pairs.
+    """
+    from polo.data.preferences import ranking_pairs
+
+    better, worse, offset = [], [], 0
+    for example in examples:
+        for first, second in ranking_pairs(len(example.sequences)):
+            better.append(offset + first)
+            worse.append(offset + second)
+        offset += len(example.sequences)
+    return torch.tensor(better, dtype=torch.long), torch.tensor(worse, dtype=torch.long)
+
+
+def micro_batches(examples: Sequence[Example], max_sequences: int) -> list[list[Example]]:
+    """Return consecutive groups of examples holding at most `max_sequences` sequences each (one example at least)."""
+    groups: list[list[Example]] = []
+    current: list[Example] = []
+    count = 0
+    for example in examples:
+        size = len(example.sequences)
+        if current and count + size > max_sequences:
+            groups.append(current)
+            current, count = [], 0
+        current.append(example)
+        count += size
+    if current:
+        groups.append(current)
+    return groups
+
+
+# ---------------------------------------------------------------- the loop
+
+
+class Objective(Protocol):
+    """What `fit` optimises (see the module docstring)."""
+
+    def units(self, example: Example) -> int: ...
+
+    def loss(self, model, examples: Sequence[Example]) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+@torch.no_grad()
+def evaluate_objective(model, examples: Sequence[Example], objective: Objective, micro_batch_size: int, precision: str) -> dict[str, float]:
+    """Return the objective's statistics on `examples` without gradients, each a mean per unit."""
+    was_training = model.training
+    model.eval()
+    sums: dict[str, float] = {}
+    for group in micro_batches(examples, micro_batch_size):
+        with autocast_context(precision):
+            _, stats = objective.loss(model, group)
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0.0) + value
+    model.train(was_training)
+    units = max(sum(objective.units(example) for example in examples), 1)
+    return {name: value / units for name, value in sums.items()}
+
+
+@torch.no_grad()
+def score_sequences(
+    score: Callable[[Any, RankingBatch], torch.Tensor], model, examples: Sequence[Example], pad_id: int, micro_batch_size: int, precision: str,
+) -> list[list[float]]:
+    """Return `score(model, ranking batch)` (`ranking_rewards`, `ranking_logprobs`) for every sequence, grouped per example, no gradients."""
+    was_training = model.training
+    model.eval()
+    scored: list[list[float]] = []
+    for group in micro_batches(examples, micro_batch_size):
+        with autocast_context(precision):
+            values = score(model, collate_rankings(group, pad_id)).float().tolist()
+        for example in group:
+            scored.append(values[: len(example.sequences)])
+            values = values[len(example.sequences) :]
+    model.train(was_training)
+    return scored
+
+
+@dataclass
+class FinetuneResult:
+    """What a finished SFT, reward-model or DPO run returns to a notebook caller."""
+
+    output_dir: Path
+    model_dir: Path  # loads with from_pretrained
+    steps: int
+    eval_before: dict | None = None
+    eval_after: dict | None = None
+    metrics: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def save_model(model, tokenizer, target: Path) -> Path:
+    """Save model and tokenizer with `save_pretrained` to `target`, replacing it only once the copy is whole."""
+    with staged_directory(target, "the model", f"{target} is unchanged" if target.exists() else "") as staging:
+        model.save_pretrained(str(staging), safe_serialization=True)
+        tokenizer.save_pretrained(str(staging))
+    return target
+
+
+def fit(
+    model,
+    train_examples: Sequence[Example],
+    objective: Objective,
+    config: Any,
+    *,
+    precision: str,
+    evaluate: Callable[[], dict[str, float]] | None = None,
+    name: str = "polo",
+    headline: tuple[str, ...] = ("loss",),
+) -> tuple[list[dict], dict | None, dict | None]:
+    """Train `model` in place on `train_examples`; return (metrics rows, held-out metrics before, after).
+
+    `config` is a recipe config with `train` (`FinetuneTrainConfig`) and `output`
+    (`FinetuneOutputConfig`) sections. Each optimizer step takes `train.batch_size` examples of a
+    per-epoch shuffle and backpropagates `objective.loss / units(batch)` micro-batch by
+    micro-batch. `evaluate()` returns held-out metrics (logged with an `eval/` prefix). The
+    `headline` metrics go to the progress bar.
+    """
+    from polo.runtime.errors import NonFiniteLossError
+
+    train, output = config.train, config.output
+    output_dir = Path(output.dir)
+    if not train_examples:
+        raise ValueError("there are no training examples")
+    steps_per_epoch = math.ceil(len(train_examples) / train.batch_size)
+    total_steps = steps_per_epoch * train.epochs if train.max_steps is None else min(train.max_steps, steps_per_epoch * train.epochs)
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(
+        parameters, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2), weight_decay=train.weight_decay, fused=True,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(train.warmup_steps, total_steps, train.lr_schedule))
+    if is_main_process():
+        (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run must not mix with an old run's rows
+    logger = MetricsLogger(output_dir, total_steps, 0, output.tensorboard, output.progress)
+    logger.write(f"{name}: {len(train_examples)} examples, {total_steps} steps of {train.batch_size} | precision {precision}")
+
+    def run_eval(step: int) -> dict | None:
+        if evaluate is None:
+            return None
+        result = evaluate()
+        logger.log({"step": step, **{f"eval/{key}": value for key, value in result.items()}})
+        logger.write(f"step {step}: held-out " + ", ".join(f"{key} {value:.4g}" for key, value in result.items()))
+        return result
+
+    eval_before = run_eval(0)
+    rng = random.Random(train.seed)
+    step = 0
+    model.train()
+    while step < total_steps:
+        order = list(train_examples)
+        rng.shuffle(order)
+        for start in range(0, len(order), train.batch_size):
+            if step >= total_steps:
+                break
+            step += 1
+            batch = order[start : start + train.batch_size]
+            started = time.perf_counter()
+            units = max(sum(objective.units(example) for example in batch), 1)
+            sums: dict[str, float] = {}
+            optimizer.zero_grad(set_to_none=True)
+            for group in micro_batches(batch, train.micro_batch_size):
+                with autocast_context(precision):
+                    loss_sum, stats = objective.loss(model, group)
+                loss = loss_sum / units
+                if not torch.isfinite(loss):
+                    logger.close()
+                    raise NonFiniteLossError(f"{name}: loss is {loss.item()} at step {step}; try a lower train.learning_rate")
+                loss.backward()
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, train.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            seconds = time.perf_counter() - started
+            sequences = sum(len(example.sequences) for example in batch)
+            row = {
+                "step": step,
+                "epoch": (step - 1) // steps_per_epoch + 1,
+                **{key: value / units for key, value in sums.items()},
+                "grad_norm": float(grad_norm),
+                "learning_rate": scheduler.get_last_lr()[0],
+                "time/step": seconds,
+                "sequences_per_second": sequences / max(seconds, 1e-9),
+            }
+            logger.log(row)
+            logger.advance(step, {key: row[key] for key in headline if key in row})
+            if train.eval_every and step % train.eval_every == 0 and step != total_steps:
+                run_eval(step)
+    eval_after = run_eval(total_steps)
+    logger.close()
+    return read_metrics(output_dir / "metrics.jsonl"), eval_before, eval_after
+
+
+def prepare_run(config: Any, config_dict: dict) -> str:
+    """Set threads and seeds, write `<output.dir>/config.yaml`; return the resolved precision ("bf16" or "fp32")."""
+    import yaml
+
+    from polo.runtime.device import resolve_precision
+    from polo.runtime.seeding import seed_everything
+
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    seed_everything(config.train.seed)
+    output_dir = Path(config.output.dir)
+    if is_main_process():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
+    return resolve_precision(config.train.precision)
+
+
+def write_summary(output_dir: Path, **fields: Any) -> None:
+    """Write `<output_dir>/summary.json` (the held-out figures before and after, the run time)."""
+    if is_main_process():
+        (output_dir / "summary.json").write_text(json.dumps(fields, indent=1, default=str) + "\n")

@@ -1,0 +1,107 @@
+"""Supervised fine-tuning (`polo sft`): learn the responses of demonstrations, never their prompts.
+
+For demonstrations (x, y) with y = (y_1 .. y_T, EOS), the loss is the token-mean negative
+log-likelihood of the response tokens over the whole optimizer batch B:
+
+    L = − Σ_{(x,y)∈B} Σ_t log π(y_t | x, y_<t)  /  Σ_{(x,y)∈B} |y|
+
+The prompt x is the chat template of the conversation with the assistant turn opened, exactly
+the text an RL run gives the policy; its tokens carry label −100 (`TokenBatch.labels`) and
+contribute nothing. The result is saved with `save_pretrained` to `<output.dir>/final`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from polo.config import ModelConfig, config_to_dict
+from polo.finetune.fit import (
+    DataConfig,
+    Example,
+    FinetuneOutputConfig,
+    FinetuneResult,
+    FinetuneTrainConfig,
+    collate,
+    encode,
+    evaluate_objective,
+    fit,
+    load_finetune_config,
+    prepare_run,
+    response_logprobs,
+    save_model,
+    write_summary,
+)
+from polo.models.loading import enable_activation_checkpointing
+from polo.data.preferences import Demonstration, read_demonstrations, render_prompt
+
+
+@dataclass
+class SFTConfig:
+    """A supervised fine-tuning run: `polo sft RECIPE.yaml`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: FinetuneTrainConfig = field(default_factory=FinetuneTrainConfig)
+    output: FinetuneOutputConfig = field(default_factory=lambda: FinetuneOutputConfig(dir="runs/sft"))
+
+
+def load_sft_config(recipe=None, overrides: list[str] | None = None) -> SFTConfig:
+    """Return a validated `SFTConfig` from a recipe (path, mapping or config) and dotted overrides."""
+    return load_finetune_config(SFTConfig, recipe, overrides)
+
+
+def encode_demonstrations(tokenizer, demonstrations: Sequence[Demonstration], system_prompt: str | None, max_length: int) -> list[Example]:
+    """Return one single-sequence `Example` per demonstration (chat-templated prompt, response + EOS)."""
+    prompts = [render_prompt(tokenizer, demo.messages, system_prompt) for demo in demonstrations]
+    encoded = encode(tokenizer, prompts, [demo.response for demo in demonstrations], max_length)
+    return [Example((item,)) for item in encoded]
+
+
+class SFTObjective:
+    """Negative log-likelihood of the response tokens; the unit is a response token."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def units(self, example: Example) -> int:
+        return len(example.sequences[0].response_ids)
+
+    def loss(self, model, examples: Sequence[Example]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Return (−Σ log π over the response tokens of `examples`, {"loss": the same as a float})."""
+        batch = collate([example.sequences[0] for example in examples], self.pad_id)
+        logprobs = response_logprobs(model, batch)
+        nll = -torch.where(batch.response_mask.bool(), logprobs, 0.0).sum()
+        return nll, {"loss": float(nll.detach())}
+
+
+def sft(config: SFTConfig | str | Path | dict | None = None, overrides: list[str] | None = None) -> FinetuneResult:
+    """Fine-tune a causal LM on demonstrations and return the result; the model lands in `<output.dir>/final`."""
+    from polo.models.loading import load_policy
+
+    config = load_sft_config(config, overrides)
+    started = time.perf_counter()
+    precision = prepare_run(config, config_to_dict(config))
+    model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
+    if config.train.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    data = config.data
+    train_examples = encode_demonstrations(tokenizer, read_demonstrations(data.train_path, data.num_train), data.system_prompt, data.max_length)
+    eval_examples = (
+        encode_demonstrations(tokenizer, read_demonstrations(data.eval_path, data.num_eval), data.system_prompt, data.max_length)
+        if data.eval_path else []
+    )
+    objective = SFTObjective(tokenizer.pad_token_id)
+    evaluate = (
+        (lambda: evaluate_objective(model, eval_examples, objective, config.train.micro_batch_size, precision)) if eval_examples else None
+    )
+    rows, before, after = fit(model, train_examples, objective, config, precision=precision, evaluate=evaluate, name="polo sft")
+    output_dir = Path(config.output.dir)
+    model_dir = save_model(model, tokenizer, output_dir / "final")
+    seconds = time.perf_counter() - started
+    write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
+    return FinetuneResult(output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds)

@@ -1,0 +1,96 @@
+"""From a question to the prompt text and token ids a model samples from.
+
+The instruction templates (R1-Zero tags or a plain final-answer line), the chat template, and
+left-padded tokenisation; shared by training, evaluation, reward models and preference data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+def tokenize_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return left-padded `(input_ids, attention_mask)` for already-formatted prompt strings."""
+    # Chat templates already contain the special tokens they need.
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """Return the token ids that end a completion (the tokenizer's and the model config's EOS)."""
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    if not ids:
+        raise ValueError("the tokenizer and model define no EOS token; completions could never stop")
+    return sorted(ids)
+
+
+QUESTION_PLACEHOLDER = "{question}"
+
+
+
+# R1-Zero style: reasoning and answer in separate tags, so the format reward and the
+# answer extraction have something unambiguous to look for.
+DEFAULT_INSTRUCTION = (
+    "{question}\n\n"
+    "First think through the problem step by step inside <think> </think> tags. "
+    "Then give only the final answer inside <answer> </answer> tags, "
+    "for example <answer>42</answer>."
+)
+
+
+
+# For tasks whose correctness looks at the last number in the text rather than a tag.
+PLAIN_INSTRUCTION = (
+    "{question}\n\n"
+    "Answer briefly, and end your reply with the final number."
+)
+
+
+
+def default_instruction(answer_in_tags: bool) -> str:
+    """Return the instruction template that matches how a task's correctness reads answers."""
+    return DEFAULT_INSTRUCTION if answer_in_tags else PLAIN_INSTRUCTION
+
+
+
+def fill_instruction(instruction: str, question: str) -> str:
+    """Return ``instruction`` with its ``{question}`` placeholder replaced by ``question``."""
+    if QUESTION_PLACEHOLDER not in instruction:
+        raise ValueError(
+            f"instruction template {instruction!r} has no {QUESTION_PLACEHOLDER!r} placeholder; "
+            f"a template must contain {QUESTION_PLACEHOLDER!r} exactly where the question goes"
+        )
+    # str.replace rather than str.format: templates and questions may contain literal braces
+    # (LaTeX, JSON examples) that format() would try to interpret.
+    return instruction.replace(QUESTION_PLACEHOLDER, question)
+
+
+
+def format_prompt(
+    tokenizer: Any,
+    question: str,
+    instruction: str = DEFAULT_INSTRUCTION,
+    system_prompt: str | None = None,
+) -> str:
+    """Return the prompt text for one question, through the chat template when there is one.
+
+    With a chat template the filled instruction becomes the user message (after an optional
+    system message) and the assistant turn is opened (``add_generation_prompt=True``), so the
+    completion is exactly the assistant's reply. Without one (base models) the prompt is the
+    filled instruction followed by a newline; ``system_prompt`` then goes first, on its own
+    paragraph, so it is not silently dropped.
+    """
+    filled = fill_instruction(instruction, question)
+    if getattr(tokenizer, "chat_template", None):
+        messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+        messages.append({"role": "user", "content": filled})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    preamble = "" if system_prompt is None else system_prompt + "\n\n"
+    return preamble + filled + "\n"

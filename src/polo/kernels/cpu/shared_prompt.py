@@ -1,0 +1,202 @@
+"""Score a group's G completions with its prompt computed once: one sequence per group, a block mask.
+
+GRPO samples G completions of the same prompt, and every forward over the rollouts (the
+reference's, the policy's in the update) would otherwise run the prompt G times. Here a group
+becomes one sequence
+
+    [prompt | completion 1 | completion 2 | ... | completion G]      length L = P + G·C
+
+with an attention mask that lets completion k see the (real) prompt tokens and its own earlier
+tokens, never another completion, and position ids that restart after the prompt for every
+completion (position of completion token t = number of real prompt tokens + t). Each completion
+then gets exactly the hidden states it gets in its own `[prompt | completion]` row, so log-probs
+and gradients are the same (up to floating-point summation order); the gradient through the
+shared prompt positions is the sum over the group, as it is when the prompt is run G times.
+
+Linear layers and element-wise work shrink from G·(P + C) to P + G·C tokens; dense attention
+grows from G·(P + C)² to (P + G·C)² score entries, so `sharing_pays` decides per batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from polo.kernels.cpu.logprobs import supports_fused_logprobs, token_logprobs
+
+__all__ = ["SharedAttentionLayout", "SharedPromptBatch", "share_prompts", "shared_attention", "sharing_pays", "shared_completion_logprobs"]
+
+# Weight of one attention score entry relative to one token through the linear layers, per unit of
+# FLOPs: attention ran at about half the FLOP rate of the matmuls on the CPU (its backward more so).
+ATTENTION_COST_FACTOR = 2.0
+
+
+def sharing_pays(prompt_len: int, completion_len: int, group_size: int, hidden_size: int, params_per_layer: float, blockwise: bool = False) -> bool:
+    """Return True when the shared layout costs clearly less compute than G separate rows.
+
+    Per layer, a token costs ≈ 2·params_per_layer FLOPs in the linear layers and a (query, key)
+    pair ≈ 4·hidden_size in attention (QKᵀ and PV), weighted by ATTENTION_COST_FACTOR:
+
+        shared   = (P + G·C)·2·n_layer + A·4·d·f,   A = (P + G·C)² with dense attention,
+                                                    A = P² + G·C·(P + C) block-wise (`shared_attention`)
+        separate = G·(P + C)·2·n_layer + G·(P + C)²·4·d·f
+
+    Shares when shared < 0.8 · separate. With dense attention the long packed row wins back the
+    saving for long completions (P = 100, C = 1024, G = 8 does not share; P = 84, C = 64 does);
+    block-wise, sharing never costs more than separate rows, and it pays wherever the prompt is
+    a sizeable part of a row (P = 400, C = 512 shares only block-wise).
+    """
+    if group_size < 2:
+        return False
+    shared_tokens = prompt_len + group_size * completion_len
+    row = prompt_len + completion_len
+    per_token, per_pair = 2.0 * params_per_layer, 4.0 * hidden_size * ATTENTION_COST_FACTOR
+    pairs = prompt_len**2 + group_size * completion_len * row if blockwise else shared_tokens**2
+    shared = shared_tokens * per_token + pairs * per_pair
+    separate = group_size * row * per_token + group_size * row**2 * per_pair
+    return shared < 0.8 * separate
+
+
+@dataclass
+class SharedAttentionLayout:
+    """What `shared_attention` needs to attend block by block instead of over the whole (L, L) mask."""
+
+    prompt_len: int  # P
+    group_size: int  # G
+    completion_len: int  # C
+    prompt_mask: torch.Tensor  # (groups, 1, P, P) bool: prompt queries over prompt keys
+    completion_mask: torch.Tensor  # (groups·G, 1, C, P + C) bool: each completion's queries over [prompt | its own tokens]
+
+
+@dataclass
+class SharedPromptBatch:
+    """Inputs of the shared layout for `groups` groups (L = P + G·C)."""
+
+    input_ids: torch.Tensor  # (groups, L)
+    attention_mask: torch.Tensor  # (groups, 1, L, L) bool, True where a query may attend to a key
+    position_ids: torch.Tensor  # (groups, L)
+    predictor_index: torch.Tensor  # (groups·G, C) long: flat (groups·L) position whose hidden state predicts each completion token
+    layout: SharedAttentionLayout  # the same mask cut into blocks, for attention that skips the blocks that are all False
+
+
+def share_prompts(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor, group_size: int
+) -> SharedPromptBatch | None:
+    """Return the shared layout of a batch whose rows come in groups of `group_size` with identical prompts, else None.
+
+    Shapes: prompt (batch, P) left-padded, completion (batch, C) right-padded, as in
+    polo.generation.cpu_sampler. None when group_size < 2, the batch is not whole groups, or a group's rows
+    do not share their prompt ids and mask exactly.
+    """
+    batch, prompt_len = prompt_ids.shape
+    completion_len = completion_ids.shape[1]
+    if group_size < 2 or batch == 0 or batch % group_size or completion_len == 0:
+        return None
+    groups, g = batch // group_size, group_size
+    grouped_ids, grouped_mask = prompt_ids.view(groups, g, prompt_len), prompt_mask.view(groups, g, prompt_len)
+    if not (torch.equal(grouped_ids, grouped_ids[:, :1].expand_as(grouped_ids)) and torch.equal(grouped_mask, grouped_mask[:, :1].expand_as(grouped_mask))):
+        return None
+    group_prompt_mask = grouped_mask[:, 0].bool()  # (groups, P)
+    length = prompt_len + g * completion_len
+    input_ids = torch.cat([grouped_ids[:, 0], completion_ids.reshape(groups, g * completion_len)], dim=1)
+    key_is_real = torch.cat([group_prompt_mask, completion_mask.bool().reshape(groups, g * completion_len)], dim=1)  # (groups, L)
+
+    block = torch.cat([torch.full((prompt_len,), -1), torch.arange(g).repeat_interleave(completion_len)])  # -1: prompt
+    position = torch.arange(length)
+    earlier = position[None, :] <= position[:, None]  # (L, L): key at or before query
+    same_block = block[None, :] == block[:, None]
+    key_in_prompt = (block == -1)[None, :].expand(length, length)
+    structure = earlier & (key_in_prompt | same_block)  # prompt keys for everyone (causally), own block causally
+    mask = structure[None] & key_is_real[:, None, :]
+    mask |= torch.eye(length, dtype=torch.bool)[None]  # every query sees itself: padding rows are never empty
+    real_prompt = group_prompt_mask.long().sum(1)  # (groups,)
+    prompt_positions = (group_prompt_mask.long().cumsum(1) - 1).clamp(min=0)
+    completion_positions = (real_prompt[:, None] + torch.arange(completion_len)[None, :]).repeat(1, g)
+    position_ids = torch.cat([prompt_positions, completion_positions], dim=1)
+
+    # Token t of completion k in group j is predicted by the hidden state before it: the last prompt
+    # position for t = 0, else position P + k·C + t − 1 of the group's row.
+    k, t = torch.arange(g)[:, None], torch.arange(completion_len)[None, :]
+    within = torch.where(t == 0, prompt_len - 1, prompt_len + k * completion_len + t - 1)  # (G, C)
+    predictor_index = (torch.arange(groups)[:, None, None] * length + within[None]).reshape(batch, completion_len)
+
+    # The same mask, block by block: the prompt's (P, P) corner, and for every completion its rows
+    # restricted to [prompt keys | its own keys] (every other block of its rows is all False).
+    p, c = prompt_len, completion_len
+    prompt_block = mask[:, :p, :p]
+    own = torch.stack([mask[:, p + k * c : p + (k + 1) * c, p + k * c : p + (k + 1) * c] for k in range(g)], dim=1)
+    to_prompt = mask[:, p:, :p].reshape(groups, g, c, p)
+    completion_block = torch.cat([to_prompt, own], dim=3).reshape(batch, c, p + c)
+    layout = SharedAttentionLayout(p, g, c, prompt_block[:, None], completion_block[:, None])
+    return SharedPromptBatch(input_ids, mask[:, None], position_ids, predictor_index, layout)
+
+
+def shared_attention(attend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SharedAttentionLayout) -> torch.Tensor:
+    """Attention over the shared layout computed block by block; returns (groups, L, heads, d) like transformers' attention.
+
+    `attend(q, k, v, mask)` is an attention function taking (batch, heads, len, d) inputs and a
+    (batch, 1, q_len, k_len) bool mask and returning (batch, q_len, heads, d). query is
+    (groups, H, L, d), key and value (groups, H_kv, L, d). The prompt attends to itself once per
+    group; completion k of a group attends to [the prompt's keys | its own keys], so the work is
+    G·C·(P + C) + P² score entries instead of (P + G·C)², and the result equals attention over
+    the full (L, L) mask (the blocks skipped are all masked).
+    """
+    groups, heads, length, dim = query.shape
+    p, g, c = layout.prompt_len, layout.group_size, layout.completion_len
+
+    def per_completion(x: torch.Tensor) -> torch.Tensor:  # (groups, h, G·C, d) -> (groups·G, h, C, d)
+        h = x.shape[1]
+        return x.reshape(groups, h, g, c, x.shape[-1]).transpose(1, 2).reshape(groups * g, h, c, x.shape[-1])
+
+    def prompt_per_completion(x: torch.Tensor) -> torch.Tensor:  # (groups, h, P, d) -> (groups·G, h, P, d)
+        h = x.shape[1]
+        return x[:, None].expand(groups, g, h, p, x.shape[-1]).reshape(groups * g, h, p, x.shape[-1])
+
+    # split, not slicing: the backward of a slice writes into a zero-filled full-size gradient
+    (prompt_q, completion_q), (prompt_k, completion_k), (prompt_v, completion_v) = (
+        torch.split(x, [p, length - p], dim=2) for x in (query, key, value)
+    )
+    prompt_out = attend(prompt_q, prompt_k, prompt_v, layout.prompt_mask)  # (groups, P, H, d)
+    keys = torch.cat([prompt_per_completion(prompt_k), per_completion(completion_k)], dim=2)
+    values = torch.cat([prompt_per_completion(prompt_v), per_completion(completion_v)], dim=2)
+    completion_out = attend(per_completion(completion_q), keys, values, layout.completion_mask)  # (groups·G, C, H, d)
+    return torch.cat([prompt_out, completion_out.reshape(groups, g * c, heads, dim)], dim=1)
+
+
+def _params_per_layer(model) -> tuple[int, float]:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    intermediate = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
+    return hidden, 4.0 * hidden * hidden + 3.0 * hidden * intermediate  # attention + gated MLP, roughly
+
+
+def shared_completion_logprobs(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size: int, *, temperature: float = 1.0, with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Return (log-probs, entropy or None), each (batch, C), scored in the shared layout; None when it does not apply.
+
+    Applies when the model supports the chunked lm_head path (polo.kernels.cpu.logprobs), the batch is
+    whole groups with identical prompts, and `sharing_pays`.
+    """
+    if group_size < 2 or not supports_fused_logprobs(model):
+        return None
+    from polo.kernels.cpu.attention import POLO_ATTENTION
+
+    hidden_size, per_layer = _params_per_layer(model)
+    blockwise = getattr(model.config, "_attn_implementation", None) == POLO_ATTENTION
+    if not sharing_pays(prompt_ids.shape[1], completion_ids.shape[1], group_size, hidden_size, per_layer, blockwise):
+        return None
+    shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
+    if shared is None:
+        return None
+    # polo's attention (polo.models.precision) reads `shared_layout` and skips the all-masked blocks;
+    # any other attention implementation ignores it and applies the full mask.
+    hidden = model.get_decoder()(
+        input_ids=shared.input_ids, attention_mask=shared.attention_mask, position_ids=shared.position_ids, use_cache=False,
+        shared_layout=shared.layout,
+    ).last_hidden_state
+    predictors = hidden.reshape(-1, hidden.shape[-1])[shared.predictor_index]  # (batch, C, d)
+    return token_logprobs(
+        predictors, model.get_output_embeddings().weight, completion_ids, temperature=temperature, with_entropy=with_entropy
+    )

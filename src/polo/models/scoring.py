@@ -1,0 +1,82 @@
+"""Log-probabilities of given completion tokens under a model: what the update, the reference
+and the old policy all compute, on the [prompt | completion] layout of `polo.generation`.
+
+Prompts are left-padded, completions right-padded, so the completion tokens are always the
+last `completion_len` positions. Position ids count real tokens only, so a sequence gets the
+same positions whether it was padded or not, in sampling and in training.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polo.kernels.cpu.logprobs import completion_logprobs_fused, supports_fused_logprobs
+from polo.kernels.cpu.shared_prompt import shared_completion_logprobs
+
+# Score completions through the chunked lm_head path when the model allows it (see polo.kernels.cpu.logprobs).
+FUSED_LOGPROBS = True
+
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Return position ids that count only real tokens, shape (batch, seq)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+
+def completion_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    group_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return per-token log-probs of the completion under `model`, (batch, completion_len).
+
+    With `group_size` > 1 and rows in groups of identical prompts, each group's prompt is run
+    once for all its completions when that saves compute (polo.kernels.cpu.shared_prompt).
+
+    log π(y_t | x, y_<t) = z[y_t]/T − logsumexp(z/T): taken with a gather and a logsumexp so
+    no full-vocabulary log-softmax tensor is kept for backward. Logits are computed only for
+    the completion positions. With `with_entropy`, also returns the per-token entropy of the
+    sampling distribution (no gradient).
+    """
+    if FUSED_LOGPROBS and group_size > 1:
+        shared = shared_completion_logprobs(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, temperature=temperature, with_entropy=with_entropy
+        )
+        if shared is not None:
+            return shared
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)
+    completion_len = completion_ids.shape[1]
+    if FUSED_LOGPROBS and supports_fused_logprobs(model):
+        # Chunks of the lm_head at a time: the full (batch, len, vocab) logits never exist.
+        return completion_logprobs_fused(
+            model, input_ids, attention_mask, position_ids_from_mask(attention_mask), completion_len, completion_ids,
+            temperature=temperature, with_entropy=with_entropy,
+        )
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=completion_len + 1,
+    ).logits[:, :-1]
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    token_logits = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    logsumexp = torch.logsumexp(logits, dim=-1)
+    logprobs = token_logits - logsumexp
+    entropy = None
+    if with_entropy:
+        from polo.core import entropy_from_logits
+
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach(), logsumexp.detach())
+    return logprobs, entropy

@@ -1,0 +1,193 @@
+"""Everything an RL run holds, built once before the first step: `set_up(config) -> Run`.
+
+The order matters and is kept exactly (the random streams depend on it): task and rewards,
+checkpoint lookup, seeding, the policy, its reference or LoRA adapters, FSDP sharding, master
+weights, the optimizer, the critic, the schedule, and finally the resumed state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from polo import core
+from polo.config import Config, ConfigError, config_to_dict, load_config
+from polo.data import instruction_for, make_task
+from polo.data.base import Task
+from polo.kernels.cpu.attention import use_polo_attention
+from polo.models.loading import enable_activation_checkpointing, frozen_copy, load_policy, resolve_model_path
+from polo.models.lora import add_adapters, freeze_base_dtype, load_adapters
+from polo.models.precision import MasterWeights
+from polo.rewards import RewardSet
+from polo.rl.critic import Critic, build_critic
+from polo.rl.modules import UpdateModules
+from polo.rl.update import update_modules
+from polo.runtime import distributed as parallel
+from polo.runtime.checkpoint import Checkpointer
+from polo.runtime.device import resolve_train_precision
+from polo.runtime.distributed import is_main_process
+from polo.runtime.metrics import truncate_metrics
+from polo.runtime.seeding import restore_rng, seed_everything
+
+
+@dataclass
+class Run:
+    """The state of one RL run: its config, data, models, optimizer and where it writes."""
+
+    config: Config
+    precision: str  # fp32 | bf16 | bf16_master, resolved once (polo.runtime.device)
+    task: Task
+    reward_set: RewardSet
+    instruction: str
+    model: torch.nn.Module
+    tokenizer: object
+    reference: torch.nn.Module | None  # None when beta = 0; the policy itself under LoRA (adapters off)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    critic: Critic | None
+    modules: UpdateModules  # what the update runs through (DDP-wrapped under torchrun)
+    masters: MasterWeights | None
+    checkpointer: Checkpointer
+    output_dir: Path
+    start_step: int = 0
+    eval_before: dict | None = None
+
+    def checkpoint_state(self) -> dict:
+        """Return the run state a checkpoint keeps beside the weights and the optimizer."""
+        return {"eval_before": self.eval_before, **(self.critic.state() if self.critic is not None else {})}
+
+    def save(self, step: int) -> Path | None:
+        """Write checkpoint `step` (every rank calls it) and return its path (None off rank 0)."""
+        return self.checkpointer.save(step, self.model, self.tokenizer, self.optimizer, self.scheduler, self.checkpoint_state(), self.masters)
+
+
+def lr_lambda(config: Config):
+    """Return the learning-rate multiplier of the RL run per optimizer step (see `polo.core.lr_multiplier`)."""
+    total = max(config.train.steps * config.train.num_minibatches * config.algorithm.update_epochs, 1)
+    return core.lr_multiplier(config.train.warmup_steps, total, config.train.lr_schedule)
+
+
+def checked_config(config, overrides: list[str] | None) -> Config:
+    """Return the run's `Config` from a Config, recipe path or mapping plus overrides, checked against the process count."""
+    if not isinstance(config, Config):
+        config = load_config(config, overrides)
+    elif overrides:
+        config = load_config(config_to_dict(config), overrides)
+    if config.train.prompts_per_step % parallel.world_size():
+        raise ConfigError(
+            f"train.prompts_per_step={config.train.prompts_per_step} is not divisible by the {parallel.world_size()} processes; "
+            f"pick a multiple of {parallel.world_size()} (each process samples whole groups)"
+        )
+    return config
+
+
+def find_resume_point(config: Config, checkpointer: Checkpointer) -> Path | None:
+    """Return the checkpoint to resume from (None for a fresh run, whose old logs are removed)."""
+    output_dir = Path(config.output.dir)
+    resume_from = checkpointer.latest() if config.output.resume else None
+    if config.output.resume and resume_from is None and is_main_process():
+        print(f"polo: resume=true but no checkpoint in {checkpointer.root}; starting from step 0")
+    if resume_from is None and is_main_process():
+        for old_log in ("metrics.jsonl", "samples.jsonl"):
+            (output_dir / old_log).unlink(missing_ok=True)  # a fresh run must not mix with an old run's rows
+    return resume_from
+
+
+def load_models(config: Config, precision: str, resume_from: Path | None) -> tuple:
+    """Return (policy, tokenizer, reference or None): LoRA adapters attached, FSDP-sharded under torchrun."""
+    lora, beta = config.model.lora, config.algorithm.beta
+    if parallel.rank() == 0:
+        resolve_model_path(config.model.name)  # one process fetches/converts a built-in model, the others wait
+    parallel.barrier()
+    # A LoRA checkpoint holds only the adapter: the base model comes from model.name again.
+    start_from = str(resume_from) if resume_from is not None and not lora.r else config.model.name
+    model, tokenizer = load_policy(start_from, attn_implementation=config.model.attn_implementation)
+    model.train()
+    if config.train.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    reference = None
+    if lora.r:
+        model = load_adapters(model, resume_from) if resume_from is not None else add_adapters(model, lora)
+        if precision == "bf16_master":
+            freeze_base_dtype(model, torch.bfloat16)  # the base never changes: no master copy needed
+        reference = model if beta > 0 else None  # scored with the adapters off (polo.models.lora)
+    elif beta > 0:
+        # The reference is never trained: under bf16 it is kept in bf16 (half the memory, no casts).
+        source = model if resume_from is None else load_policy(config.model.name, attn_implementation=config.model.attn_implementation)[0]
+        reference = frozen_copy(source, dtype=torch.bfloat16 if precision != "fp32" else None)
+    if config.train.data_parallel == "fsdp" and parallel.is_distributed():
+        if core.ADVANTAGE_ESTIMATORS.entry(config.algorithm.advantage_estimator).needs_critic:
+            raise ConfigError("train.data_parallel=fsdp does not support PPO's critic yet; use train.data_parallel=ddp")
+        parallel.shard_model(model)  # after the reference copy, which stays whole (it is never trained)
+    for module in {id(m): m for m in (model, reference) if m is not None}.values():  # faster attention, same maths (polo.kernels.cpu.attention)
+        use_polo_attention(module)
+    return model, tokenizer, reference
+
+
+def build_optimizer(config: Config, model, masters: MasterWeights | None) -> torch.optim.Optimizer:
+    """Return AdamW over the policy's parameters (the fp32 masters under bf16_master)."""
+    train_config = config.train
+    optimizer = torch.optim.AdamW(
+        masters.parameters if masters is not None else model.parameters(),
+        lr=train_config.learning_rate,
+        betas=(train_config.adam_beta1, train_config.adam_beta2),
+        weight_decay=train_config.weight_decay,
+        fused=not parallel.is_sharded(model),  # one kernel per step on CPU: faster, no full-size temporaries (not for DTensor shards)
+    )
+    if masters is not None:
+        masters.attach(optimizer)
+    return optimizer
+
+
+def resume(run: Run, checkpoint: Path) -> None:
+    """Restore optimizer, schedule, random streams, critic and step from `checkpoint` into `run`."""
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    parallel.load_optimizer_state(run.model, run.optimizer, state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    rng_per_rank = state.get("rng_per_rank", [state["rng"]])
+    if len(rng_per_rank) == parallel.world_size():
+        restore_rng(rng_per_rank[parallel.rank()])
+    else:  # the data position comes from the step, so only the sampling streams change
+        if is_main_process():
+            print(f"polo: warning: {checkpoint} was written by {len(rng_per_rank)} processes, resuming with "
+                  f"{parallel.world_size()}: the run goes on, but samples differ from an uninterrupted run")
+        seed_everything(run.config.train.seed + parallel.rank() + 1_000_003 * state["step"])
+    if run.critic is not None:
+        run.critic.load(state)
+    run.start_step, run.eval_before = state["step"], state.get("eval_before")
+    if is_main_process():  # the one writer; a second rank rewriting the same file could empty it
+        truncate_metrics(run.output_dir / "metrics.jsonl", run.start_step)
+        truncate_metrics(run.output_dir / "samples.jsonl", run.start_step)
+
+
+def set_up(config, overrides: list[str] | None = None, reward_functions: dict | None = None) -> Run:
+    """Return a ready `Run`: config checked, task and rewards built, models loaded, state resumed, config.yaml written."""
+    config = checked_config(config, overrides)
+    output_dir = Path(config.output.dir)
+    precision = resolve_train_precision(config)
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    task = make_task(config)
+    reward_set = RewardSet({**config.rewards, **(reward_functions or {})}, task, on_error=config.train.on_reward_error)
+    checkpointer = Checkpointer(output_dir, config.output.keep_checkpoints)
+    resume_from = find_resume_point(config, checkpointer)
+    # Ranks sample different completions (seed + rank); they all start from the same weights.
+    seed_everything(config.train.seed + parallel.rank())
+    model, tokenizer, reference = load_models(config, precision, resume_from)
+    masters = MasterWeights(model, torch.bfloat16) if precision == "bf16_master" else None  # after the reference copy
+    optimizer = build_optimizer(config, model, masters)
+    critic = build_critic(config, model, optimizer, lr_lambda(config))  # before the scheduler: a value head joins the optimizer
+    run = Run(
+        config, precision, task, reward_set, instruction_for(config, task), model, tokenizer, reference, optimizer,
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config)), critic, update_modules(model, critic), masters,
+        checkpointer, output_dir,
+    )
+    if resume_from is not None:
+        resume(run, resume_from)
+    if is_main_process():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    return run

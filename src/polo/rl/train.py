@@ -1,0 +1,170 @@
+"""The language-model RL loop: GRPO and its relatives are presets of this one loop.
+
+    run = set_up(config)                                   polo.rl.setup
+    for step:  sample -> score -> advantages -> update     polo.rl.step, polo.rl.update
+               log -> (evaluate) -> checkpoint             polo.runtime, polo.evaluation
+
+All the maths is in `polo.core`; the algorithm's parts are looked up by name in its registries.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from polo.config import Config
+from polo.evaluation.evaluate import greedy_accuracy
+from polo.evaluation.plots import plot_run
+from polo.models.lora import trainable_summary
+from polo.rl.setup import Run, set_up
+from polo.rl.step import rl_step, sampling_weights
+from polo.runtime import distributed as parallel
+from polo.runtime.distributed import is_main_process
+from polo.runtime.errors import NonFiniteLossError
+from polo.runtime.interrupt import StopRequest
+from polo.runtime.metrics import MetricsLogger, read_metrics
+
+
+@dataclass
+class TrainResult:
+    """What a finished run returns to a notebook caller."""
+
+    output_dir: Path
+    steps: int
+    eval_before: dict | None = None
+    eval_after: dict | None = None
+    metrics: list[dict] = field(default_factory=list)
+
+
+def train(
+    config: Config | str | Path | dict | None = None,
+    overrides: list[str] | None = None,
+    *,
+    reward_functions: dict | None = None,
+) -> TrainResult:
+    """Train a causal LM with the configured policy-optimization algorithm and return the result.
+
+    `config` is a `Config`, a recipe path or a mapping; `overrides` are `dotted.key=value`
+    strings. `reward_functions` maps extra callables `(completion, row) -> float` to weights,
+    added to the configured rewards. Launched by `torchrun`, every process calls it and the run
+    is data-parallel (see `polo.runtime.distributed`); the process group is joined and left here.
+    """
+    joined = parallel.init_from_environment()
+    try:
+        return train_loop(set_up(config, overrides, reward_functions))
+    finally:
+        if joined:
+            torch.distributed.destroy_process_group()
+
+
+def train_loop(run: Run) -> TrainResult:
+    """Run steps `run.start_step + 1 ... train.steps`: sample, score, update, log, evaluate, checkpoint."""
+    config = run.config
+    logger = MetricsLogger(run.output_dir, config.train.steps, run.start_step, config.output.tensorboard, config.output.progress)
+    logger.write(banner(run))
+    evaluate = HeldOutEvaluation(run, logger)
+    if run.eval_before is None and config.eval.before and run.task.eval_rows:
+        run.eval_before = evaluate(0)
+
+    saved_step, nonfinite_streak = run.start_step, 0
+    with StopRequest(logger.write) as stop:
+        for step in range(run.start_step + 1, config.train.steps + 1):
+            try:
+                metrics, samples = rl_step(run, step)
+                nonfinite_streak = 0
+            except NonFiniteLossError as error:  # the update was not applied: skip the step, or stop after too many
+                nonfinite_streak = skip_or_stop(run, logger, step, nonfinite_streak + 1, error)
+                metrics, samples = {"skipped_nonfinite": 1.0}, []
+            log_step(logger, step, metrics, samples)
+            if config.eval.every and step % config.eval.every == 0 and step != config.train.steps:
+                evaluate(step)
+            stopping = parallel.any_rank(stop.requested)  # every rank stops after the same step
+            if (config.output.save_every and step % config.output.save_every == 0) or stopping:
+                path, saved_step = run.save(step), step
+            if stopping:
+                logger.write(f"polo: stopped after step {step}; saved {path}; continue with output.resume=true")
+                logger.close()
+                raise KeyboardInterrupt
+
+    eval_after = evaluate(config.train.steps) if config.eval.after and run.task.eval_rows else None
+    if config.train.steps > saved_step or parallel.any_rank(run.checkpointer.latest() is None):
+        run.save(config.train.steps)
+    logger.close()
+    if is_main_process() and config.output.plots:
+        plot_run(run.output_dir)
+    return TrainResult(run.output_dir, config.train.steps, run.eval_before, eval_after, read_metrics(run.output_dir / "metrics.jsonl"))
+
+
+def banner(run: Run) -> str:
+    """Return the run's first log line: algorithm, task, model, precision, batch shape and steps."""
+    config, alg = run.config, run.config.algorithm
+    lora = config.model.lora
+    adapters = f" | LoRA r={lora.r}: {trainable_summary(run.model)}" if lora.r else ""
+    return (
+        f"polo: {alg.name} on {run.task.name} | model {config.model.name} | precision {run.precision} | "
+        f"{config.train.prompts_per_step} prompts x {alg.group_size} completions | steps {run.start_step}->{config.train.steps}"
+        + adapters
+    )
+
+
+def log_step(logger: MetricsLogger, step: int, metrics: dict, samples: list[dict]) -> None:
+    """Write the step's metrics row and sample rows, its messages, and advance the progress bar."""
+    for message in metrics.pop("_messages", []):
+        logger.write(message)
+    metrics["step"] = step
+    logger.log(metrics)
+    logger.log_samples(samples)
+    summary = {"reward": "reward/mean", "acc": "accuracy", "len": "completion_length/mean"}
+    logger.advance(step, {label: metrics.get(key, float("nan")) for label, key in summary.items()})
+
+
+def skip_or_stop(run: Run, logger: MetricsLogger, step: int, streak: int, error: NonFiniteLossError) -> int:
+    """Return the new non-finite streak after warning that `step` was skipped; raise once it reaches the limit."""
+    limit = run.config.train.max_nonfinite_steps
+    if streak >= limit:
+        logger.close()
+        raise NonFiniteLossError(
+            f"{streak} steps in a row had a non-finite loss, stopping at step {step} "
+            f"(train.max_nonfinite_steps={limit}); the last good checkpoint is "
+            f"{run.checkpointer.latest()}. Last error: {error}"
+        ) from error
+    logger.write(f"polo: warning: step {step} skipped: {error}")
+    return streak
+
+
+class HeldOutEvaluation:
+    """Greedy accuracy on the task's held-out rows, each rank decoding its share; logged and saved per step."""
+
+    def __init__(self, run: Run, logger: MetricsLogger):
+        self.run, self.logger = run, logger
+        self.rows = parallel.eval_share(run.task.eval_rows)
+        self.prompts = run.task.prompts(run.tokenizer, self.rows, run.instruction, run.config.task.system_prompt)
+        self.max_new_tokens = run.config.eval.max_new_tokens or run.config.sampling.max_new_tokens
+
+    def __call__(self, step: int) -> dict:
+        """Return the held-out result at `step` (combined over ranks) after logging it and writing eval_stepNNNNNN.json."""
+        run = self.run
+        with sampling_weights(run.model) as sampler:
+            result = greedy_accuracy(
+                sampler, run.tokenizer, self.prompts, self.rows, run.task.correctness,
+                max_new_tokens=self.max_new_tokens, batch_size=run.config.eval.batch_size, precision=run.precision,
+            ) if self.rows else None
+        result = combine_eval(parallel.gather_objects((len(self.rows), result)))
+        self.logger.log({"step": step, "eval/accuracy": result["accuracy"], "eval/completion_length": result["completion_length"], "eval/truncated": result["truncated"]})
+        self.logger.write(f"step {step}: held-out greedy accuracy {result['accuracy']:.3f} on {len(run.task.eval_rows)} problems")
+        if is_main_process():
+            (run.output_dir / f"eval_step{step:06d}.json").write_text(json.dumps(result, indent=1))
+        return result
+
+
+def combine_eval(per_rank: list[tuple[int, dict | None]]) -> dict:
+    """Return one greedy-evaluation result from each rank's `(problems, result)` (weighted by problems)."""
+    total = sum(count for count, _ in per_rank) or 1
+    parts = [(count, result) for count, result in per_rank if result is not None]
+    if len(parts) == 1:
+        return parts[0][1]
+    combined = {key: sum(count * result[key] for count, result in parts) / total for key in ("accuracy", "completion_length", "truncated")}
+    return {**combined, "samples": parts[0][1]["samples"]}

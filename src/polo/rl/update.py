@@ -1,0 +1,196 @@
+"""The policy update: `update_epochs` passes of minibatch optimizer steps over one batch of whole groups.
+
+Per micro-batch: log-probs under the current policy -> registered policy loss (PPO clip, GSPO,
+...) -> + beta * KL to the reference -> registered aggregation -> backward. Normalisers
+(sequences, valid tokens) are global per optimizer step: counted over the whole minibatch and all
+ranks through `polo.core.global_count`, so gradient accumulation over micro-batches gives exactly
+the full-minibatch gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from polo import core
+from polo.config import Config
+from polo.generation.rollouts import Rollouts
+from polo.models.critic import completion_values
+from polo.rl.batching import micro_batches, trim_padding
+from polo.rl.critic import Critic, value_loss
+from polo.rl.modules import UpdateModules, build_update_modules
+from polo.runtime import distributed as parallel
+from polo.runtime.device import autocast_context
+from polo.runtime.errors import NonFiniteLossError
+
+SUM_KEYS = ("kl", "entropy", "clip_low", "clip_high", "tokens", "loss", "grad_norm", "value_loss", "critic_grad_norm")
+
+
+def update_modules(model, critic: Critic | None) -> UpdateModules:
+    """Return the modules policy updates run through (DDP-wrapped inside a process group; build once per run)."""
+    head = critic.value_head if critic is not None else None
+    # A value head warming up alone leaves the policy's weights without gradients, which DDP must be told.
+    find_unused = head is not None and critic.warmup_steps > 0
+    return build_update_modules(model, head, critic.value_model if critic is not None else None, find_unused_parameters=find_unused)
+
+
+def backward_checked(loss: torch.Tensor, optimizer, scheduler, loss_scale: float = 1.0) -> None:
+    """Backpropagate `loss_scale * loss`, or raise `NonFiniteLossError` (after dropping the gradients) when
+    the loss is NaN or infinite on any rank (the decision is collective, so no rank waits alone in a backward)."""
+    if parallel.any_rank(not bool(torch.isfinite(loss))):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLossError(
+            f"loss is {loss.item()} on rank {parallel.rank()} (optimizer step {scheduler.last_epoch + 1}); a rank had a "
+            "non-finite loss, the update was not applied and the last checkpoint is intact. "
+            "Try a lower train.learning_rate or check the reward functions."
+        )
+    if loss.requires_grad:
+        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+
+
+class UpdateContext:
+    """What every micro-batch of one `policy_update` call shares: the batch, its targets and running sums."""
+
+    def __init__(self, rollouts: Rollouts, advantages, old_logprobs, ref_logprobs, config: Config, precision: str,
+                 critic: Critic | None, value_targets, train_policy: bool, modules: UpdateModules):
+        self.rollouts, self.advantages, self.old_logprobs, self.ref_logprobs = rollouts, advantages, old_logprobs, ref_logprobs
+        self.config, self.alg, self.precision = config, config.algorithm, precision
+        self.critic, self.value_targets, self.train_policy, self.modules = critic, value_targets, train_policy, modules
+        self.loss_mask = rollouts.completion_mask.float()
+        if self.alg.mask_truncated:  # DAPO's overlong filtering: truncated completions teach nothing
+            self.loss_mask = self.loss_mask * (~rollouts.truncated).float().unsqueeze(-1)
+        self.kl_in_loss = ref_logprobs is not None and not self.alg.kl_in_reward
+        self.policy_loss = core.POLICY_LOSSES[self.alg.policy_loss]
+        self.sums = {key: 0.0 for key in SUM_KEYS}
+
+
+def policy_loss_term(ctx: UpdateContext, logprobs: torch.Tensor, micro: torch.Tensor, mask: torch.Tensor, normalisers: dict) -> torch.Tensor:
+    """Return the aggregated policy loss (+ beta * KL) of one micro-batch and add its statistics to `ctx.sums`."""
+    alg, width = ctx.alg, logprobs.shape[1]
+    old = ctx.old_logprobs[micro, :width] if ctx.old_logprobs is not None else logprobs.detach()
+    token_advantages = ctx.advantages[micro, :width] if ctx.advantages.dim() == 2 else ctx.advantages[micro]
+    per_token, stats = ctx.policy_loss(logprobs, old, token_advantages, mask, alg.clip_eps_low, alg.clip_eps_high)
+    if ctx.kl_in_loss:
+        kl = core.kl_estimate(logprobs, ctx.ref_logprobs[micro, :width], alg.kl_estimator)
+        per_token = per_token + alg.beta * kl
+        ctx.sums["kl"] += float((kl.detach() * mask).sum())
+    ctx.sums["clip_low"] += float(stats["clip_low_count"])
+    ctx.sums["clip_high"] += float(stats["clip_high_count"])
+    return core.aggregate_loss(per_token, mask, alg.loss_aggregation, **normalisers)
+
+
+def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: dict, optimizer, scheduler) -> float:
+    """Forward and backward one micro-batch (policy loss, and the critic's value loss); return its loss."""
+    alg, critic, modules = ctx.alg, ctx.critic, ctx.modules
+    part = trim_padding(ctx.rollouts.select(micro))
+    mask = ctx.loss_mask[micro, : part.completion_ids.shape[1]]
+    inputs = (part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
+    loss, values = torch.zeros(()), None
+    if ctx.train_policy or (critic is not None and critic.value_head is not None):
+        with autocast_context(ctx.precision):
+            logprobs, entropy, values = modules.policy(
+                *inputs, temperature=ctx.config.sampling.temperature, detach_trunk_for_values=not ctx.train_policy,
+                group_size=ctx.rollouts.group_size,
+            )
+    if ctx.train_policy:
+        loss = policy_loss_term(ctx, logprobs.float(), micro, mask, normalisers)
+        ctx.sums["entropy"] += float((entropy * mask).sum())
+    if values is not None:  # value head on the shared trunk: one backward for both losses
+        head_loss = value_loss(values, ctx.value_targets, micro, mask, alg, normalisers)
+        ctx.sums["value_loss"] += float(head_loss.detach())
+        loss = loss + alg.value_coef * head_loss
+    backward_checked(loss, optimizer, scheduler, modules.loss_scale)
+    total = loss.item()
+    if critic is not None and critic.value_model is not None:
+        # The critic's graph is built only after the policy's is freed: half the peak activations.
+        with autocast_context(ctx.precision):
+            values = completion_values(modules.critic, *inputs)
+        critic_loss = alg.value_coef * value_loss(values, ctx.value_targets, micro, mask, alg, normalisers)
+        backward_checked(critic_loss, critic.optimizer, scheduler, modules.loss_scale)
+        ctx.sums["value_loss"] += float(critic_loss.detach()) / alg.value_coef
+        total += critic_loss.item()
+    ctx.sums["tokens"] += float(mask.sum())
+    return total
+
+
+def minibatch_step(ctx: UpdateContext, rows: torch.Tensor, optimizer, scheduler) -> None:
+    """Accumulate the gradient of minibatch `rows` over its micro-batches, clip it and take one optimizer step."""
+    train_config = ctx.config.train
+    normalisers = {
+        "num_sequences": core.global_count(len(rows)),
+        "num_tokens": core.global_count(ctx.loss_mask[rows].sum().clamp(min=1.0)),
+        "max_completion_length": ctx.config.sampling.max_new_tokens,
+    }
+    optimizer.zero_grad(set_to_none=True)
+    if ctx.critic is not None:
+        ctx.critic.zero_grad()
+    micros = micro_batches(rows, train_config.micro_batch_size, ctx.rollouts.group_size)
+    minibatch_loss = 0.0
+    for index, micro in enumerate(micros):
+        with ctx.modules.gradient_sync(index == len(micros) - 1):  # gradients all-reduce on the last micro-batch only
+            minibatch_loss += micro_batch_step(ctx, micro, normalisers, optimizer, scheduler)
+    grad_norm = parallel.global_norm(
+        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], train_config.max_grad_norm)
+    )
+    if not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLossError(f"gradient norm is {grad_norm.item()}; the update was not applied and the last checkpoint is intact")
+    if ctx.critic is not None:
+        ctx.sums["critic_grad_norm"] += ctx.critic.step(train_config.max_grad_norm)
+    optimizer.step()  # parameters without a gradient (the policy during critic warm-up) are left alone
+    scheduler.step()
+    ctx.sums["loss"] += minibatch_loss
+    ctx.sums["grad_norm"] += float(grad_norm)
+
+
+def update_metrics(ctx: UpdateContext, optimizer_steps: int) -> dict:
+    """Return the update's metrics averaged over optimizer steps and tokens of every rank."""
+    sums = ctx.sums
+    # Per-rank sums -> global sums (gradient norms are already global: measured after the all-reduce).
+    sums.update(parallel.sum_over_ranks({key: value for key, value in sums.items() if "grad_norm" not in key}))
+    tokens = max(sums["tokens"], 1.0)
+    metrics = {"loss": sums["loss"] / optimizer_steps, "grad_norm": sums["grad_norm"] / optimizer_steps}
+    if ctx.train_policy:
+        metrics.update({
+            "entropy": sums["entropy"] / tokens,
+            "clip_fraction/low": sums["clip_low"] / tokens,
+            "clip_fraction/high": sums["clip_high"] / tokens,
+        })
+    if ctx.kl_in_loss and ctx.train_policy:
+        metrics["kl"] = sums["kl"] / tokens
+    elif ctx.ref_logprobs is not None and ctx.old_logprobs is not None:  # k1 of the sampled batch
+        metrics["kl"] = core.masked_mean(ctx.old_logprobs - ctx.ref_logprobs, ctx.rollouts.completion_mask).item()
+    if ctx.critic is not None:
+        metrics["value/loss"] = sums["value_loss"] / optimizer_steps
+        if ctx.critic.optimizer is not None:
+            metrics["value/grad_norm"] = sums["critic_grad_norm"] / optimizer_steps
+    return metrics
+
+
+def policy_update(
+    model, optimizer, scheduler, rollouts: Rollouts, advantages: torch.Tensor, old_logprobs, ref_logprobs, config: Config, precision: str,
+    *, critic: Critic | None = None, value_targets: tuple[torch.Tensor, torch.Tensor] | None = None, train_policy: bool = True,
+    modules: UpdateModules | None = None,
+) -> dict:
+    """Apply `update_epochs` x `num_minibatches` optimizer steps and return averaged update metrics.
+
+    `advantages` is (batch,) per sequence or (batch, completion_len) per token. With a critic,
+    `value_targets` = (old values, returns), each (batch, completion_len), and the value loss is
+    trained alongside; `train_policy=False` (critic warm-up) leaves the policy untouched.
+    Forward and backward go through `modules` (DDP-wrapped under torchrun; built plain when
+    None): gradients stay local until the last micro-batch of a minibatch, whose backward
+    all-reduces them.
+    """
+    modules = modules if modules is not None else update_modules(model, critic)
+    ctx = UpdateContext(rollouts, advantages, old_logprobs, ref_logprobs, config, precision, critic, value_targets, train_policy, modules)
+    group_size = rollouts.group_size
+    num_groups = len(rollouts) // group_size
+    groups_per_minibatch = max(math.ceil(num_groups / config.train.num_minibatches), 1)
+    optimizer_steps = 0
+    for _ in range(config.algorithm.update_epochs):
+        for first_group in range(0, num_groups, groups_per_minibatch):
+            rows = torch.arange(first_group * group_size, min(first_group + groups_per_minibatch, num_groups) * group_size)
+            minibatch_step(ctx, rows, optimizer, scheduler)
+            optimizer_steps += 1
+    return update_metrics(ctx, optimizer_steps)

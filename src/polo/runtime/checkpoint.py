@@ -1,0 +1,126 @@
+"""Writing model directories whole or not at all.
+
+A checkpoint or a final model is written into a hidden staging directory next to its target and
+renamed into place only once every file is there, so a crash never leaves half a model where a
+loader (or `polo train`'s resume) would find it. When the write fails (a full disk, a missing
+permission) the staging directory is removed and the error says what was being written, why it
+failed, how much space is left, and that what was there before is untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from polo.runtime import distributed as parallel
+from polo.runtime.distributed import is_main_process
+from polo.runtime.seeding import rng_state
+
+
+class SaveError(OSError):
+    """A model or checkpoint directory could not be written; nothing already saved was touched."""
+
+
+def _free_space(path: Path) -> str:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return "unknown"
+    return f"{free / 2**20:,.0f} MiB"
+
+
+@contextmanager
+def staged_directory(target: Path, what: str, keeps: str = "") -> Iterator[Path]:
+    """Yield an empty staging directory; on success it replaces `target`, on failure it is removed.
+
+    `what` names the thing being written in the error ("checkpoint step 40"); `keeps` says what
+    is still intact ("the last complete checkpoint is .../step-000030").
+    """
+    target = Path(target)
+    staging = target.parent / f".incomplete-{target.name}"
+    try:
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+        yield staging
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except (OSError, RuntimeError) as exc:
+        # torch.save reports a full disk as a RuntimeError from its zip writer.
+        if isinstance(exc, RuntimeError) and "writ" not in str(exc).lower():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        kept = f"; {keeps}" if keeps else ""
+        raise SaveError(
+            f"could not write {what} to {target}: {type(exc).__name__}: {exc} "
+            f"(free space there: {_free_space(target)}){kept}"
+        ) from exc
+
+
+class Checkpointer:
+    """Saves and finds checkpoint directories `<dir>/checkpoints/step-NNNNNN`."""
+
+    def __init__(self, output_dir: Path, keep: int):
+        self.root = output_dir / "checkpoints"
+        self.keep = keep
+
+    def latest(self) -> Path | None:
+        complete = [path for path in self.root.glob("step-*") if (path / "trainer_state.pt").exists()]
+        return max(complete, key=lambda path: int(path.name.split("-")[1]), default=None)
+
+    def save(self, step: int, model, tokenizer, optimizer, scheduler, extra: dict, masters=None) -> Path | None:
+        """Write checkpoint `step` from rank 0 (with every rank's RNG state) and return its path (None on other ranks).
+
+        Every rank must call it: the RNG states are gathered, and no rank goes on before the
+        checkpoint is whole. With `masters` (bf16_master) the fp32 master weights are saved.
+        """
+        rng_per_rank = parallel.gather_objects(rng_state())
+        model_state, optimizer_state = parallel.full_state_dicts(model, optimizer)  # gathered whole under FSDP
+        if masters is not None:
+            model_state = masters.state_dict(model)
+        target = None
+        if is_main_process():
+            extra = {**extra, "rng_per_rank": rng_per_rank}
+            target = self._write(step, model, model_state, tokenizer, optimizer_state, scheduler, extra, fp32_masters=masters is not None)
+        parallel.barrier()
+        return target
+
+    def _write(
+        self, step: int, model, model_state: dict | None, tokenizer, optimizer_state: dict, scheduler, extra: dict, fp32_masters: bool = False,
+    ) -> Path:
+        target = self.root / f"step-{step:06d}"
+        previous = self.latest()
+        keeps = f"the last complete checkpoint {previous} is intact" if previous else "no checkpoint was written yet"
+        with staged_directory(target, f"checkpoint step {step}", keeps) as staging:
+            model.save_pretrained(str(staging), safe_serialization=True, state_dict=model_state)
+            if fp32_masters and (staging / "config.json").exists():  # transformers writes the in-memory (bf16) dtype; the saved weights are the fp32 masters
+                mark_float32(staging / "config.json")
+            tokenizer.save_pretrained(str(staging))
+            state = {
+                "step": step,
+                "optimizer": optimizer_state,
+                "scheduler": scheduler.state_dict(),
+                "rng": rng_state(),
+                **extra,
+            }
+            torch.save(state, staging / "trainer_state.pt")  # last: a checkpoint is whole once this exists
+        checkpoints = sorted(self.root.glob("step-*"), key=lambda path: int(path.name.split("-")[1]))
+        for old in checkpoints[: max(len(checkpoints) - self.keep, 0)]:
+            shutil.rmtree(old)
+        return target
+
+
+def mark_float32(config_path: Path) -> None:
+    """Set `dtype` to float32 in a saved model's config.json (its weights are the fp32 masters, not the bf16 working copy)."""
+    config = json.loads(Path(config_path).read_text())
+    config["dtype"] = "float32"
+    Path(config_path).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
