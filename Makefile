@@ -16,6 +16,7 @@ demo: model
 	$(POLO) train recipes/grpo_arith.yaml
 
 test: model
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
 setup: $(STAMP)

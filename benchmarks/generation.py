@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     from polo.models.loading import load_policy
     from polo.generation.prompts import stop_token_ids
     from polo.data import instruction_for, make_task
-    from polo.rl.train import batch_rows
+    from polo.rl.batching import batch_rows
 
     rate_bf16, rate_fp32 = matmul_rates(args.max_wait)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

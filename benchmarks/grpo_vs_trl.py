@@ -106,7 +106,7 @@ def trl_micro_batch(config, requested: int | None = None) -> int:
 def step_prompts(config, tokenizer, steps: int):
     """Return (task, rows, prompt strings) that polo trains on in steps 1..steps, in order."""
     from polo.data import instruction_for, make_task
-    from polo.rl.train import batch_rows
+    from polo.rl.batching import batch_rows
 
     task = make_task(config)
     rows = [

@@ -210,7 +210,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     reward_model = None
     if args.reward_model:  # load it first: a wrong path fails before any sampling
-        from polo.finetune.reward_model import REWARD_PREFIX, reward_model_reward
+        from polo.rewards.reward_model import REWARD_PREFIX, reward_model_reward
 
         reward_model = reward_model_reward(REWARD_PREFIX + args.reward_model, task)
     model, tokenizer = load_policy(model_name)

@@ -132,7 +132,8 @@ def sampled_preferences(args: argparse.Namespace, config) -> int:
 
     from polo.config import ConfigError
     from polo.models.loading import load_policy
-    from polo.data.preferences import check_sampling_request, sampled_preference_data, write_jsonl
+    from polo.data.preferences import write_jsonl
+    from polo.finetune.sampled_preferences import check_sampling_request, sampled_preference_data
     from polo.data import instruction_for, make_task
     from polo.runtime.device import resolve_precision
 

@@ -15,26 +15,32 @@ from polo.config.schema import ConfigError
 # (Yu et al. 2025: eps_high 0.28, dynamic sampling, token-level loss, soft overlong punishment with
 # a 4096-token buffer under a 20480 cap = 0.2); RLOO (Ahmadian et al. 2024); REINFORCE++ (Hu 2025:
 # KL in the reward, batch-normalised returns); GSPO (Zheng et al. 2025: clip range 3e-4 / 4e-4);
-# PPO for LMs (Ouyang et al. 2022; Stiennon et al. 2020).
+# PPO for LMs (Ouyang et al. 2022; Stiennon et al. 2020). Every preset names its four registered
+# parts (polo.core.registry) explicitly, so a reader goes from the name straight to the functions.
 PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": {},
-    "dr_grpo": {"scale_rewards": False, "loss_aggregation": "dr_grpo"},
+    "grpo": {"advantage_estimator": "grpo", "policy_loss": "ppo_clip", "loss_aggregation": "grpo", "kl_estimator": "k3"},
+    "dr_grpo": {
+        "advantage_estimator": "grpo", "policy_loss": "ppo_clip", "loss_aggregation": "dr_grpo", "kl_estimator": "k3",
+        "scale_rewards": False,
+    },
     "dapo": {
-        "clip_eps_low": 0.2, "clip_eps_high": 0.28, "dynamic_sampling": True, "loss_aggregation": "dapo",
-        "overlong_buffer": 0.2, "beta": 0.0,
+        "advantage_estimator": "grpo", "policy_loss": "ppo_clip", "loss_aggregation": "dapo", "kl_estimator": "k3",
+        "clip_eps_low": 0.2, "clip_eps_high": 0.28, "dynamic_sampling": True, "overlong_buffer": 0.2, "beta": 0.0,
     },
-    "rloo": {"advantage_estimator": "rloo"},
+    "rloo": {"advantage_estimator": "rloo", "policy_loss": "ppo_clip", "loss_aggregation": "grpo", "kl_estimator": "k3"},
     "reinforce_pp": {
-        "advantage_estimator": "reinforce_pp", "kl_in_reward": True, "beta": 0.01, "kl_estimator": "k1",
-        "loss_aggregation": "dapo",
+        "advantage_estimator": "reinforce_pp", "policy_loss": "ppo_clip", "loss_aggregation": "dapo", "kl_estimator": "k1",
+        "kl_in_reward": True, "beta": 0.01,
     },
-    "gspo": {"policy_loss": "gspo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4},
+    "gspo": {
+        "advantage_estimator": "grpo", "policy_loss": "gspo", "loss_aggregation": "grpo", "kl_estimator": "k3",
+        "clip_eps_low": 3e-4, "clip_eps_high": 4e-4,
+    },
     "ppo": {
-        "advantage_estimator": "gae", "kl_in_reward": True, "beta": 0.05, "kl_estimator": "k1",
-        "loss_aggregation": "dapo", "gamma": 1.0, "lam": 0.95,
+        "advantage_estimator": "gae", "policy_loss": "ppo_clip", "loss_aggregation": "dapo", "kl_estimator": "k1",
+        "kl_in_reward": True, "beta": 0.05, "gamma": 1.0, "lam": 0.95,
     },
 }
-
 
 
 def apply_preset(data: dict) -> dict:

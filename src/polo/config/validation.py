@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from polo import core
+from polo.config.plugins import check_registered
 from polo.config.presets import PRESETS
 from polo.config.schema import Config, ConfigError, LoraSettings
 
@@ -12,14 +14,17 @@ _CHOICES = {
     "train.lr_schedule": ("constant", "linear", "cosine"),
     "train.on_reward_error": ("raise", "zero"),
     "train.data_parallel": ("ddp", "fsdp"),
-    "algorithm.loss_aggregation": ("grpo", "bnpo", "dapo", "dr_grpo"),
-    "algorithm.kl_estimator": ("k1", "k2", "k3"),
     "algorithm.name": tuple(PRESETS),
-    "algorithm.advantage_estimator": ("grpo", "rloo", "reinforce_pp", "gae"),
-    "algorithm.policy_loss": ("ppo_clip", "gspo"),
     "algorithm.critic": ("separate", "head"),
 }
 
+# Fields that name a registered function (a built-in name, or module:name for a user's own).
+_REGISTERED = {
+    "advantage_estimator": core.ADVANTAGE_ESTIMATORS,
+    "policy_loss": core.POLICY_LOSSES,
+    "loss_aggregation": core.LOSS_AGGREGATIONS,
+    "kl_estimator": core.KL_ESTIMATORS,
+}
 
 
 def check_lora(lora: LoraSettings) -> None:
@@ -34,7 +39,6 @@ def check_lora(lora: LoraSettings) -> None:
         raise ConfigError("model.lora.target_modules is empty; name modules (e.g. [q_proj, v_proj]) or use [all-linear]")
 
 
-
 def check_choices(config: Any, choices: dict[str, tuple]) -> None:
     """Raise `ConfigError` for the first `section.field` whose value is not among its allowed choices."""
     for dotted, allowed in choices.items():
@@ -44,7 +48,6 @@ def check_choices(config: Any, choices: dict[str, tuple]) -> None:
             raise ConfigError(f"{dotted}: {value!r} is not one of {', '.join(allowed)}")
 
 
-
 def check_at_least_one(values: dict[str, int]) -> None:
     """Raise `ConfigError` for the first `dotted.key` whose integer value is below 1."""
     for key, value in values.items():
@@ -52,10 +55,12 @@ def check_at_least_one(values: dict[str, int]) -> None:
             raise ConfigError(f"{key} must be at least 1, got {value}")
 
 
-
 def validate(config: Config) -> None:
     """Raise `ConfigError` for values that have the right type but make no sense."""
     check_choices(config, _CHOICES)
+    for name, registry in _REGISTERED.items():
+        check_registered(f"algorithm.{name}", getattr(config.algorithm, name), registry)
+    estimator = core.ADVANTAGE_ESTIMATORS.entry(config.algorithm.advantage_estimator)
     check_at_least_one({
         "algorithm.group_size": config.algorithm.group_size,
         "algorithm.update_epochs": config.algorithm.update_epochs,
@@ -68,8 +73,11 @@ def validate(config: Config) -> None:
     if config.train.steps < 0:
         raise ConfigError(f"train.steps must be >= 0, got {config.train.steps}")
     check_lora(config.model.lora)
-    if config.model.lora.r and config.algorithm.advantage_estimator == "gae":
-        raise ConfigError("model.lora.r > 0 is not supported with PPO's critic (advantage_estimator gae) yet; use full fine-tuning (model.lora.r=0)")
+    if config.model.lora.r and estimator.needs_critic:
+        raise ConfigError(
+            f"model.lora.r > 0 is not supported with PPO's critic (advantage_estimator {config.algorithm.advantage_estimator}) yet; "
+            "use full fine-tuning (model.lora.r=0)"
+        )
     if config.model.lora.r and config.train.data_parallel == "fsdp":
         raise ConfigError("model.lora.r > 0 is not supported with train.data_parallel=fsdp (the adapters are small: use ddp)")
     if config.algorithm.group_size < 2 and config.algorithm.scale_rewards and config.algorithm.advantage_estimator == "grpo":
@@ -91,8 +99,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"algorithm.max_sampling_rounds must be at least 1, got {config.algorithm.max_sampling_rounds}")
     if config.algorithm.advantage_estimator == "rloo" and config.algorithm.group_size < 2:
         raise ConfigError("algorithm.group_size must be at least 2 for the RLOO leave-one-out baseline")
-    if config.algorithm.kl_in_reward and config.algorithm.advantage_estimator not in ("reinforce_pp", "gae"):
-        raise ConfigError("algorithm.kl_in_reward needs a token-level estimator (advantage_estimator reinforce_pp or gae)")
+    if config.algorithm.kl_in_reward and not estimator.token_level:
+        token_level = [name for name in core.ADVANTAGE_ESTIMATORS.names() if core.ADVANTAGE_ESTIMATORS.entry(name).token_level]
+        raise ConfigError(f"algorithm.kl_in_reward needs a token-level estimator (advantage_estimator {' or '.join(token_level)})")
     if config.algorithm.kl_in_reward and config.algorithm.beta == 0:
         raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (the KL coefficient in the reward)")
     if not config.rewards:

@@ -74,10 +74,7 @@ def train(
     (`dotted.key=value`) are applied. With `write_files=False` nothing is written to disk
     (no metrics, plots or TensorBoard): for benchmarks and tests.
     """
-    if not isinstance(config, ControlConfig):
-        config = load_control_config(config, overrides)
-    elif overrides:
-        raise ValueError("overrides apply to recipes; edit the ControlConfig object directly instead")
+    config = _resolve_config(config, overrides)
     started = time.perf_counter()  # "seconds to solve" include building the envs and networks
     train_config, output = config.train, config.output
     torch.set_num_threads(train_config.threads)
@@ -89,7 +86,52 @@ def train(
     # Grouped episodes need each copy reset from its own seed, which only one-env-per-copy allows.
     env = make_vector_env(config.env.id, num_envs, "sync" if grouped else config.env.vectorization)
     actions = action_spec(env.single_action_space)
-    policy = ActorCritic(
+    policy = _make_policy(config, env, actions, algorithm_class)
+    algorithm = algorithm_class(policy, config)
+    tracker = EpisodeTracker(num_envs, train_config.solve_window, train_config.target_return)
+    seed_source = np.random.default_rng(train_config.seed)
+    collector = _make_collector(config, env, actions, tracker, episodes)
+    output_dir = Path(output.dir)
+    logger = _open_logger(config, output_dir, num_envs) if write_files else None
+
+    tracker.started = started
+    updates = 0
+    try:
+        while tracker.env_steps < train_config.total_steps:
+            progress = tracker.env_steps / train_config.total_steps
+            episodes_before = len(tracker.returns)
+            seeds = _episode_seeds(seed_source, num_envs, config.algorithm.group_size, grouped) if episodes else None
+            rollout = collector.collect(policy, seeds) if episodes else collector.collect(policy)
+            batch = build_batch(rollout, policy, config.env.reward_scale)
+            metrics = algorithm.update(batch, progress)
+            updates += 1
+            if logger is not None and (updates % output.log_every == 0 or tracker.env_steps >= train_config.total_steps):
+                logger.log(_metrics_row(tracker, updates, episodes_before, started, metrics))
+                logger.advance(min(tracker.env_steps, train_config.total_steps), {"return": tracker.recent_mean() or 0.0})
+            if train_config.stop_at_target and tracker.solved_at_step is not None:
+                break
+    finally:
+        env.close()
+        if logger is not None:
+            _close_logger(logger, tracker, config)
+    seconds = time.perf_counter() - started
+    if write_files and output.plots:
+        _plot_run(output_dir)
+    return _result(tracker, updates, seconds, output_dir if write_files else None, policy)
+
+
+def _resolve_config(config: ControlConfig | str | Path | dict | None, overrides: list[str] | None) -> ControlConfig:
+    """Return `config` itself, or the recipe it names loaded with `overrides` applied."""
+    if not isinstance(config, ControlConfig):
+        return load_control_config(config, overrides)
+    if overrides:
+        raise ValueError("overrides apply to recipes; edit the ControlConfig object directly instead")
+    return config
+
+
+def _make_policy(config: ControlConfig, env, actions, algorithm_class: type[OnPolicyAlgorithm]) -> ActorCritic:
+    """Return the run's actor-critic, with a critic only where the algorithm uses one."""
+    return ActorCritic(
         env.single_observation_space.shape[0],
         actions,
         config.policy.hidden_sizes,
@@ -98,71 +140,73 @@ def train(
         config.policy.log_std_init,
         critic=algorithm_class.uses_critic or (config.algorithm.name == "reinforce" and config.algorithm.baseline),
     )
-    algorithm = algorithm_class(policy, config)
-    tracker = EpisodeTracker(num_envs, train_config.solve_window, train_config.target_return)
-    seed_source = np.random.default_rng(train_config.seed)
+
+
+def _make_collector(
+    config: ControlConfig, env, actions, tracker: EpisodeTracker, episodes: bool
+) -> EpisodeCollector | StepCollector:
+    """Return a collector of whole episodes or of `train.rollout_steps` steps per update."""
     if episodes:
-        collector = EpisodeCollector(env, actions, tracker)
-    else:
-        collector = StepCollector(env, actions, tracker, train_config.rollout_steps, train_config.seed)
+        return EpisodeCollector(env, actions, tracker)
+    return StepCollector(env, actions, tracker, config.train.rollout_steps, config.train.seed)
 
-    output_dir = Path(output.dir)
-    logger = None
-    if write_files:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
-        (output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-        logger = MetricsLogger(output_dir, train_config.total_steps, 0, output.tensorboard, output.progress)
+
+def _open_logger(config: ControlConfig, output_dir: Path, num_envs: int) -> MetricsLogger:
+    """Return the run's metrics logger, after writing `config.yaml` and dropping old metrics."""
+    train_config, output = config.train, config.output
+    output_dir.mkdir(parents=True, exist_ok=True)
+    # Rows of an earlier run in the same directory would otherwise mix with this one's.
+    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    (output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    logger = MetricsLogger(output_dir, train_config.total_steps, 0, output.tensorboard, output.progress)
+    logger.write(
+        f"polo control: {config.algorithm.name} on {config.env.id}, {num_envs} envs, "
+        f"{train_config.total_steps:,} steps, writing to {output_dir}"
+    )
+    return logger
+
+
+def _metrics_row(
+    tracker: EpisodeTracker, updates: int, episodes_before: int, started: float, metrics: dict
+) -> dict:
+    """Return the metrics row for the latest update: episodes it finished, throughput, the algorithm's metrics."""
+    elapsed = time.perf_counter() - started
+    new_returns = tracker.returns[episodes_before:]
+    return {
+        "step": tracker.env_steps,
+        "update": updates,
+        "episodes": len(tracker.returns),
+        "episode_return/mean": float(np.mean(new_returns)) if new_returns else None,
+        "episode_return/recent": tracker.recent_mean(),
+        "episode_length/mean": float(np.mean(tracker.lengths[episodes_before:])) if new_returns else None,
+        "steps_per_second": tracker.env_steps / max(elapsed, 1e-9),
+        "time": elapsed,
+        **metrics,
+    }
+
+
+def _close_logger(logger: MetricsLogger, tracker: EpisodeTracker, config: ControlConfig) -> None:
+    """Close the logger, first reporting when (if ever) the run was solved."""
+    train_config = config.train
+    if tracker.solved_at_step is not None:
         logger.write(
-            f"polo control: {config.algorithm.name} on {config.env.id}, {num_envs} envs, "
-            f"{train_config.total_steps:,} steps, writing to {output_dir}"
+            f"solved: mean return of the last {train_config.solve_window} episodes reached "
+            f"{train_config.target_return} after {tracker.solved_at_step:,} steps ({tracker.solved_at_seconds:.1f} s)"
         )
+    logger.close()
 
-    tracker.started = started
-    updates = 0
-    try:
-        while tracker.env_steps < train_config.total_steps:
-            progress = tracker.env_steps / train_config.total_steps
-            episodes_before = len(tracker.returns)
-            if episodes:
-                rollout = collector.collect(policy, _episode_seeds(seed_source, num_envs, config.algorithm.group_size, grouped))
-            else:
-                rollout = collector.collect(policy)
-            batch = build_batch(rollout, policy, config.env.reward_scale)
-            metrics = algorithm.update(batch, progress)
-            updates += 1
-            new_returns = tracker.returns[episodes_before:]
-            if logger is not None and (updates % output.log_every == 0 or tracker.env_steps >= train_config.total_steps):
-                elapsed = time.perf_counter() - started
-                row = {
-                    "step": tracker.env_steps,
-                    "update": updates,
-                    "episodes": len(tracker.returns),
-                    "episode_return/mean": float(np.mean(new_returns)) if new_returns else None,
-                    "episode_return/recent": tracker.recent_mean(),
-                    "episode_length/mean": float(np.mean(tracker.lengths[episodes_before:])) if new_returns else None,
-                    "steps_per_second": tracker.env_steps / max(elapsed, 1e-9),
-                    "time": elapsed,
-                    **metrics,
-                }
-                logger.log(row)
-                logger.advance(min(tracker.env_steps, train_config.total_steps), {"return": tracker.recent_mean() or 0.0})
-            if train_config.stop_at_target and tracker.solved_at_step is not None:
-                break
-    finally:
-        env.close()
-        if logger is not None:
-            if tracker.solved_at_step is not None:
-                logger.write(
-                    f"solved: mean return of the last {train_config.solve_window} episodes reached "
-                    f"{train_config.target_return} after {tracker.solved_at_step:,} steps ({tracker.solved_at_seconds:.1f} s)"
-                )
-            logger.close()
-    seconds = time.perf_counter() - started
-    if write_files and output.plots:
-        from polo.control.plots import plot_control_run
 
-        plot_control_run(output_dir)
+def _plot_run(output_dir: Path) -> None:
+    """Draw the run's plots from the metrics in `output_dir`."""
+    from polo.control.plots import plot_control_run
+
+    plot_control_run(output_dir)
+
+
+def _result(
+    tracker: EpisodeTracker, updates: int, seconds: float, output_dir: Path | None, policy: ActorCritic
+) -> ControlResult:
+    """Return the `ControlResult` of a finished run."""
     return ControlResult(
         env_steps=tracker.env_steps,
         updates=updates,
@@ -171,7 +215,7 @@ def train(
         solved_at_seconds=tracker.solved_at_seconds,
         episode_returns=list(tracker.returns),
         episode_end_steps=list(tracker.end_steps),
-        output_dir=output_dir if write_files else None,
+        output_dir=output_dir,
         policy=policy,
     )
 

@@ -181,8 +181,8 @@ def _seq_mean_token_mean(
     return masked_mean(per_token, mask, dim=-1).sum() / _checked("num_sequences", num_sequences)
 
 
-@register_aggregation("bnpo")
 @register_aggregation("dapo")
+@register_aggregation("bnpo")
 def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, *, num_tokens: float, **_unused: float) -> torch.Tensor:
     return masked_sum(per_token, mask) / _checked("num_tokens", num_tokens)
 

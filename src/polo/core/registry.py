@@ -59,7 +59,12 @@ class Registry:
         return decorate
 
     def entry(self, name: str) -> Registered:
-        """Return the registration of `name`, or raise ValueError naming the registered ones."""
+        """Return the registration of `name` (or of "module:name"), or raise ValueError naming the registered ones.
+
+        A "module:name" reference is looked up by its name alone: importing the module, which
+        registers it, is the configuration's job (`polo.config.plugins`).
+        """
+        name = name.rpartition(":")[2]
         try:
             return self._entries[name]
         except KeyError:
@@ -69,17 +74,17 @@ class Registry:
         return self.entry(name).function
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return isinstance(name, str) and name.rpartition(":")[2] in self._entries
 
     def __iter__(self):
-        return iter(sorted(self._entries))
+        return iter(list(self._entries))
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def names(self) -> list[str]:
-        """Return the registered names, sorted."""
-        return sorted(self._entries)
+        """Return the registered names in the order they were registered (built-ins first)."""
+        return list(self._entries)
 
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator")

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from polo.data.arithmetic import OPERATIONS, arithmetic_task
-from polo.data.base import Task, TaskDataError, fill_instruction, format_prompt, read_jsonl
+from polo.data.base import Task, TaskDataError, fill_instruction, read_jsonl
 
 ROLES = ("system", "user", "assistant")
 
@@ -140,24 +140,6 @@ def read_rankings(path: str | Path, limit: int | None = None) -> list[Ranking]:
     """Return the comparisons of a jsonl file as rankings (the first `limit` when given)."""
     rows = read_jsonl(path)[:limit]
     return [ranking_from_row(row, path, line) for line, row in rows]
-
-
-def render_prompt(tokenizer: Any, messages: Sequence[dict], system_prompt: str | None = None) -> str:
-    """Return the text the model sees before its reply: the chat template with the assistant turn opened.
-
-    A lone user message goes through `format_prompt`, so the text is exactly what the RL trainer
-    gives the policy for the same message and system prompt. `system_prompt` is used only when the
-    messages bring no system message of their own. Without a chat template (base models) the
-    contents are joined by blank lines and followed by a newline.
-    """
-    messages = list(messages)
-    if len(messages) == 1 and messages[0]["role"] == "user":
-        return format_prompt(tokenizer, messages[0]["content"], "{question}", system_prompt)
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}, *messages]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "\n\n".join(message["content"] for message in messages) + "\n"
 
 
 # ---------------------------------------------------------------- the built-in arithmetic set
@@ -320,73 +302,3 @@ def comparisons_from_samples(
     return [{"prompt": prompt, "chosen": chosen, "rejected": rejected, "source": "samples"} for chosen, rejected in picked]
 
 
-def check_sampling_request(task: Task, num_prompts: int, num_prompts_eval: int, samples: int, max_pairs: int) -> list[dict]:
-    """Raise ValueError for counts `sampled_preference_data` cannot honour; return the task's usable training rows."""
-    for name, value in {"num_prompts": num_prompts, "num_prompts_eval": num_prompts_eval, "samples": samples, "max_pairs": max_pairs}.items():
-        minimum = 2 if name == "samples" else 0  # a comparison needs two answers to one prompt
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    held_out = {row["question"] for row in task.eval_rows}
-    rows = [row for row in task.train_rows if row["question"] not in held_out]
-    if num_prompts + num_prompts_eval > len(rows):
-        raise ValueError(
-            f"asked for {num_prompts} + {num_prompts_eval} prompts but the task's training split holds {len(rows)}"
-        )
-    return rows
-
-
-def sampled_preference_data(
-    model: Any,
-    tokenizer: Any,
-    task: Task,
-    *,
-    instruction: str | None = None,
-    system_prompt: str | None = None,
-    num_prompts: int = 1500,
-    num_prompts_eval: int = 200,
-    samples: int = 8,
-    temperature: float = 1.0,
-    max_new_tokens: int = 32,
-    max_pairs: int = 4,
-    seed: int = 0,
-    batch_size: int = 64,
-    precision: str = "fp32",
-    progress: bool = False,
-) -> tuple[dict[str, list[dict]], dict]:
-    """Sample a model on the task's training problems and rank its answers with the task's checker.
-
-    Returns ({"preferences_train", "preferences_eval"}, stats). Problems come from the training
-    split only (never the held-out problems `polo train` and `polo eval` use), shuffled with
-    `seed`; the first `num_prompts` make the training comparisons, the next `num_prompts_eval`
-    the held-out ones. Each prompt gets `samples` completions at `temperature` (the RL run's
-    sampling), phrased exactly as the policy sees them, and `comparisons_from_samples` pairs.
-    This is InstructGPT's data collection with a program in the labeller's seat: comparisons of
-    the model's own outputs, so the reward model learns to tell apart the mistakes the policy
-    actually makes.
-    """
-    from polo.evaluation.evaluate import sample_completions
-
-    template = task.instruction if instruction is None else instruction
-    rows = check_sampling_request(task, num_prompts, num_prompts_eval, samples, max_pairs)
-    rng = random.Random(seed)
-    rows = list(rows)
-    rng.shuffle(rows)
-    rows = rows[: num_prompts + num_prompts_eval]
-    completions = sample_completions(
-        model, tokenizer, task.prompts(tokenizer, rows, template, system_prompt), samples,
-        max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, precision=precision,
-        progress=progress,
-    )
-    splits: dict[str, list[dict]] = {"preferences_train": [], "preferences_eval": []}
-    correct = mixed = 0
-    for index, (row, done) in enumerate(zip(rows, completions)):
-        scored = [(sample["text"], float(task.correctness(sample["text"], row))) for sample in done]
-        correct += sum(score > 0.5 for _, score in scored)
-        pairs = comparisons_from_samples(user_prompt(row["question"], template, system_prompt), scored, rng, max_pairs)
-        mixed += bool(pairs)
-        splits["preferences_train" if index < num_prompts else "preferences_eval"].extend(pairs)
-    stats = {
-        "prompts": len(rows), "samples_per_prompt": samples, "sample_accuracy": correct / max(len(rows) * samples, 1),
-        "prompts_with_a_comparison": mixed, **{name: len(split) for name, split in splits.items()},
-    }
-    return splits, stats

@@ -24,7 +24,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,6 +33,7 @@ import torch
 
 from polo import core
 from polo.core.schedules import lr_multiplier
+from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
 from polo.config import ConfigError, build_dataclass, check_at_least_one, check_choices, config_to_dict, read_recipe
 from polo.runtime.checkpoint import staged_directory
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
@@ -136,100 +137,11 @@ def validate_finetune(config: Any) -> None:
 
 
 @dataclass(frozen=True)
-class Encoded:
-    """One (prompt, response) as token ids; the response ends with EOS unless it was cut at max_length."""
-
-    prompt_ids: tuple[int, ...]
-    response_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class Example:
     """What one loss term is computed from: one sequence (SFT) or a ranking's K sequences, best first."""
 
     sequences: tuple[Encoded, ...]
     reference_logps: tuple[float, ...] | None = None  # DPO: log π_ref(y|x) of each sequence
-
-
-def encode(tokenizer: Any, prompt_texts: Sequence[str], responses: Sequence[str], max_length: int) -> list[Encoded]:
-    """Return each (prompt text, response) as token ids: prompt, then response + EOS, at most `max_length` in all.
-
-    Prompt and response are tokenized separately, the way the policy meets them (prompt tokens,
-    then generated ones), so no token spans the boundary. Prompts are already formatted (chat
-    template), hence no special tokens are added. A response too long for `max_length` loses its
-    end (EOS included); a prompt that alone fills `max_length` is an error.
-    """
-    if len(prompt_texts) != len(responses):
-        raise ValueError(f"got {len(prompt_texts)} prompts for {len(responses)} responses")
-    if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no EOS token; responses could not be terminated")
-    if not prompt_texts:
-        return []
-    prompt_ids = tokenizer(list(prompt_texts), add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
-    encoded = []
-    for prompt, response, text in zip(prompt_ids, response_ids, prompt_texts):
-        if len(prompt) >= max_length:
-            raise ValueError(
-                f"a prompt of {len(prompt)} tokens leaves no room for a response under data.max_length={max_length}: "
-                f"{text[:80]!r}...; raise data.max_length"
-            )
-        encoded.append(Encoded(tuple(prompt), tuple((response + [tokenizer.eos_token_id])[: max_length - len(prompt)])))
-    return encoded
-
-
-@dataclass
-class TokenBatch:
-    """Sequences in the rollout layout: `[prompt | response]`, prompts left-padded, responses right-padded."""
-
-    prompt_ids: torch.Tensor  # (batch, prompt_len)
-    prompt_mask: torch.Tensor  # (batch, prompt_len), 1 on real prompt tokens
-    response_ids: torch.Tensor  # (batch, response_len)
-    response_mask: torch.Tensor  # (batch, response_len), 1 on response tokens (EOS included)
-
-    def __len__(self) -> int:
-        return self.prompt_ids.shape[0]
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        """Return `[prompt | response]` token ids, (batch, prompt_len + response_len)."""
-        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        """Return 1 on real tokens, 0 on padding, (batch, prompt_len + response_len)."""
-        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
-
-    @property
-    def labels(self) -> torch.Tensor:
-        """Return the training targets in Hugging Face form: `input_ids` with −100 on prompt and padding positions.
-
-        Only response tokens are learned; `model(input_ids, labels=labels).loss` is the token-mean
-        negative log-likelihood of the responses.
-        """
-        prompt_labels = torch.full_like(self.prompt_ids, -100)
-        response_labels = self.response_ids.masked_fill(self.response_mask == 0, -100)
-        return torch.cat([prompt_labels, response_labels], dim=1)
-
-
-def collate(encoded: Sequence[Encoded], pad_id: int) -> TokenBatch:
-    """Return the sequences as one `TokenBatch`, padded with `pad_id` (prompts on the left, responses on the right)."""
-    if not encoded:
-        raise ValueError("cannot collate an empty list of sequences")
-    prompt_len = max(len(item.prompt_ids) for item in encoded)
-    response_len = max(len(item.response_ids) for item in encoded)
-    size = (len(encoded),)
-    prompt_ids = torch.full(size + (prompt_len,), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros(size + (prompt_len,), dtype=torch.long)
-    response_ids = torch.full(size + (response_len,), pad_id, dtype=torch.long)
-    response_mask = torch.zeros(size + (response_len,), dtype=torch.long)
-    for row, item in enumerate(encoded):
-        if item.prompt_ids:
-            prompt_ids[row, prompt_len - len(item.prompt_ids) :] = torch.tensor(item.prompt_ids)
-            prompt_mask[row, prompt_len - len(item.prompt_ids) :] = 1
-        response_ids[row, : len(item.response_ids)] = torch.tensor(item.response_ids)
-        response_mask[row, : len(item.response_ids)] = 1
-    return TokenBatch(prompt_ids, prompt_mask, response_ids, response_mask)
 
 
 def response_logprobs(model, batch: TokenBatch) -> torch.Tensor:
@@ -241,21 +153,6 @@ def response_logprobs(model, batch: TokenBatch) -> torch.Tensor:
 def sequence_logprobs(model, batch: TokenBatch) -> torch.Tensor:
     """Return log π(y | x) = Σ_t log π(y_t | x, y_<t) over each response's tokens only, (batch,)."""
     return core.masked_sum(response_logprobs(model, batch), batch.response_mask, dim=1)
-
-
-def sequence_rewards(reward_model, batch: TokenBatch) -> torch.Tensor:
-    """Return a sequence-classification model's scalar output for each `[prompt | response]`, (batch,).
-
-    The Hugging Face head reads the rightmost token that is not `config.pad_token_id`, so the
-    batch must be padded with that id (where the pad token is EOS, as in SmolLM2, the score is read
-    at the last response token before EOS, exactly as for the same sequence unpadded). Position ids
-    count real tokens only, so left padding changes nothing either.
-    """
-    attention_mask = batch.attention_mask
-    output = reward_model(
-        input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
-    )
-    return output.logits[:, 0].float()
 
 
 @dataclass
@@ -474,8 +371,6 @@ def fit(
     micro-batch. `evaluate()` returns held-out metrics (logged with an `eval/` prefix). The
     `headline` metrics go to the progress bar.
     """
-    from polo.runtime.errors import NonFiniteLossError
-
     train, output = config.train, config.output
     output_dir = Path(output.dir)
     if not train_examples:
@@ -483,70 +378,106 @@ def fit(
     steps_per_epoch = math.ceil(len(train_examples) / train.batch_size)
     total_steps = steps_per_epoch * train.epochs if train.max_steps is None else min(train.max_steps, steps_per_epoch * train.epochs)
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    optimizer = torch.optim.AdamW(
-        parameters, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2), weight_decay=train.weight_decay, fused=True,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(train.warmup_steps, total_steps, train.lr_schedule))
+    optimizer, scheduler = _optimizer_and_schedule(parameters, train, total_steps)
     if is_main_process():
         (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run must not mix with an old run's rows
     logger = MetricsLogger(output_dir, total_steps, 0, output.tensorboard, output.progress)
     logger.write(f"{name}: {len(train_examples)} examples, {total_steps} steps of {train.batch_size} | precision {precision}")
 
-    def run_eval(step: int) -> dict | None:
-        if evaluate is None:
-            return None
-        result = evaluate()
-        logger.log({"step": step, **{f"eval/{key}": value for key, value in result.items()}})
-        logger.write(f"step {step}: held-out " + ", ".join(f"{key} {value:.4g}" for key, value in result.items()))
-        return result
-
-    eval_before = run_eval(0)
-    rng = random.Random(train.seed)
-    step = 0
+    eval_before = _held_out(evaluate, logger, 0)
     model.train()
+    for step, batch in _optimizer_batches(train_examples, train.batch_size, total_steps, train.seed):
+        started = time.perf_counter()
+        units = max(sum(objective.units(example) for example in batch), 1)
+        optimizer.zero_grad(set_to_none=True)
+        sums = _backpropagate(model, batch, objective, units, train.micro_batch_size, precision, logger, name, step)
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, train.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        row = _step_row(step, steps_per_epoch, batch, units, sums, grad_norm, scheduler.get_last_lr()[0], started)
+        logger.log(row)
+        logger.advance(step, {key: row[key] for key in headline if key in row})
+        if train.eval_every and step % train.eval_every == 0 and step != total_steps:
+            _held_out(evaluate, logger, step)
+    eval_after = _held_out(evaluate, logger, total_steps)
+    logger.close()
+    return read_metrics(output_dir / "metrics.jsonl"), eval_before, eval_after
+
+
+def _optimizer_and_schedule(
+    parameters: list[torch.nn.Parameter], train: Any, total_steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """Return (AdamW over `parameters`, its warm-up-then-schedule learning-rate scheduler)."""
+    optimizer = torch.optim.AdamW(
+        parameters, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2), weight_decay=train.weight_decay, fused=True,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(train.warmup_steps, total_steps, train.lr_schedule))
+    return optimizer, scheduler
+
+
+def _held_out(evaluate: Callable[[], dict[str, float]] | None, logger: MetricsLogger, step: int) -> dict | None:
+    """Return the held-out metrics at `step` after logging them (None without an `evaluate`)."""
+    if evaluate is None:
+        return None
+    result = evaluate()
+    logger.log({"step": step, **{f"eval/{key}": value for key, value in result.items()}})
+    logger.write(f"step {step}: held-out " + ", ".join(f"{key} {value:.4g}" for key, value in result.items()))
+    return result
+
+
+def _optimizer_batches(
+    examples: Sequence[Example], batch_size: int, total_steps: int, seed: int
+) -> Iterator[tuple[int, list[Example]]]:
+    """Yield (step, batch) for `total_steps` optimizer steps, taking batches from a fresh shuffle every epoch."""
+    rng = random.Random(seed)
+    step = 0
     while step < total_steps:
-        order = list(train_examples)
+        order = list(examples)
         rng.shuffle(order)
-        for start in range(0, len(order), train.batch_size):
+        for start in range(0, len(order), batch_size):
             if step >= total_steps:
                 break
             step += 1
-            batch = order[start : start + train.batch_size]
-            started = time.perf_counter()
-            units = max(sum(objective.units(example) for example in batch), 1)
-            sums: dict[str, float] = {}
-            optimizer.zero_grad(set_to_none=True)
-            for group in micro_batches(batch, train.micro_batch_size):
-                with autocast_context(precision):
-                    loss_sum, stats = objective.loss(model, group)
-                loss = loss_sum / units
-                if not torch.isfinite(loss):
-                    logger.close()
-                    raise NonFiniteLossError(f"{name}: loss is {loss.item()} at step {step}; try a lower train.learning_rate")
-                loss.backward()
-                for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + value
-            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, train.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            seconds = time.perf_counter() - started
-            sequences = sum(len(example.sequences) for example in batch)
-            row = {
-                "step": step,
-                "epoch": (step - 1) // steps_per_epoch + 1,
-                **{key: value / units for key, value in sums.items()},
-                "grad_norm": float(grad_norm),
-                "learning_rate": scheduler.get_last_lr()[0],
-                "time/step": seconds,
-                "sequences_per_second": sequences / max(seconds, 1e-9),
-            }
-            logger.log(row)
-            logger.advance(step, {key: row[key] for key in headline if key in row})
-            if train.eval_every and step % train.eval_every == 0 and step != total_steps:
-                run_eval(step)
-    eval_after = run_eval(total_steps)
-    logger.close()
-    return read_metrics(output_dir / "metrics.jsonl"), eval_before, eval_after
+            yield step, order[start : start + batch_size]
+
+
+def _backpropagate(
+    model, batch: Sequence[Example], objective: Objective, units: int, micro_batch_size: int, precision: str,
+    logger: MetricsLogger, name: str, step: int,
+) -> dict[str, float]:
+    """Return the objective's statistics summed over `batch`, after accumulating its gradient micro-batch by micro-batch."""
+    from polo.runtime.errors import NonFiniteLossError
+
+    sums: dict[str, float] = {}
+    for group in micro_batches(batch, micro_batch_size):
+        with autocast_context(precision):
+            loss_sum, stats = objective.loss(model, group)
+        loss = loss_sum / units
+        if not torch.isfinite(loss):
+            logger.close()
+            raise NonFiniteLossError(f"{name}: loss is {loss.item()} at step {step}; try a lower train.learning_rate")
+        loss.backward()
+        for key, value in stats.items():
+            sums[key] = sums.get(key, 0.0) + value
+    return sums
+
+
+def _step_row(
+    step: int, steps_per_epoch: int, batch: Sequence[Example], units: int, sums: dict[str, float],
+    grad_norm: torch.Tensor, learning_rate: float, started: float,
+) -> dict:
+    """Return the metrics row of one optimizer step, every statistic a mean per unit."""
+    seconds = time.perf_counter() - started
+    sequences = sum(len(example.sequences) for example in batch)
+    return {
+        "step": step,
+        "epoch": (step - 1) // steps_per_epoch + 1,
+        **{key: value / units for key, value in sums.items()},
+        "grad_norm": float(grad_norm),
+        "learning_rate": learning_rate,
+        "time/step": seconds,
+        "sequences_per_second": sequences / max(seconds, 1e-9),
+    }
 
 
 def prepare_run(config: Any, config_dict: dict) -> str:

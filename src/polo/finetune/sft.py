@@ -37,7 +37,8 @@ from polo.finetune.fit import (
     write_summary,
 )
 from polo.models.loading import enable_activation_checkpointing
-from polo.data.preferences import Demonstration, read_demonstrations, render_prompt
+from polo.data.preferences import Demonstration, read_demonstrations
+from polo.generation.prompts import render_prompt
 
 
 @dataclass

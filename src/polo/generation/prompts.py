@@ -6,6 +6,7 @@ left-padded tokenisation; shared by training, evaluation, reward models and pref
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -94,3 +95,21 @@ def format_prompt(
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     preamble = "" if system_prompt is None else system_prompt + "\n\n"
     return preamble + filled + "\n"
+
+
+def render_prompt(tokenizer: Any, messages: Sequence[dict], system_prompt: str | None = None) -> str:
+    """Return the text the model sees before its reply: the chat template with the assistant turn opened.
+
+    A lone user message goes through `format_prompt`, so the text is exactly what the RL trainer
+    gives the policy for the same message and system prompt. `system_prompt` is used only when the
+    messages bring no system message of their own. Without a chat template (base models) the
+    contents are joined by blank lines and followed by a newline.
+    """
+    messages = list(messages)
+    if len(messages) == 1 and messages[0]["role"] == "user":
+        return format_prompt(tokenizer, messages[0]["content"], "{question}", system_prompt)
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(message["content"] for message in messages) + "\n"

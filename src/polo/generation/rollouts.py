@@ -9,6 +9,7 @@ shape `(batch, prompt_len + completion_len)` and the completion tokens are alway
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -47,3 +48,17 @@ class Rollouts:
             texts=texts,
             group_size=self.group_size,
         )
+
+
+
+class Sampler(Protocol):
+    """What samples a step's completions: `group_size` per prompt, groups contiguous, as `Rollouts`.
+
+    `polo.generation.cpu_sampler.rollout` (a preallocated KV cache, one prefill per prompt) is
+    the implementation today; a device-specific one plugs in here without the loop changing.
+    """
+
+    def __call__(
+        self, model, tokenizer, prompts: list[str], group_size: int, *,
+        max_new_tokens: int, temperature: float, top_p: float = 1.0, precision: str = "fp32",
+    ) -> Rollouts: ...

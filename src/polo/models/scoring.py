@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from polo.kernels.cpu.logprobs import completion_logprobs_fused, supports_fused_logprobs
-from polo.kernels.cpu.shared_prompt import shared_completion_logprobs
+from polo.kernels.cpu.attention import POLO_ATTENTION
+from polo.kernels.cpu.logprobs import completion_logprobs_fused, supports_fused_logprobs, token_logprobs
+from polo.kernels.cpu.shared_prompt import share_prompts, sharing_pays
 
 # Score completions through the chunked lm_head path when the model allows it (see polo.kernels.cpu.logprobs).
 FUSED_LOGPROBS = True
@@ -80,3 +81,40 @@ def completion_logprobs(
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach(), logsumexp.detach())
     return logprobs, entropy
+
+
+def _params_per_layer(model) -> tuple[int, float]:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    intermediate = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
+    return hidden, 4.0 * hidden * hidden + 3.0 * hidden * intermediate  # attention + gated MLP, roughly
+
+
+
+def shared_completion_logprobs(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size: int, *, temperature: float = 1.0, with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Return (log-probs, entropy or None), each (batch, C), scored in the shared layout; None when it does not apply.
+
+    Applies when the model supports the chunked lm_head path (polo.kernels.cpu.logprobs), the batch is
+    whole groups with identical prompts, and `sharing_pays`.
+    """
+    if group_size < 2 or not supports_fused_logprobs(model):
+        return None
+    hidden_size, per_layer = _params_per_layer(model)
+    blockwise = getattr(model.config, "_attn_implementation", None) == POLO_ATTENTION
+    if not sharing_pays(prompt_ids.shape[1], completion_ids.shape[1], group_size, hidden_size, per_layer, blockwise):
+        return None
+    shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
+    if shared is None:
+        return None
+    # polo's attention (polo.kernels.cpu.attention) reads `shared_layout` and skips the all-masked blocks;
+    # any other attention implementation ignores it and applies the full mask.
+    hidden = model.get_decoder()(
+        input_ids=shared.input_ids, attention_mask=shared.attention_mask, position_ids=shared.position_ids, use_cache=False,
+        shared_layout=shared.layout,
+    ).last_hidden_state
+    predictors = hidden.reshape(-1, hidden.shape[-1])[shared.predictor_index]  # (batch, C, d)
+    return token_logprobs(
+        predictors, model.get_output_embeddings().weight, completion_ids, temperature=temperature, with_entropy=with_entropy
+    )

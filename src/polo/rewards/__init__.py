@@ -127,7 +127,7 @@ def resolve_reward(name_or_callable: str | RewardFn, task: Task) -> tuple[str, R
     if name_or_callable in BUILTIN_REWARDS:
         return name_or_callable, BUILTIN_REWARDS[name_or_callable](task)
     if name_or_callable.startswith("model:"):
-        from polo.finetune.reward_model import LOG_NAME, reward_model_reward
+        from polo.rewards.reward_model import LOG_NAME, reward_model_reward
 
         return LOG_NAME, reward_model_reward(name_or_callable, task)
     if ":" in name_or_callable:

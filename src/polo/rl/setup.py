@@ -17,6 +17,8 @@ from polo import core
 from polo.config import Config, ConfigError, config_to_dict, load_config
 from polo.data import instruction_for, make_task
 from polo.data.base import Task
+from polo.generation.cpu_sampler import rollout
+from polo.generation.rollouts import Sampler
 from polo.kernels.cpu.attention import use_polo_attention
 from polo.models.loading import enable_activation_checkpointing, frozen_copy, load_policy, resolve_model_path
 from polo.models.lora import add_adapters, freeze_base_dtype, load_adapters
@@ -54,6 +56,7 @@ class Run:
     output_dir: Path
     start_step: int = 0
     eval_before: dict | None = None
+    sampler: Sampler = rollout  # draws each step's completions (polo.generation)
 
     def checkpoint_state(self) -> dict:
         """Return the run state a checkpoint keeps beside the weights and the optimizer."""

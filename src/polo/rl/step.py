@@ -15,7 +15,6 @@ import torch
 
 from polo import core
 from polo.config import Config
-from polo.generation.cpu_sampler import rollout
 from polo.generation.rollouts import Rollouts
 from polo.models.lora import merged_for_sampling, reference_scope
 from polo.models.scoring import completion_logprobs
@@ -61,7 +60,7 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> di
     started = time.perf_counter()
     prompts = run.task.prompts(run.tokenizer, row_batch, run.instruction, config.task.system_prompt)
     with sampling_weights(run.model) as sampler:
-        rollouts = rollout(
+        rollouts = run.sampler(
             sampler, run.tokenizer, prompts, alg.group_size,
             max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p, precision=run.precision,
         )

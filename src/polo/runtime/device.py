@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+from polo import core
 from polo.config import Config, ConfigError
 from polo.runtime import distributed as parallel
 
@@ -46,7 +47,7 @@ def master_weights_unsupported(config: Config) -> str | None:
     """Return why `train.precision=bf16_master` cannot train this run (None when it can)."""
     if parallel.world_size() > 1:
         return f"it trains in one process only (this run has {parallel.world_size()})"
-    if config.algorithm.advantage_estimator == "gae":
+    if core.ADVANTAGE_ESTIMATORS.entry(config.algorithm.advantage_estimator).needs_critic:
         return "PPO's critic is trained in fp32 weights (use train.precision=bf16)"
     return None
 

@@ -451,33 +451,12 @@ def run_python(source: str, limits: SandboxLimits | None = None) -> SandboxResul
     never because of the program.
     """
     limits = SandboxLimits() if limits is None else limits
-    workdir = tempfile.mkdtemp(prefix="polo-sandbox-")
-    program_path = os.path.join(workdir, PROGRAM_FILE)
-    with open(program_path, "w", encoding="utf-8") as handle:
-        handle.write(source)
+    workdir, program_path = _write_program(source)
     uid, gid = _throwaway_ids()
     status_read, status_write = os.pipe()
-    config = {
-        "status_fd": status_write, "program": program_path, "workdir": workdir,
-        "uid": uid, "gid": gid, "parent_uid": os.getuid(), "parent_gid": os.getgid(),
-        "namespaces": limits.namespaces, "python_prefix": sys.base_prefix,
-        "cpu_seconds": limits.cpu_limit, "memory_bytes": limits.memory_bytes,
-        "file_size_bytes": limits.file_size_bytes, "max_processes": limits.max_processes,
-        "max_open_files": limits.max_open_files, "disk_bytes": limits.disk_bytes,
-    }
+    config = _runner_config(limits, status_write, program_path, workdir, uid, gid)
     started = time.monotonic()
-    try:
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _CHILD, json.dumps(config)],
-            cwd=workdir, env=child_environment(workdir), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_write,),
-            start_new_session=True, close_fds=True,
-        )
-    except BaseException:
-        os.close(status_read)
-        os.close(status_write)
-        shutil.rmtree(workdir, ignore_errors=True)
-        raise
+    process = _start_runner(config, workdir, status_read, status_write)
     os.close(status_write)
     reader = _Reader(process, status_read, limits.max_output_bytes)
     deadline = started + limits.timeout_s
@@ -491,36 +470,101 @@ def run_python(source: str, limits: SandboxLimits | None = None) -> SandboxResul
                 break
             reader.pump(min(remaining, 0.5))
             report = _parse_status(reader.status_lines())
-            if program_pidfd is None and "pid" in report and hasattr(os, "pidfd_open"):
-                try:
-                    program_pidfd = os.pidfd_open(int(report["pid"]))
-                except OSError:
-                    program_pidfd = -1  # already gone; do not try again
-            if reader.over_cap or "setup-error" in report:
-                break
-            if reader.status_fd not in reader.open_fds and process.poll() is not None and not (
-                "exit" in report or "signal" in report
-            ):
-                break  # the runner was killed (by the program) before it could report
-            if ("exit" in report or "signal" in report) and reader.status_fd not in reader.open_fds:
-                # Finished: take what is already in the pipes, without waiting for stragglers
-                # (a daemonised grandchild may hold them open).
-                reader.pump(0)
+            if program_pidfd is None:
+                program_pidfd = _open_program_pidfd(report)
+            if _should_stop_watching(reader, process, report):
                 break
     finally:
-        _kill(process, program_pidfd if program_pidfd not in (None, -1) else None)
-        process.wait()
-        duration = time.monotonic() - started
-        if program_pidfd not in (None, -1):
-            os.close(program_pidfd)
-        reader.close()
-        process.stdout.close()
-        process.stderr.close()
-        os.close(status_read)
-        shutil.rmtree(workdir, ignore_errors=True)
+        duration = _release(process, reader, program_pidfd, status_read, workdir, started)
     report = _parse_status(reader.status_lines())
     if "setup-error" in report:
         raise SandboxError(f"could not set up the sandbox: {report['setup-error']}")
+    return _result(report, reader, timed_out, limits, duration)
+
+
+def _write_program(source: str) -> tuple[str, str]:
+    """Return (a fresh working directory, the path of ``source`` written into it as the program)."""
+    workdir = tempfile.mkdtemp(prefix="polo-sandbox-")
+    program_path = os.path.join(workdir, PROGRAM_FILE)
+    with open(program_path, "w", encoding="utf-8") as handle:
+        handle.write(source)
+    return workdir, program_path
+
+
+def _runner_config(
+    limits: SandboxLimits, status_fd: int, program_path: str, workdir: str, uid: int | None, gid: int | None
+) -> dict:
+    """Return the settings the runner script reads from its command line."""
+    return {
+        "status_fd": status_fd, "program": program_path, "workdir": workdir,
+        "uid": uid, "gid": gid, "parent_uid": os.getuid(), "parent_gid": os.getgid(),
+        "namespaces": limits.namespaces, "python_prefix": sys.base_prefix,
+        "cpu_seconds": limits.cpu_limit, "memory_bytes": limits.memory_bytes,
+        "file_size_bytes": limits.file_size_bytes, "max_processes": limits.max_processes,
+        "max_open_files": limits.max_open_files, "disk_bytes": limits.disk_bytes,
+    }
+
+
+def _start_runner(config: dict, workdir: str, status_read: int, status_write: int) -> subprocess.Popen:
+    """Return the started runner process (on failure, the pipe and working directory are released first)."""
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _CHILD, json.dumps(config)],
+            cwd=workdir, env=child_environment(workdir), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_write,),
+            start_new_session=True, close_fds=True,
+        )
+    except BaseException:
+        os.close(status_read)
+        os.close(status_write)
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
+def _open_program_pidfd(report: dict[str, str]) -> int | None:
+    """Return a pidfd for the program once the runner has reported its pid (-1: it is already gone)."""
+    if "pid" not in report or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(int(report["pid"]))
+    except OSError:
+        return -1  # already gone; do not try again
+
+
+def _should_stop_watching(reader: _Reader, process: subprocess.Popen, report: dict[str, str]) -> bool:
+    """Return whether the run is over: finished, failed to set up, over the output cap, or its runner killed."""
+    if reader.over_cap or "setup-error" in report:
+        return True
+    reported = "exit" in report or "signal" in report
+    if reader.status_fd not in reader.open_fds and process.poll() is not None and not reported:
+        return True  # the runner was killed (by the program) before it could report
+    if reported and reader.status_fd not in reader.open_fds:
+        # Finished: take what is already in the pipes, without waiting for stragglers
+        # (a daemonised grandchild may hold them open).
+        reader.pump(0)
+        return True
+    return False
+
+
+def _release(
+    process: subprocess.Popen, reader: _Reader, program_pidfd: int | None, status_read: int, workdir: str, started: float
+) -> float:
+    """Return the run's duration in seconds, after killing what is left of it and releasing its pipes and files."""
+    _kill(process, program_pidfd if program_pidfd not in (None, -1) else None)
+    process.wait()
+    duration = time.monotonic() - started
+    if program_pidfd not in (None, -1):
+        os.close(program_pidfd)
+    reader.close()
+    process.stdout.close()
+    process.stderr.close()
+    os.close(status_read)
+    shutil.rmtree(workdir, ignore_errors=True)
+    return duration
+
+
+def _result(report: dict[str, str], reader: _Reader, timed_out: bool, limits: SandboxLimits, duration: float) -> SandboxResult:
+    """Return the `SandboxResult` of a finished run (logging the isolation the first time)."""
     stdout = bytes(reader.buffers[reader.stdout_fd])
     stderr = bytes(reader.buffers[reader.stderr_fd])
     status, reason, returncode, signal_number = _classify(

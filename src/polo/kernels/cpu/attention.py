@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from polo.kernels.cpu import shared_prompt
+
 __all__ = ["POLO_ATTENTION", "polo_attention", "use_polo_attention"]
 
 POLO_ATTENTION = "polo_sdpa"
@@ -51,9 +53,7 @@ def polo_attention(module, query, key, value, attention_mask, *args, shared_layo
         return sdpa(q, k, v, mask)
 
     if shared_layout is not None:
-        from polo.kernels.cpu.shared_prompt import shared_attention
-
-        return shared_attention(attend, query, key, value, shared_layout), None
+        return shared_prompt.shared_attention(attend, query, key, value, shared_layout), None
     return attend(query, key, value, attention_mask), None
 
 

@@ -38,7 +38,7 @@ __all__ = [
 # guessed at: several scale the hidden states or the logits under names we could not list
 # exhaustively (minicpm3 divides hidden states by `logits_scaling`, hyperclovax multiplies the
 # logits by it, falcon_h1 uses a module attribute, modernbert-decoder adds a head after
-# lm_head, chameleon masks token ranges, ...). tests/lm/test_logprobs.py re-checks the source.
+# lm_head, chameleon masks token ranges, ...). tests/kernels/test_logprobs.py re-checks the source.
 FUSED_MODEL_TYPES = frozenset({
     "llama", "mistral", "ministral", "mixtral",
     "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from polo.kernels.cpu.logprobs import supports_fused_logprobs, token_logprobs
 
-__all__ = ["SharedAttentionLayout", "SharedPromptBatch", "share_prompts", "shared_attention", "sharing_pays", "shared_completion_logprobs"]
+__all__ = ["SharedAttentionLayout", "SharedPromptBatch", "share_prompts", "shared_attention", "sharing_pays"]
 
 # Weight of one attention score entry relative to one token through the linear layers, per unit of
 # FLOPs: attention ran at about half the FLOP rate of the matmuls on the CPU (its backward more so).
@@ -164,39 +163,3 @@ def shared_attention(attend, query: torch.Tensor, key: torch.Tensor, value: torc
     return torch.cat([prompt_out, completion_out.reshape(groups, g * c, heads, dim)], dim=1)
 
 
-def _params_per_layer(model) -> tuple[int, float]:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
-    intermediate = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
-    return hidden, 4.0 * hidden * hidden + 3.0 * hidden * intermediate  # attention + gated MLP, roughly
-
-
-def shared_completion_logprobs(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size: int, *, temperature: float = 1.0, with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Return (log-probs, entropy or None), each (batch, C), scored in the shared layout; None when it does not apply.
-
-    Applies when the model supports the chunked lm_head path (polo.kernels.cpu.logprobs), the batch is
-    whole groups with identical prompts, and `sharing_pays`.
-    """
-    if group_size < 2 or not supports_fused_logprobs(model):
-        return None
-    from polo.kernels.cpu.attention import POLO_ATTENTION
-
-    hidden_size, per_layer = _params_per_layer(model)
-    blockwise = getattr(model.config, "_attn_implementation", None) == POLO_ATTENTION
-    if not sharing_pays(prompt_ids.shape[1], completion_ids.shape[1], group_size, hidden_size, per_layer, blockwise):
-        return None
-    shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
-    if shared is None:
-        return None
-    # polo's attention (polo.models.precision) reads `shared_layout` and skips the all-masked blocks;
-    # any other attention implementation ignores it and applies the full mask.
-    hidden = model.get_decoder()(
-        input_ids=shared.input_ids, attention_mask=shared.attention_mask, position_ids=shared.position_ids, use_cache=False,
-        shared_layout=shared.layout,
-    ).last_hidden_state
-    predictors = hidden.reshape(-1, hidden.shape[-1])[shared.predictor_index]  # (batch, C, d)
-    return token_logprobs(
-        predictors, model.get_output_embeddings().weight, completion_ids, temperature=temperature, with_entropy=with_entropy
-    )

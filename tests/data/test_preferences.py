@@ -9,19 +9,9 @@ from collections import Counter
 import pytest
 
 from polo.cli import main
-from polo.data.preferences import (
-    Ranking,
-    arithmetic_preference_data,
-    comparisons_from_samples,
-    has_carry,
-    ranking_from_row,
-    ranking_pairs,
-    read_demonstrations,
-    read_rankings,
-    render_prompt,
-    sampled_preference_data,
-    wrong_answer,
-)
+from polo.data.preferences import Ranking, arithmetic_preference_data, comparisons_from_samples, has_carry, ranking_from_row, ranking_pairs, read_demonstrations, read_rankings, wrong_answer
+from polo.finetune.sampled_preferences import sampled_preference_data
+from polo.generation.prompts import render_prompt
 from polo.rewards import exact_number
 from polo.data import TaskDataError, arithmetic_task
 

@@ -12,14 +12,8 @@ import torch
 from polo.cli import main
 from polo.finetune.fit import collate, encode, sequence_rewards
 from polo.models.loading import ModelLoadError, load_tokenizer
-from polo.finetune.reward_model import (
-    RewardModelReward,
-    encode_rankings,
-    new_reward_model,
-    parse_reward_spec,
-    ranking_metrics,
-    train_reward_model,
-)
+from polo.finetune.reward_model import encode_rankings, new_reward_model, ranking_metrics, train_reward_model
+from polo.rewards.reward_model import RewardModelReward, parse_reward_spec
 from polo.data.preferences import Ranking
 from polo.rewards import RewardFunctionError, RewardSet, exact_number
 from polo.data import Task

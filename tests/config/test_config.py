@@ -9,7 +9,7 @@ import pytest
 from polo.cli import main
 from polo.config import Config, ConfigError, load_config
 
-RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.name)

@@ -10,7 +10,8 @@ from polo.kernels.cpu import shared_prompt
 from polo.kernels.cpu.attention import use_polo_attention
 from polo.models.loading import load_policy
 from polo.models.scoring import completion_logprobs
-from polo.kernels.cpu.shared_prompt import share_prompts, shared_completion_logprobs, sharing_pays
+from polo.kernels.cpu.shared_prompt import share_prompts, sharing_pays
+from polo.models.scoring import shared_completion_logprobs
 
 
 def grouped_batch(vocab: int, group_size: int = 3, prompt_lengths=(5, 2), completion_lengths=(4, 1, 3, 2, 4, 1), seed: int = 0):
