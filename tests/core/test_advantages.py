@@ -142,3 +142,38 @@ def test_expand_to_tokens():
     torch.testing.assert_close(expand_to_tokens(torch.tensor([2.0, -1.0]), mask), expected)
     with pytest.raises(ValueError, match=r"\(batch,\)"):
         expand_to_tokens(torch.zeros(3), mask)
+
+
+# ---------------------------------------------------------------- right padding
+
+
+HOLED_MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+
+
+def time_walking_calls(mask):
+    """Every function that reads the first 0 of a row as its end, called on `mask`."""
+    from polo.core import reinforce_pp_advantages, token_level_rewards
+
+    rewards = torch.ones(mask.shape)
+    return {
+        "discounted_returns": lambda: discounted_returns(rewards, mask, 0.9),
+        "gae_advantages": lambda: gae_advantages(rewards, torch.zeros(mask.shape), mask, 0.9, 0.95),
+        "token_level_rewards": lambda: token_level_rewards(torch.ones(mask.shape[0]), mask),
+        "reinforce_pp_advantages": lambda: reinforce_pp_advantages(rewards, mask),
+    }
+
+
+@pytest.mark.parametrize("name", list(time_walking_calls(HOLED_MASK)))
+def test_masks_with_holes_are_refused_naming_the_row(name):
+    with pytest.raises(ValueError, match=rf"^{name}: mask row 1 is not right-padded .*valid positions 0-1, 3\)"):
+        time_walking_calls(HOLED_MASK)[name]()
+    with pytest.raises(ValueError, match="mask row 0 "):  # a bool mask and a leading hole too
+        time_walking_calls(torch.tensor([[False, True, True]]))[name]()
+
+
+@pytest.mark.parametrize("name", list(time_walking_calls(HOLED_MASK)))
+def test_right_padded_masks_pass_including_empty_and_full_rows(name):
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    result = time_walking_calls(mask)[name]()
+    advantages = result[0] if isinstance(result, tuple) else result  # GAE also returns the returns
+    assert advantages.shape == mask.shape and torch.isfinite(advantages).all()

@@ -51,3 +51,23 @@ def test_dispatch_and_unknown_kind():
     assert torch.equal(kl_estimate(logprobs, ref_logprobs, "k2"), kl_k2(logprobs, ref_logprobs))
     with pytest.raises(ValueError, match=r"'k4'.*\['k1', 'k2', 'k3'\]"):
         kl_estimate(logprobs, ref_logprobs, "k4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_k3_is_never_negative_on_random_inputs(dtype):
+    # exp(d) − d − 1 cancelled to −6e-8 (fp32) and −1e-16 (fp64) at small |d|; every scale of d
+    # from 1e-8 to 10 is tried, since the cancellation lives at the small end.
+    generator = torch.Generator().manual_seed(0)
+    for scale in (1e-8, 1e-6, 1e-4, 1e-2, 1.0, 10.0):
+        logprobs = -torch.rand(256, 256, generator=generator, dtype=torch.float64) * 5
+        ref_logprobs = logprobs + torch.randn(256, 256, generator=generator, dtype=torch.float64) * scale
+        kl = kl_k3(logprobs.to(dtype), ref_logprobs.to(dtype))
+        assert kl.dtype == dtype
+        assert (kl >= 0).all(), f"min {kl.min().item()} at scale {scale}"
+
+
+def test_k3_keeps_the_second_order_term_at_small_differences():
+    # For |d| ≪ 1, k3 ≈ d²/2; the cancelling form returned 0 or a negative number here in fp32.
+    d = torch.tensor([[1e-3, -1e-3, 1e-4]], dtype=torch.float32)
+    kl = kl_k3(torch.zeros_like(d), d)
+    torch.testing.assert_close(kl, d**2 / 2 + d**3 / 6, rtol=1e-3, atol=0.0)

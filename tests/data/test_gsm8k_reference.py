@@ -13,17 +13,22 @@ import pytest
 from polo.evaluation.evaluate import answer_key_for, score_problem, summarize
 from polo.cli.eval import gsm8k_data_dir
 from polo.data import gsm8k_task
+from polo.rewards.answers import exact_number, math_verify_answer
 
 NUM_PROBLEMS = 200
 
 
 @pytest.fixture(scope="module")
-def gsm8k_eval():
+def gsm8k_test_path():
     try:
-        test_path = gsm8k_data_dir() / "test.jsonl"
+        return gsm8k_data_dir() / "test.jsonl"
     except FileNotFoundError as error:
         pytest.skip(str(error))
-    return gsm8k_task(test_path, test_path, num_train=0, num_eval=NUM_PROBLEMS)
+
+
+@pytest.fixture(scope="module")
+def gsm8k_eval(gsm8k_test_path):
+    return gsm8k_task(gsm8k_test_path, gsm8k_test_path, num_train=0, num_eval=NUM_PROBLEMS)
 
 
 def as_completions(texts: list[str]) -> list[dict]:
@@ -37,6 +42,20 @@ def test_reference_solutions_score_100_percent(gsm8k_eval):
     assert any("," in row["solution"].rpartition("####")[2] for row in rows)
     scores = [gsm8k_eval.correctness(row["solution"], row) for row in rows]
     assert scores == [1.0] * NUM_PROBLEMS
+
+
+@pytest.mark.parametrize("checker", [math_verify_answer, exact_number], ids=lambda checker: checker.__name__)
+def test_every_reference_solution_in_the_test_file_scores_100_percent(gsm8k_test_path, checker):
+    """All 1,319: the final answer after "####" is read even when the working talks of percentages,
+    money or "the answer from the previous step" (four of these scored 0 when math_verify read the
+    whole solution)."""
+    rows = gsm8k_task(gsm8k_test_path, gsm8k_test_path, num_train=0).eval_rows
+    wrong = [index for index, row in enumerate(rows) if checker(row["solution"], row) != 1.0]
+    assert wrong == []
+    order = list(range(len(rows)))
+    random.Random(0).shuffle(order)
+    shuffled = sum(checker(rows[other]["solution"], row) for row, other in zip(rows, order))
+    assert shuffled / len(rows) < 0.05
 
 
 def test_shuffled_solutions_score_below_5_percent(gsm8k_eval):

@@ -169,6 +169,54 @@ def test_answer_key_for_follows_the_checker_and_its_tags_setting():
     assert answer_key_for(lambda completion, row: 1.0)("it is 0.5") == "1/2"  # unknown checker: math_verify reading
 
 
+# The keys read the answer the checkers grade (issue 20): the last committed answer, a
+# retraction's restatement, no answer for a hedge; `\$18`, `(18)`, U+2212 and `2 1/2` parse.
+KEY_CASES = [
+    ("The answer is \\$18.", "18"),
+    ("<answer>\\$18</answer>", "18"),
+    ("(18)", "18"),
+    ("\u221210", "-10"),
+    ("2 1/2", "5/2"),
+    ("\\boxed{17}. Wait, actually \\boxed{18}", "18"),
+    ("\\boxed{17} ... wait ... \\boxed{18}", "18"),
+    ("The answer is 18. Wait, no, it is 17.", "17"),
+    ("17 or 18", None),
+    ("The answer is 17 or 18.", None),
+]
+
+
+@pytest.mark.parametrize("key", [number_answer_key, math_answer_key], ids=lambda key: key.__name__)
+@pytest.mark.parametrize(("completion", "expected"), KEY_CASES)
+def test_answer_keys_read_the_last_committed_answer(key, completion, expected):
+    assert key(completion) == expected
+
+
+@pytest.mark.parametrize(("checker", "key"), [(exact_number, number_answer_key), (math_verify_answer, math_answer_key)])
+@pytest.mark.parametrize(("completion", "expected"), KEY_CASES)
+def test_answer_keys_agree_with_their_checker(checker, key, completion, expected):
+    """A sample's vote key is the reference's key exactly when its checker passes it."""
+    for reference in ("18", "-10", "2.5", "17"):
+        passes = checker(completion, {"answer": reference}) == 1.0
+        assert passes == (key(completion) is not None and key(completion) == key(reference)), reference
+
+
+def test_cons_at_k_votes_for_the_corrected_answer():
+    row = {"answer": "18"}
+    texts = [
+        "\\boxed{17} ... wait ... \\boxed{18}",  # an "aha" self-correction: a vote for 18
+        "The answer is \\$18.",
+        "17 or 18",  # a hedge does not vote
+        "The answer is 17.",
+        "The answer is 18. Wait, no, it is 17.",  # a vote for 17
+    ]
+    for checker in (exact_number, math_verify_answer):
+        correctness = functools.partial(checker, answer_in_tags=False)
+        problem = score_problem(row, fake_completions(texts), correctness, answer_key_for(correctness), [5])
+        assert [sample["correct"] for sample in problem["samples"]] == [1.0, 1.0, 0.0, 0.0, 0.0]
+        assert [sample["answer"] for sample in problem["samples"]] == ["18", "18", None, "17", "17"]
+        assert problem["cons@k"]["5"] == 1.0  # 18 and 17 tie at two votes; 18 came first
+
+
 # ---------------------------------------------------------------- scoring hand-made samples
 
 

@@ -3,7 +3,8 @@
 Conventions: `rewards` for group estimators is `(batch,)` with groups stored as contiguous
 blocks of `group_size` (prompt 0's completions first, then prompt 1's, ...). Token-level
 tensors are `(batch, seq)` with a `mask` that is 1 on valid steps and 0 on padding; padding
-is on the right, so a 0 in the mask ends the sequence.
+is on the right, so a 0 in the mask ends the sequence. The functions that walk a row in time
+(returns, GAE, token-level rewards) check this and name the first row with a hole.
 """
 
 from __future__ import annotations
@@ -12,6 +13,35 @@ import torch
 
 from polo.core.distributed import all_reduce_sum
 from polo.core.registry import AdvantageInputs, register_advantage
+
+
+def check_right_padded(mask: torch.Tensor, caller: str) -> None:
+    """Raise ValueError naming the first row of `mask` `(batch, T)` that has a 0 followed by a 1.
+
+    The time-walking functions below read the first 0 as the end of the sequence: a hole would
+    silently cut the row in two (returns and GAE restart after it, the reward lands on the wrong
+    token), so it is refused rather than guessed at.
+    """
+    is_valid = mask.bool()
+    holes = (is_valid[:, 1:] & ~is_valid[:, :-1]).any(-1)
+    if holes.any():
+        row = int(holes.nonzero()[0, 0])
+        positions = is_valid[row].nonzero().squeeze(-1).tolist()
+        raise ValueError(
+            f"{caller}: mask row {row} is not right-padded (a 0 followed by a 1; valid positions "
+            f"{_span_text(positions)}); every row must be its valid steps first, then padding"
+        )
+
+
+def _span_text(positions: list[int]) -> str:
+    """Return sorted positions as runs, e.g. [0, 1, 2, 5, 6] -> "0-2, 5-6"."""
+    runs: list[list[int]] = []
+    for position in positions:
+        if runs and position == runs[-1][1] + 1:
+            runs[-1][1] = position
+        else:
+            runs.append([position, position])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -87,6 +117,7 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
 
     Shapes: rewards (batch, T), mask (batch, T) → returns (batch, T).
     """
+    check_right_padded(mask, "discounted_returns")
     is_valid = mask.bool()
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
@@ -116,6 +147,7 @@ def gae_advantages(
 
     Shapes: rewards, values, mask (batch, T); last_value (batch,) or None.
     """
+    check_right_padded(mask, "gae_advantages")
     is_valid = mask.bool()
     bootstrap = torch.zeros_like(values[:, 0]) if last_value is None else last_value.to(values.dtype)
     advantages = torch.zeros_like(values)
@@ -191,6 +223,7 @@ def token_level_rewards(
     than a term of the loss. A row with no valid token gets no reward.
     Shapes: sequence_rewards (batch,), mask (batch, T), kl (batch, T) or None → (batch, T).
     """
+    check_right_padded(mask, "token_level_rewards")
     is_valid = mask.bool()
     lengths = is_valid.sum(-1)
     last = (lengths - 1).clamp(min=0)
@@ -210,6 +243,7 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gam
     a group or a critic, is the baseline (Hu 2025, "REINFORCE++").
     Shapes: token_rewards, mask (batch, T) → (batch, T), 0 at padding.
     """
+    check_right_padded(mask, "reinforce_pp_advantages")
     return whiten(discounted_returns(token_rewards, mask, gamma), mask)
 
 

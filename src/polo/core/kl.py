@@ -41,7 +41,10 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     is zero, which only matters on tokens that are already pathological.
     """
     log_ratio = (ref_logprobs - logprobs).clamp(-K3_LOG_RATIO_LIMIT, K3_LOG_RATIO_LIMIT)
-    return torch.exp(log_ratio) - log_ratio - 1.0
+    # Written as expm1(d) − d: for small d, exp(d) rounds to 1 + d + (an error as large as the
+    # d²/2 we want), so exp(d) − d − 1 comes out slightly negative (−6e-8 in fp32). expm1 keeps
+    # the d²/2 term, and expm1(d) ≥ d holds in floating point too, so the result stays ≥ 0.
+    return torch.expm1(log_ratio) - log_ratio
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:

@@ -24,7 +24,6 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from fractions import Fraction
 
 import torch
 
@@ -33,7 +32,9 @@ from polo.rewards.answers import (
     answer_region,
     exact_number,
     exact_string,
-    extract_last_number,
+    final_answer_span,
+    final_number,
+    is_hedged,
     math_verify_answer,
 )
 from polo.rewards.format import r1_format
@@ -104,25 +105,29 @@ def default_ks(num_samples: int) -> list[int]:
 # ---------------------------------------------------------------- answer keys for the vote
 
 
+# The keys read the same final answer as the checkers (`final_answer_span`: the last committed
+# answer, retractions honoured, hedges void), so a sample votes for what it is graded on.
+
+
 def number_answer_key(completion: str, answer_in_tags: bool = False) -> str | None:
-    """Return the last number of the answer region in canonical form ("72.00" -> "72"), or None."""
-    region = answer_region(completion, answer_in_tags)
-    number = None if region is None else extract_last_number(region)
-    return None if number is None else str(Fraction(number))
+    """Return the number `exact_number` grades, in canonical form ("72.00" -> "72"), or None."""
+    span = final_answer_span(completion, answer_in_tags)
+    number = None if span is None else final_number(span)
+    return None if number is None else str(number)
 
 
 def math_answer_key(completion: str, answer_in_tags: bool = False) -> str | None:
-    """Return the answer math_verify reads from the answer region, in a canonical form, or None.
+    """Return the answer `math_verify_answer` grades, in a canonical form, or None.
 
     Real numbers become exact rationals ("0.5" and "\\frac{1}{2}" both give "1/2"); other
-    expressions keep sympy's printed form.
+    expressions keep sympy's printed form. A hedged answer ("17 or 18") does not vote.
     """
     from math_verify import parse
 
-    region = answer_region(completion, answer_in_tags)
-    if region is None:
+    span = final_answer_span(completion, answer_in_tags)
+    if span is None or is_hedged(span):
         return None
-    parsed = parse(region, parsing_timeout=_math_verify_timeout())
+    parsed = parse(span, parsing_timeout=_math_verify_timeout())
     if not parsed:
         return None
     expression = parsed[0]
