@@ -18,7 +18,10 @@ from polo.data import (
     format_prompt,
     gsm8k_task,
     jsonl_task,
+    make_task,
+    read_jsonl,
 )
+from polo.config import ConfigError, load_config
 from polo.data.arithmetic import count_problems
 
 GSM8K_DIR = Path("/work/shared/data/gsm8k")
@@ -282,7 +285,7 @@ def test_gsm8k_missing_file_names_path(tmp_path):
 
 def test_gsm8k_row_limit_larger_than_file_is_an_error(tmp_path):
     path = write_rows(tmp_path / "train.jsonl", [{"question": "q", "answer": "#### 1"}])
-    with pytest.raises(ValueError, match=r"asked for 5 rows but the file holds only 1"):
+    with pytest.raises(ConfigError, match=r"task\.num_train is 5 but the file holds only 1 rows; set it to at most 1"):
         gsm8k_task(path, path, num_train=5)
 
 
@@ -377,3 +380,49 @@ def test_registry_unknown_option_names_accepted_ones():
     expected = r"task 'arithmetic' has no options \['digits'\].*'min_digits'"
     with pytest.raises(TypeError, match=expected):
         build_task("arithmetic", digits=3)
+
+
+# ---------------------------------------------------------------- bad input, one clear error
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"question": "q", "answer": "1"}\n\n{"question": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(TaskDataError, match=r"data\.jsonl line 3: not valid UTF-8 \(byte 0xe9 at byte 18 of the line\)") as info:
+        read_jsonl(path)
+    assert info.value.line == 3 and "\n" not in str(info.value)
+
+
+def test_utf8_byte_order_mark_and_crlf_lines_are_read(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"question": "caf\xc3\xa9", "answer": "1"}\r\n{"question": "q", "answer": "2"}\r\n')
+    assert [row["question"] for _, row in read_jsonl(path)] == ["caf\u00e9", "q"]
+
+
+def test_directory_as_data_file_is_named(tmp_path):
+    with pytest.raises(TaskDataError, match="is a directory, not a jsonl file"):
+        read_jsonl(tmp_path)
+
+
+def _jsonl_config(tmp_path, *overrides):
+    path = write_rows(tmp_path / "held_out.jsonl", [{"question": "q", "answer": "1"}, {"question": "r", "answer": "2"}])
+    base = ["task.name=jsonl", f"task.train_path={path}", f"task.eval_path={path}", "task.num_train=null"]
+    return load_config(None, [*base, *overrides, f"output.dir={tmp_path / 'run'}"])
+
+
+def test_make_task_misspelled_checker_names_the_valid_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"^task\.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string$"):
+        make_task(_jsonl_config(tmp_path, "task.checker=exact_nmber"))
+
+
+def test_make_task_num_eval_beyond_the_held_out_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"held_out\.jsonl: task\.num_eval is 5 but the file holds only 2 rows"):
+        make_task(_jsonl_config(tmp_path, "task.num_eval=5"))
+    assert len(make_task(_jsonl_config(tmp_path, "task.num_eval=2")).eval_rows) == 2
+
+
+def test_make_task_unknown_name_and_impossible_arithmetic(tmp_path):
+    with pytest.raises(ConfigError, match=r"^task\.name: 'jsnl' is not one of arithmetic, code, gsm8k, jsonl$"):
+        make_task(load_config(None, ["task.name=jsnl"]))
+    with pytest.raises(ConfigError, match=r"^task arithmetic: .*only 100\b"):
+        make_task(load_config(None, ["task.min_digits=1", "task.max_digits=1", "task.num_train=200"]))

@@ -55,3 +55,40 @@ def test_bf16_copy_keeps_float32_buffers_and_can_be_resynced(tiny_model_dir):
     copy_weights(sampler, model)
     for mine, theirs in zip(sampler.parameters(), model.parameters()):
         assert torch.equal(mine, theirs.to(torch.bfloat16))
+
+
+def _copy_of(model_dir, target):
+    import shutil
+
+    shutil.copytree(model_dir, target)
+    return target
+
+
+def test_garbage_safetensors_names_the_file(tiny_model_dir, tmp_path):
+    model_dir = _copy_of(tiny_model_dir, tmp_path / "garbage")
+    (model_dir / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ModelLoadError, match=r"model weights .*garbage/model\.safetensors cannot be read \(.*header") as error:
+        load_policy(str(model_dir))
+    assert "\n" not in str(error.value)
+
+
+def test_truncated_safetensors_names_the_file(tiny_model_dir, tmp_path):
+    model_dir = _copy_of(tiny_model_dir, tmp_path / "cut")
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match=r"cut/model\.safetensors cannot be read .*damaged or incomplete"):
+        resolve_model_path(str(model_dir))
+
+
+def test_unreadable_config_json_names_the_file(tiny_model_dir, tmp_path):
+    model_dir = _copy_of(tiny_model_dir, tmp_path / "badconfig")
+    (model_dir / "config.json").write_text("{architectures: [")
+    with pytest.raises(ModelLoadError, match=r"badconfig/config\.json is not a readable JSON file"):
+        resolve_model_path(str(model_dir))
+
+
+def test_damaged_tokenizer_names_the_directory(tiny_model_dir, tmp_path):
+    model_dir = _copy_of(tiny_model_dir, tmp_path / "badtokenizer")
+    (model_dir / "tokenizer.json").write_text("not json")
+    with pytest.raises(ModelLoadError, match=r"could not load the tokenizer of .*badtokenizer"):
+        load_policy(str(model_dir))

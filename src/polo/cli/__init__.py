@@ -33,52 +33,64 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
-        if args.command in ("eval", "report"):
-            return eval_cli.run(args)
-        if args.command == "control":
-            return control_cli.run(args)
-        if args.command in rlhf_cli.COMMANDS:
-            return rlhf_cli.run(args)
-        if args.command == "train":
-            from polo.rl.train import train
-
-            result = train(args.recipe, args.overrides)
-            rank_zero = os.environ.get("RANK", "0") == "0"  # under torchrun only the first process reports
-            if result.eval_before is not None and result.eval_after is not None and rank_zero:
-                print(f"held-out accuracy: {result.eval_before['accuracy']:.3f} -> {result.eval_after['accuracy']:.3f}")
-        elif args.command == "fetch-model":
-            from polo.models.loading import ensure_builtin_model
-
-            print(ensure_builtin_model(args.name))
-        elif args.command == "plot":
-            from polo.evaluation.plots import plot_run
-
-            for path in plot_run(args.run_dir):
-                print(path)
+        return _run(args)
     except KeyboardInterrupt:
         print("polo: interrupted", file=sys.stderr)
         return 130
-    except (ConfigError, FileNotFoundError) as error:
-        print(f"polo: error: {error}", file=sys.stderr)
-        return 2
     except Exception as error:  # noqa: BLE001 - known polo errors get one clear line, others a traceback
-        from polo.models.loading import ModelLoadError
-        from polo.runtime.checkpoint import SaveError
-        from polo.runtime.errors import NonFiniteLossError
-
-        known = (ModelLoadError, NonFiniteLossError, SaveError) + _data_errors()
-        if isinstance(error, known):
-            print(f"polo: error: {error}", file=sys.stderr)
+        if isinstance(error, _user_errors()):
+            print(f"polo: error: {one_line(error)}", file=sys.stderr)
             return 2
         raise
+
+
+def _run(args: argparse.Namespace) -> int:
+    from polo.cli import control as control_cli
+    from polo.cli import eval as eval_cli, rlhf as rlhf_cli
+
+    if args.command in ("eval", "report"):
+        return eval_cli.run(args)
+    if args.command == "control":
+        return control_cli.run(args)
+    if args.command in rlhf_cli.COMMANDS:
+        return rlhf_cli.run(args)
+    if args.command == "train":
+        from polo.rl.train import train
+
+        result = train(args.recipe, args.overrides)
+        rank_zero = os.environ.get("RANK", "0") == "0"  # under torchrun only the first process reports
+        if result.eval_before is not None and result.eval_after is not None and rank_zero:
+            print(f"held-out accuracy: {result.eval_before['accuracy']:.3f} -> {result.eval_after['accuracy']:.3f}")
+    elif args.command == "fetch-model":
+        from polo.models.loading import ensure_builtin_model
+
+        print(ensure_builtin_model(args.name))
+    elif args.command == "plot":
+        from polo.evaluation.plots import check_plottable, plot_run
+
+        check_plottable(args.run_dir)
+        for path in plot_run(args.run_dir):
+            print(path)
     return 0
 
 
-def _data_errors() -> tuple[type, ...]:
-    from polo.rewards import RewardFunctionError
-    from polo.data.base import TaskDataError
+def one_line(error: BaseException) -> str:
+    """Return an error's message on one line (some libraries' messages span several)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return "; ".join(lines) or type(error).__name__
 
-    return (RewardFunctionError, TaskDataError)
+
+def _user_errors() -> tuple[type, ...]:
+    """The exceptions that mean a bad input (recipe, path, data file, model directory), not a bug in polo."""
+    from polo.data.base import TaskDataError
+    from polo.evaluation.plots import PlotError
+    from polo.models.loading import ModelLoadError
+    from polo.rewards import RewardFunctionError
+    from polo.runtime.checkpoint import SaveError
+    from polo.runtime.errors import NonFiniteLossError
+
+    paths = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+    return (ConfigError, *paths, ModelLoadError, NonFiniteLossError, SaveError, RewardFunctionError, TaskDataError, PlotError)
 
 
 if __name__ == "__main__":

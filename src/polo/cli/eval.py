@@ -157,6 +157,10 @@ def build_eval_task(args: argparse.Namespace):
         # Evaluation reads only the held-out file: it stands in for the (unused) train file too.
         task, label = gsm8k_task(test_path, test_path, num_train=0, answer_in_tags=tags), f"gsm8k ({test_path})"
     else:
+        from polo.rewards.answers import CHECKERS
+
+        if args.checker not in CHECKERS:
+            raise EvalArgumentError(f"--checker {args.checker!r} is not one of {', '.join(CHECKERS)}")
         task = jsonl_task(
             path, path, prompt_field=args.prompt_field, answer_field=args.answer_field,
             num_train=0, answer_in_tags=tags, checker=args.checker,
@@ -175,8 +179,8 @@ def check_numbers(args: argparse.Namespace) -> int:
         samples = 16 if args.samples is None else args.samples
     if samples < 1:
         raise EvalArgumentError(f"--samples must be >= 1, got {samples}")
-    if args.temperature < 0:
-        raise EvalArgumentError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):  # NaN fails this too
+        raise EvalArgumentError(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise EvalArgumentError(f"--top-p must be in (0, 1], got {args.top_p}")
     for flag, value in (("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size), ("--threads", args.threads)):

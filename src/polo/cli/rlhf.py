@@ -138,8 +138,8 @@ def sampled_preferences(args: argparse.Namespace, config) -> int:
     from polo.runtime.device import resolve_precision
 
     task = make_task(config)
-    if not args.temperature > 0:
-        raise ConfigError(f"make-preferences --from-model: --temperature must be > 0 (samples must differ), got {args.temperature}")
+    if not 0 < args.temperature < float("inf"):  # NaN fails this too
+        raise ConfigError(f"make-preferences --from-model: --temperature must be > 0 and finite (samples must differ), got {args.temperature}")
     try:  # before the model loads: a bad count costs nothing
         check_sampling_request(task, args.num_prompts, args.num_prompts_eval, args.samples, args.max_pairs)
     except ValueError as error:

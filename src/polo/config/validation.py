@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from polo import core
@@ -25,6 +29,87 @@ _REGISTERED = {
     "loss_aggregation": core.LOSS_AGGREGATIONS,
     "kl_estimator": core.KL_ESTIMATORS,
 }
+
+
+# What each float of a run may be, beyond finite: "> 0" / ">= 0", or an interval such as "[0, 1)".
+# A float that is not named here is only checked to be finite (a NaN or inf passes every comparison
+# silently or fails deep inside a step, so it is never a meaningful setting).
+_FLOAT_RANGES = {
+    "model.lora.dropout": "[0, 1)",
+    "sampling.temperature": "> 0",
+    "sampling.top_p": "(0, 1]",
+    "algorithm.advantage_eps": ">= 0",
+    "algorithm.clip_eps_low": ">= 0",
+    "algorithm.clip_eps_high": ">= 0",
+    "algorithm.beta": ">= 0",
+    "algorithm.overlong_buffer": "[0, 1)",
+    "algorithm.overlong_penalty": ">= 0",
+    "algorithm.gamma": "[0, 1]",
+    "algorithm.lam": "[0, 1]",
+    "algorithm.critic_learning_rate": ">= 0",
+    "algorithm.value_clip": "> 0",
+    "algorithm.value_coef": ">= 0",
+    "train.learning_rate": ">= 0",
+    "train.weight_decay": ">= 0",
+    "train.adam_beta1": "[0, 1)",
+    "train.adam_beta2": "[0, 1)",
+    "train.max_grad_norm": "> 0",
+}
+
+
+def float_settings(config: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
+    """Yield `(dotted.key, value)` for every float in a config of nested dataclasses (mapping values too)."""
+    for spec in dataclasses.fields(config):
+        key = f"{prefix}{spec.name}"
+        value = getattr(config, spec.name)
+        if dataclasses.is_dataclass(value):
+            yield from float_settings(value, f"{key}.")
+        elif isinstance(value, dict):
+            yield from ((f"{key}.{name}", item) for name, item in value.items() if isinstance(item, float))
+        elif isinstance(value, float):
+            yield key, value
+
+
+def _within(spec: str | None, value: float) -> bool:
+    if not math.isfinite(value):
+        return False
+    if spec is None:
+        return True
+    if spec[0] in "[(":
+        low, high = (float(bound) for bound in spec[1:-1].split(","))
+        above = value >= low if spec[0] == "[" else value > low
+        return above and (value <= high if spec[-1] == "]" else value < high)
+    operator, bound = spec.split()
+    return value > float(bound) if operator == ">" else value >= float(bound)
+
+
+def check_floats(config: Any, ranges: dict[str, str]) -> None:
+    """Raise `ConfigError` for the first float that is not finite or falls outside its range in `ranges`."""
+    for key, value in float_settings(config):
+        spec = ranges.get(key)
+        if not _within(spec, value):
+            accepted = "a finite number" if spec is None else f"in {spec}" if spec[0] in "[(" else f"a finite number {spec}"
+            raise ConfigError(f"{key} must be {accepted}, got {value!r}")
+
+
+def check_counts(values: dict[str, int | None], minimum: int) -> None:
+    """Raise `ConfigError` for the first `dotted.key` whose integer is below `minimum` (None means unset and passes)."""
+    for key, value in values.items():
+        if value is not None and value < minimum:
+            raise ConfigError(f"{key} must be at least {minimum}, got {value}")
+
+
+def check_output_dir(key: str, directory: str) -> None:
+    """Raise `ConfigError` when `directory`, or a folder it would be made in, is an existing file."""
+    path = Path(directory).expanduser()
+    # mkdir would fail only after the model has loaded, and on a file it names a file inside it.
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            if candidate.is_dir():
+                return
+            if candidate == path:
+                raise ConfigError(f"{key}: {directory} is a file, not a directory; name a directory (it is made if missing)")
+            raise ConfigError(f"{key}: {directory} cannot be made, {candidate} is a file; name a directory (it is made if missing)")
 
 
 def check_lora(lora: LoraSettings) -> None:
@@ -55,23 +140,41 @@ def check_at_least_one(values: dict[str, int]) -> None:
             raise ConfigError(f"{key} must be at least 1, got {value}")
 
 
+def check_sizes(config: Config) -> None:
+    """Raise `ConfigError` for the first count or size out of its range."""
+    check_at_least_one({
+        "algorithm.group_size": config.algorithm.group_size,
+        "algorithm.update_epochs": config.algorithm.update_epochs,
+        "algorithm.max_sampling_rounds": config.algorithm.max_sampling_rounds,
+        "train.prompts_per_step": config.train.prompts_per_step,
+        "train.num_minibatches": config.train.num_minibatches,
+        "train.micro_batch_size": config.train.micro_batch_size,
+        "train.max_nonfinite_steps": config.train.max_nonfinite_steps,
+        "sampling.max_new_tokens": config.sampling.max_new_tokens,
+        "eval.batch_size": config.eval.batch_size,
+        "output.keep_checkpoints": config.output.keep_checkpoints,
+    })
+    check_counts({"train.threads": config.train.threads, "eval.max_new_tokens": config.eval.max_new_tokens}, 1)
+    check_counts({
+        "train.steps": config.train.steps,
+        "train.warmup_steps": config.train.warmup_steps,
+        "algorithm.critic_warmup_steps": config.algorithm.critic_warmup_steps,
+        "task.num_train": config.task.num_train,
+        "task.num_eval": config.task.num_eval,
+        "eval.every": config.eval.every,
+        "output.save_every": config.output.save_every,
+    }, 0)
+
+
 def validate(config: Config) -> None:
     """Raise `ConfigError` for values that have the right type but make no sense."""
     check_choices(config, _CHOICES)
     for name, registry in _REGISTERED.items():
         check_registered(f"algorithm.{name}", getattr(config.algorithm, name), registry)
     estimator = core.ADVANTAGE_ESTIMATORS.entry(config.algorithm.advantage_estimator)
-    check_at_least_one({
-        "algorithm.group_size": config.algorithm.group_size,
-        "algorithm.update_epochs": config.algorithm.update_epochs,
-        "train.prompts_per_step": config.train.prompts_per_step,
-        "train.num_minibatches": config.train.num_minibatches,
-        "train.micro_batch_size": config.train.micro_batch_size,
-        "train.max_nonfinite_steps": config.train.max_nonfinite_steps,
-        "sampling.max_new_tokens": config.sampling.max_new_tokens,
-    })
-    if config.train.steps < 0:
-        raise ConfigError(f"train.steps must be >= 0, got {config.train.steps}")
+    check_sizes(config)
+    check_floats(config, _FLOAT_RANGES)
+    check_output_dir("output.dir", config.output.dir)
     check_lora(config.model.lora)
     if config.model.lora.r and estimator.needs_critic:
         raise ConfigError(
@@ -87,16 +190,6 @@ def validate(config: Config) -> None:
             f"train.prompts_per_step ({config.train.prompts_per_step}) must be divisible by "
             f"train.num_minibatches ({config.train.num_minibatches}) so groups are never split"
         )
-    if not 0.0 < config.sampling.top_p <= 1.0:
-        raise ConfigError(f"sampling.top_p must be in (0, 1], got {config.sampling.top_p}")
-    if config.sampling.temperature <= 0:
-        raise ConfigError(f"sampling.temperature must be > 0, got {config.sampling.temperature}")
-    if config.algorithm.beta < 0:
-        raise ConfigError(f"algorithm.beta must be >= 0, got {config.algorithm.beta}")
-    if not 0.0 <= config.algorithm.overlong_buffer < 1.0:
-        raise ConfigError(f"algorithm.overlong_buffer is a fraction of sampling.max_new_tokens in [0, 1), got {config.algorithm.overlong_buffer}")
-    if config.algorithm.max_sampling_rounds < 1:
-        raise ConfigError(f"algorithm.max_sampling_rounds must be at least 1, got {config.algorithm.max_sampling_rounds}")
     if config.algorithm.advantage_estimator == "rloo" and config.algorithm.group_size < 2:
         raise ConfigError("algorithm.group_size must be at least 2 for the RLOO leave-one-out baseline")
     if config.algorithm.kl_in_reward and not estimator.token_level:

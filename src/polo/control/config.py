@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from polo.config import ConfigError, build_dataclass, check_at_least_one, check_choices, read_recipe
+from polo.config.validation import check_floats, check_output_dir
 
 
 @dataclass
@@ -121,6 +122,24 @@ _CHOICES = {
     "train.optimizer": ("adam", "rmsprop"),
 }
 
+# Beyond finite, which every float must be; an optional float left unset (None) is not checked.
+_FLOAT_RANGES = {
+    "algorithm.gamma": "(0, 1]",
+    "algorithm.gae_lambda": "[0, 1]",
+    "algorithm.clip_range": "(0, 1)",
+    "algorithm.clip_range_value": "> 0",
+    "algorithm.target_kl": "> 0",
+    "algorithm.value_coef": ">= 0",
+    "algorithm.entropy_coef": ">= 0",
+    "algorithm.max_kl": "> 0",
+    "algorithm.cg_damping": ">= 0",
+    "algorithm.line_search_shrink": "(0, 1)",
+    "train.learning_rate": "> 0",
+    "train.value_learning_rate": "> 0",
+    "train.adam_eps": "> 0",
+    "train.max_grad_norm": "> 0",
+}
+
 
 def config_to_dict(config: ControlConfig) -> dict:
     """Return the configuration as plain nested dicts."""
@@ -151,18 +170,8 @@ def validate(config: ControlConfig) -> None:
     })
     if config.train.minibatch_size < 0:
         raise ConfigError(f"train.minibatch_size must be >= 0 (0: whole batch), got {config.train.minibatch_size}")
-    if not 0.0 < config.algorithm.gamma <= 1.0:
-        raise ConfigError(f"algorithm.gamma must be in (0, 1], got {config.algorithm.gamma}")
-    if not 0.0 <= config.algorithm.gae_lambda <= 1.0:
-        raise ConfigError(f"algorithm.gae_lambda must be in [0, 1], got {config.algorithm.gae_lambda}")
-    if not 0.0 < config.algorithm.clip_range < 1.0:
-        raise ConfigError(f"algorithm.clip_range must be in (0, 1), got {config.algorithm.clip_range}")
-    if config.algorithm.max_kl <= 0:
-        raise ConfigError(f"algorithm.max_kl must be > 0, got {config.algorithm.max_kl}")
-    if not 0.0 < config.algorithm.line_search_shrink < 1.0:
-        raise ConfigError(f"algorithm.line_search_shrink must be in (0, 1), got {config.algorithm.line_search_shrink}")
-    if config.train.learning_rate <= 0:
-        raise ConfigError(f"train.learning_rate must be > 0, got {config.train.learning_rate}")
+    check_floats(config, _FLOAT_RANGES)
+    check_output_dir("output.dir", config.output.dir)
     if config.algorithm.name == "grpo":
         group_size = config.algorithm.group_size
         if group_size < 2:

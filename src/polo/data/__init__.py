@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from polo.config import Config
+from polo.config import Config, ConfigError
 from polo.data.arithmetic import OPERATIONS, arithmetic_task
 from polo.data.base import (
     DEFAULT_INSTRUCTION,
@@ -24,6 +24,7 @@ from polo.data.base import (
 from polo.data.code import code_task
 from polo.data.gsm8k import gsm8k_task
 from polo.data.jsonl import jsonl_task
+from polo.rewards.answers import CHECKERS
 
 TASKS: dict[str, Callable[..., Task]] = {
     "arithmetic": arithmetic_task,
@@ -76,12 +77,26 @@ TASK_OPTIONS = {
 
 
 def make_task(config: Config) -> Task:
-    """Return the task the config names, built with the options that task understands."""
+    """Return the task the config names, built with the options that task understands.
+
+    A setting the task cannot use (an unknown name or checker, a row count the data cannot meet)
+    is a `ConfigError` naming the key; this runs before any model loads, so a typo costs nothing.
+    """
     task_config = config.task
+    if task_config.name not in TASKS:
+        raise ConfigError(f"task.name: {task_config.name!r} is not one of {', '.join(TASKS)}")
+    if task_config.name == "jsonl" and task_config.checker not in CHECKERS:
+        raise ConfigError(f"task.checker: {task_config.checker!r} is not one of {', '.join(CHECKERS)}")
     keys = TASK_OPTIONS.get(task_config.name, ())
     options = {key: getattr(task_config, key) for key in keys if getattr(task_config, key) is not None}
-    return build_task(task_config.name, **options)
-
+    try:
+        return build_task(task_config.name, **options)
+    except ValueError as error:
+        # Builders check their own settings with a plain ValueError; its subclasses (bad data
+        # files, decoding errors) already say what they are and pass through unchanged.
+        if type(error) is not ValueError:
+            raise
+        raise ConfigError(f"task {task_config.name}: {error}") from error
 
 
 def instruction_for(config: Config, task: Task | None = None) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polo.config.schema import ConfigError
 from polo.generation.prompts import (  # noqa: F401  (re-exported: tasks own their prompts)
     DEFAULT_INSTRUCTION,
     PLAIN_INSTRUCTION,
@@ -69,11 +70,15 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
     Line numbers travel with the rows so later validation can point at the offending line.
     """
     path = Path(path)
+    if path.is_dir():
+        raise TaskDataError(path, None, "is a directory, not a jsonl file")
     if not path.is_file():
         raise FileNotFoundError(f"task data file not found: {path}")
     rows = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    # Bytes, decoded line by line: a text-mode reader fails on bad UTF-8 without saying where.
+    with path.open("rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            line = _decoded(raw, path, line_number)
             if not line.strip():
                 continue
             try:
@@ -90,6 +95,17 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
     if not rows:
         raise TaskDataError(path, None, "file holds no rows")
     return rows
+
+
+def _decoded(raw: bytes, path: Path, line_number: int) -> str:
+    # A byte-order mark is legal at the start of a UTF-8 file and means nothing to JSON.
+    try:
+        return raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskDataError(
+            path, line_number,
+            f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line); save the file as UTF-8",
+        ) from None
 
 
 def text_field(
@@ -113,12 +129,19 @@ def text_field(
     return str(value)
 
 
-def first_rows(rows: list[dict], limit: int | None, what: str) -> list[dict]:
-    """Return the first ``limit`` rows (all of them when ``limit`` is None)."""
+def first_rows(rows: list[dict], limit: int | None, what: str, key: str = "the row limit") -> list[dict]:
+    """Return the first ``limit`` rows (all of them when ``limit`` is None).
+
+    ``key`` names the setting the limit came from (e.g. ``task.num_eval``) in the error for a limit
+    the file cannot meet.
+    """
     if limit is None:
         return rows
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise ValueError(f"{what}: row limit must be None or an integer >= 0, got {limit!r}")
+        raise ConfigError(f"{what}: {key} must be null or an integer >= 0, got {limit!r}")
     if limit > len(rows):
-        raise ValueError(f"{what}: asked for {limit} rows but the file holds only {len(rows)}")
+        raise ConfigError(
+            f"{what}: {key} is {limit} but the file holds only {len(rows)} rows; "
+            f"set it to at most {len(rows)}, or null for every row"
+        )
     return rows[:limit]

@@ -58,8 +58,8 @@ def gsm8k_task(
     """
     return Task(
         name="gsm8k",
-        train_rows=first_rows(read_gsm8k(train_path), num_train, f"gsm8k train {train_path}"),
-        eval_rows=first_rows(read_gsm8k(eval_path), num_eval, f"gsm8k eval {eval_path}"),
+        train_rows=first_rows(read_gsm8k(train_path), num_train, f"gsm8k train {train_path}", "task.num_train"),
+        eval_rows=first_rows(read_gsm8k(eval_path), num_eval, f"gsm8k eval {eval_path}", "task.num_eval"),
         correctness=functools.partial(math_verify_answer, answer_in_tags=answer_in_tags),
         instruction=default_instruction(answer_in_tags),
     )

@@ -77,11 +77,11 @@ def jsonl_task(
         name="jsonl",
         train_rows=first_rows(
             read_task_jsonl(train_path, prompt_field, answer_field, checker),
-            num_train, f"jsonl train {train_path}",
+            num_train, f"jsonl train {train_path}", "task.num_train",
         ),
         eval_rows=first_rows(
             read_task_jsonl(eval_path, prompt_field, answer_field, checker),
-            num_eval, f"jsonl eval {eval_path}",
+            num_eval, f"jsonl eval {eval_path}", "task.num_eval",
         ),
         correctness=correctness,
         instruction=default_instruction(answer_in_tags),

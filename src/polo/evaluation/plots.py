@@ -7,6 +7,33 @@ from pathlib import Path
 from polo.runtime.metrics import read_metrics
 
 
+class PlotError(ValueError):
+    """A directory that holds no training curves to draw."""
+
+
+def check_plottable(output_dir: str | Path) -> Path:
+    """Return `<output_dir>/metrics.jsonl`, or raise `PlotError` saying why there is nothing to plot there.
+
+    `plot_run` itself draws nothing without complaint (a run of 0 steps has no curves); this is
+    for a person who asked for plots and must hear why none came.
+    """
+    output_dir = Path(output_dir)
+    metrics = output_dir / "metrics.jsonl"
+    if not output_dir.exists():
+        raise PlotError(f"run directory {output_dir} does not exist")
+    if not output_dir.is_dir():
+        raise PlotError(f"{output_dir} is a file, not a run directory")
+    if not metrics.is_file():
+        raise PlotError(f"{output_dir} has no metrics.jsonl: not a polo run directory, or the run logged nothing yet")
+    try:
+        rows = read_metrics(metrics)
+    except (ValueError, OSError) as error:
+        raise PlotError(f"cannot read {metrics}: {error}") from None
+    if not any("reward/mean" in row for row in rows):
+        raise PlotError(f"{metrics} holds no training steps to plot")
+    return metrics
+
+
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
     return [p[0] for p in points], [p[1] for p in points]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -126,9 +127,10 @@ def resolve_model_path(name_or_path: str, architectures: tuple[str, ...] = CAUSA
         from polo.models.lora import is_adapter_dir
 
         if is_adapter_dir(path):  # a LoRA checkpoint: load_policy loads its base and merges it
+            check_weight_files(path)
             return path
         raise ModelLoadError(f"model directory {path} has no config.json: not a Hugging Face model directory")
-    config = json.loads((path / "config.json").read_text())
+    config = read_model_config(path / "config.json")
     found = config.get("architectures") or []
     if found and not any(arch.endswith(architectures) for arch in found):
         kind = "a causal language model" if architectures == CAUSAL_LM_ARCHITECTURES else "a model polo can use here"
@@ -136,7 +138,35 @@ def resolve_model_path(name_or_path: str, architectures: tuple[str, ...] = CAUSA
             f"model directory {path} holds {found}, not {kind} "
             f"(expected an architecture ending in {' or '.join(architectures)})"
         )
+    check_weight_files(path)
     return path
+
+
+def read_model_config(config_path: Path) -> dict:
+    """Return a model's config.json as a dict, or raise `ModelLoadError` naming the file."""
+    try:
+        config = json.loads(config_path.read_bytes())
+    except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ModelLoadError(f"{config_path} is not a readable JSON file ({error})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def check_weight_files(path: Path) -> None:
+    """Raise `ModelLoadError` naming the first safetensors file in `path` whose header or size is damaged.
+
+    Only headers are read (the file is mapped, not loaded), so this costs nothing next to loading;
+    transformers' own error for such a file does not say which file it was.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    for weights in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise ModelLoadError(f"model weights {weights} cannot be read ({error}); the file is damaged or incomplete") from None
 
 
 def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
@@ -161,7 +191,7 @@ def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32, attn_impl
     try:
         options = {"attn_implementation": attn_implementation} if attn_implementation else {}
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **options)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, RuntimeError, pickle.UnpicklingError) as error:
         raise ModelLoadError(f"could not load {path} as a causal LM: {error}") from error
     return model, load_tokenizer(str(path))
 
@@ -174,7 +204,10 @@ def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
     path = ensure_builtin_model(name_or_path) if name_or_path in BUILTIN_MODELS else Path(name_or_path).expanduser()
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as error:  # noqa: BLE001 - the tokenizers library raises bare Exception for a damaged file
+        raise ModelLoadError(f"could not load the tokenizer of {path}: {error}") from error
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -1,0 +1,119 @@
+"""Values of the right type that make no sense: one `ConfigError` line naming the key, the value and what is accepted."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from polo.config import Config, ConfigError, load_config
+from polo.config.validation import _FLOAT_RANGES, check_floats, float_settings
+
+
+def error_of(overrides: list[str], loader=load_config) -> str:
+    with pytest.raises(ConfigError) as error:
+        loader(None, overrides)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("sampling.temperature=nan", "sampling.temperature must be a finite number > 0, got nan"),
+        ("sampling.temperature=inf", "sampling.temperature must be a finite number > 0, got inf"),
+        ("sampling.temperature=0", "sampling.temperature must be a finite number > 0, got 0.0"),
+        ("train.learning_rate=-1e-6", "train.learning_rate must be a finite number >= 0, got -1e-06"),
+        ("train.learning_rate=nan", "train.learning_rate must be a finite number >= 0, got nan"),
+        ("sampling.top_p=1.5", "sampling.top_p must be in (0, 1], got 1.5"),
+        ("algorithm.gamma=-inf", "algorithm.gamma must be in [0, 1], got -inf"),
+        ("algorithm.value_clip=0", "algorithm.value_clip must be a finite number > 0, got 0.0"),
+        ("train.adam_beta2=1", "train.adam_beta2 must be in [0, 1), got 1.0"),
+        ("train.max_grad_norm=0", "train.max_grad_norm must be a finite number > 0, got 0.0"),
+        ("rewards.correct=nan", "rewards.correct must be a finite number, got nan"),
+        ("model.lora.alpha=inf", "model.lora.alpha must be a finite number, got inf"),
+    ],
+)
+def test_floats_must_be_finite_and_in_range(override, expected):
+    assert error_of([override]) == expected
+
+
+def test_every_float_of_a_run_is_checked_for_nan():
+    keys = [key for key, _ in float_settings(Config())]
+    assert "sampling.temperature" in keys and "algorithm.lam" in keys and "rewards.correct" in keys
+    assert set(_FLOAT_RANGES) <= set(keys) | {"algorithm.value_clip"}  # value_clip may be None
+    for key in keys:
+        message = error_of([f"{key}=nan"])
+        assert message.startswith(f"{key} must be ") and message.endswith("got nan")
+
+
+def test_an_unset_optional_float_passes():
+    assert load_config(None, ["algorithm.value_clip=null"]).algorithm.value_clip is None
+
+
+def test_range_forms():
+    @dataclasses.dataclass
+    class Section:
+        low: float = 0.0
+
+    check_floats(Section(), {"low": "[0, 1)"})
+    for spec, value, accepted in (("(0, 1]", 0.0, "in (0, 1]"), ("[0, 1)", 1.0, "in [0, 1)"), (">= 2", 1.0, "a finite number >= 2")):
+        with pytest.raises(ConfigError, match=re.escape(f"low must be {accepted}, got {value!r}")):
+            check_floats(Section(value), {"low": spec})
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("output.keep_checkpoints=0", "output.keep_checkpoints must be at least 1, got 0"),
+        ("output.keep_checkpoints=-2", "output.keep_checkpoints must be at least 1, got -2"),
+        ("eval.batch_size=0", "eval.batch_size must be at least 1, got 0"),
+        ("eval.max_new_tokens=0", "eval.max_new_tokens must be at least 1, got 0"),
+        ("eval.every=-1", "eval.every must be at least 0, got -1"),
+        ("output.save_every=-1", "output.save_every must be at least 0, got -1"),
+        ("task.num_eval=-1", "task.num_eval must be at least 0, got -1"),
+        ("train.threads=0", "train.threads must be at least 1, got 0"),
+        ("train.steps=-1", "train.steps must be at least 0, got -1"),
+    ],
+)
+def test_counts_out_of_range(override, expected):
+    assert error_of([override]) == expected
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    assert error_of([f"output.dir={afile}"]) == f"output.dir: {afile} is a file, not a directory; name a directory (it is made if missing)"
+    assert f"{afile}/run cannot be made, {afile} is a file" in error_of([f"output.dir={afile}/run"])
+    assert load_config(None, [f"output.dir={tmp_path}/new/run"]).output.dir == f"{tmp_path}/new/run"
+    assert afile.read_text() == "mine"
+
+
+def test_finetune_configs_check_every_float(tmp_path):
+    from polo.finetune.dpo import load_dpo_config
+    from polo.finetune.sft import load_sft_config
+
+    data = [f"data.train_path={tmp_path / 'train.jsonl'}", f"output.dir={tmp_path / 'out'}"]
+    assert error_of([*data, "train.learning_rate=nan"], load_sft_config) == "train.learning_rate must be a finite number >= 0, got nan"
+    assert error_of([*data, "train.learning_rate=-1"], load_sft_config) == "train.learning_rate must be a finite number >= 0, got -1.0"
+    assert error_of([*data, "train.adam_beta1=inf"], load_sft_config) == "train.adam_beta1 must be in [0, 1), got inf"
+    assert error_of([*data, "dpo.beta=inf"], load_dpo_config) == "dpo.beta must be a finite number, got inf"
+    assert error_of([*data, "train.threads=0"], load_sft_config) == "train.threads must be at least 1, got 0"
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert error_of([data[0], f"output.dir={afile}"], load_sft_config).startswith(f"output.dir: {afile} is a file")
+
+
+def test_control_config_checks_every_float(tmp_path):
+    from polo.control.config import load_control_config
+
+    assert error_of(["train.learning_rate=nan"], load_control_config) == "train.learning_rate must be a finite number > 0, got nan"
+    assert error_of(["algorithm.gamma=0"], load_control_config) == "algorithm.gamma must be in (0, 1], got 0.0"
+    assert error_of(["algorithm.target_kl=inf"], load_control_config) == "algorithm.target_kl must be a finite number > 0, got inf"
+    assert error_of(["env.reward_scale=nan"], load_control_config) == "env.reward_scale must be a finite number, got nan"
+    assert error_of(["train.target_return=-inf"], load_control_config) == "train.target_return must be a finite number, got -inf"
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert error_of([f"output.dir={afile}"], load_control_config).startswith(f"output.dir: {afile} is a file")
