@@ -122,6 +122,10 @@ class TrainConfig:
     gradient_checkpointing: bool = True
     on_reward_error: str = "raise"  # raise: stop naming the function and sample | zero: score 0, count, go on
     max_nonfinite_steps: int = 3  # a NaN/inf loss skips its step; this many in a row stop the run
+    # The divergence guard (polo.rl.guard): a step whose judged value is more than this many times its
+    # reference, or whose weights are not finite, stops the run before anything of it is saved. 0 = jumps off.
+    divergence_factor: float = 10.0
+    divergence_checks: list[str] = field(default_factory=lambda: ["weight_norm"])  # of weight_norm | grad_norm | loss
     # Under torchrun: ddp (every rank holds the whole model) | fsdp (parameters, gradients and Adam
     # state sharded across ranks; weights gathered whole for generation). Ignored in one process.
     data_parallel: str = "ddp"
@@ -146,6 +150,7 @@ class OutputConfig:
     save_every: int = 10  # 0 disables periodic checkpoints
     keep_checkpoints: int = 2
     resume: bool = False
+    overwrite: bool = False  # a fresh run into a directory holding an earlier run removes that run first
     tensorboard: bool = True
     plots: bool = True
     progress: bool = True

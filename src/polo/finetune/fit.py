@@ -35,7 +35,8 @@ from polo import core
 from polo.core.schedules import lr_multiplier
 from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
 from polo.config import ConfigError, build_dataclass, check_at_least_one, check_choices, config_to_dict, read_recipe
-from polo.runtime.checkpoint import staged_directory
+from polo.config.validation import check_counts, check_floats, check_output_dir
+from polo.runtime.checkpoint import claim_output_dir, staged_directory
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
 from polo.runtime.device import autocast_context
 from polo.runtime.distributed import is_main_process
@@ -84,6 +85,7 @@ class FinetuneOutputConfig:
     """Where a fine-tuning run writes; the trained model goes to `<dir>/final`."""
 
     dir: str = "runs/finetune"
+    overwrite: bool = False  # a run into a directory holding an earlier run removes that run first
     tensorboard: bool = True
     progress: bool = True
 
@@ -91,6 +93,15 @@ class FinetuneOutputConfig:
 _CHOICES = {
     "train.precision": ("auto", "fp32", "bf16"),
     "train.lr_schedule": ("constant", "linear", "cosine"),
+}
+
+# Beyond finite (every float is checked for that); the objective's own section (dpo.*) adds its ranges.
+_FLOAT_RANGES = {
+    "train.learning_rate": ">= 0",
+    "train.weight_decay": ">= 0",
+    "train.adam_beta1": "[0, 1)",
+    "train.adam_beta2": "[0, 1)",
+    "train.max_grad_norm": "> 0",
 }
 
 
@@ -123,14 +134,13 @@ def validate_finetune(config: Any) -> None:
         raise ConfigError("data.train_path is required: a jsonl file of training examples")
     if train.max_steps is not None and train.max_steps < 1:
         raise ConfigError(f"train.max_steps must be at least 1 (or null for all epochs), got {train.max_steps}")
-    if train.learning_rate < 0:
-        raise ConfigError(f"train.learning_rate must be >= 0, got {train.learning_rate}")
-    for key, value in (("train.warmup_steps", train.warmup_steps), ("train.eval_every", train.eval_every)):
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
+    check_counts({"train.warmup_steps": train.warmup_steps, "train.eval_every": train.eval_every}, 0)
+    check_counts({"train.threads": train.threads}, 1)
     for key, value in (("data.num_train", config.data.num_train), ("data.num_eval", config.data.num_eval)):
         if value is not None and value < 1:
             raise ConfigError(f"{key} must be at least 1 (or null for all rows), got {value}")
+    check_floats(config, _FLOAT_RANGES)
+    check_output_dir("output.dir", config.output.dir)
 
 
 # ---------------------------------------------------------------- tokens
@@ -491,6 +501,7 @@ def prepare_run(config: Any, config_dict: dict) -> str:
         torch.set_num_threads(config.train.threads)
     seed_everything(config.train.seed)
     output_dir = Path(config.output.dir)
+    claim_output_dir(output_dir, config.output.overwrite)  # before the model loads: a refusal costs nothing
     if is_main_process():
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))

@@ -25,10 +25,11 @@ from polo.models.lora import add_adapters, freeze_base_dtype, load_adapters
 from polo.models.precision import MasterWeights
 from polo.rewards import RewardSet
 from polo.rl.critic import Critic, build_critic
+from polo.rl.guard import check_guard_settings
 from polo.rl.modules import UpdateModules
 from polo.rl.update import update_modules
 from polo.runtime import distributed as parallel
-from polo.runtime.checkpoint import Checkpointer
+from polo.runtime.checkpoint import Checkpointer, claim_output_dir
 from polo.runtime.device import resolve_train_precision
 from polo.runtime.distributed import is_main_process
 from polo.runtime.metrics import truncate_metrics
@@ -88,14 +89,12 @@ def checked_config(config, overrides: list[str] | None) -> Config:
 
 
 def find_resume_point(config: Config, checkpointer: Checkpointer) -> Path | None:
-    """Return the checkpoint to resume from (None for a fresh run, whose old logs are removed)."""
-    output_dir = Path(config.output.dir)
+    """Return the checkpoint to resume from, or None for a fresh run (refused over an earlier run unless overwrite)."""
     resume_from = checkpointer.latest() if config.output.resume else None
+    if resume_from is None:
+        claim_output_dir(Path(config.output.dir), config.output.overwrite, config.output.resume)
     if config.output.resume and resume_from is None and is_main_process():
         print(f"polo: resume=true but no checkpoint in {checkpointer.root}; starting from step 0")
-    if resume_from is None and is_main_process():
-        for old_log in ("metrics.jsonl", "samples.jsonl"):
-            (output_dir / old_log).unlink(missing_ok=True)  # a fresh run must not mix with an old run's rows
     return resume_from
 
 
@@ -175,6 +174,7 @@ def set_up(config, overrides: list[str] | None = None, reward_functions: dict | 
         torch.set_num_threads(config.train.threads)
     task = make_task(config)
     reward_set = RewardSet({**config.rewards, **(reward_functions or {})}, task, on_error=config.train.on_reward_error)
+    check_guard_settings(config)
     checkpointer = Checkpointer(output_dir, config.output.keep_checkpoints)
     resume_from = find_resume_point(config, checkpointer)
     # Ranks sample different completions (seed + rank); they all start from the same weights.

@@ -19,11 +19,12 @@ from polo.config import Config
 from polo.evaluation.evaluate import greedy_accuracy
 from polo.evaluation.plots import plot_run
 from polo.models.lora import trainable_summary
+from polo.rl.guard import DivergenceGuard
 from polo.rl.setup import Run, set_up
 from polo.rl.step import rl_step, sampling_weights
 from polo.runtime import distributed as parallel
 from polo.runtime.distributed import is_main_process
-from polo.runtime.errors import NonFiniteLossError
+from polo.runtime.errors import DivergenceError, NonFiniteLossError
 from polo.runtime.interrupt import StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
 
@@ -70,6 +71,7 @@ def train_loop(run: Run) -> TrainResult:
         run.eval_before = evaluate(0)
 
     saved_step, nonfinite_streak = run.start_step, 0
+    guard = DivergenceGuard(run.model, config, run.checkpointer)
     with StopRequest(logger.write) as stop:
         for step in range(run.start_step + 1, config.train.steps + 1):
             try:
@@ -78,7 +80,11 @@ def train_loop(run: Run) -> TrainResult:
             except NonFiniteLossError as error:  # the update was not applied: skip the step, or stop after too many
                 nonfinite_streak = skip_or_stop(run, logger, step, nonfinite_streak + 1, error)
                 metrics, samples = {"skipped_nonfinite": 1.0}, []
+            diverged = guard.judge(step, metrics)  # before anything could evaluate or save the step's weights
             log_step(logger, step, metrics, samples)
+            if diverged:
+                logger.close()
+                raise DivergenceError(diverged)
             if config.eval.every and step % config.eval.every == 0 and step != config.train.steps:
                 evaluate(step)
             stopping = parallel.any_rank(stop.requested)  # every rank stops after the same step
@@ -126,10 +132,12 @@ def skip_or_stop(run: Run, logger: MetricsLogger, step: int, streak: int, error:
     limit = run.config.train.max_nonfinite_steps
     if streak >= limit:
         logger.close()
+        latest = run.checkpointer.latest()  # every saved step passed the divergence guard: its weights are good
+        kept = (f"the last good checkpoint is {latest}" if latest is not None
+                else f"no checkpoint was written yet and the starting model {run.config.model.name} is untouched")
         raise NonFiniteLossError(
             f"{streak} steps in a row had a non-finite loss, stopping at step {step} "
-            f"(train.max_nonfinite_steps={limit}); the last good checkpoint is "
-            f"{run.checkpointer.latest()}. Last error: {error}"
+            f"(train.max_nonfinite_steps={limit}); {kept}. Last error: {error}"
         ) from error
     logger.write(f"polo: warning: step {step} skipped: {error}")
     return streak

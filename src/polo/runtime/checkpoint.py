@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from polo.config import ConfigError
 from polo.runtime import distributed as parallel
 from polo.runtime.distributed import is_main_process
 from polo.runtime.seeding import rng_state
@@ -24,6 +25,10 @@ from polo.runtime.seeding import rng_state
 
 class SaveError(OSError):
     """A model or checkpoint directory could not be written; nothing already saved was touched."""
+
+
+class OutputDirInUseError(ConfigError):
+    """A fresh run was pointed at a directory that holds an earlier run; nothing there was touched."""
 
 
 def _free_space(path: Path) -> str:
@@ -113,10 +118,16 @@ class Checkpointer:
                 **extra,
             }
             torch.save(state, staging / "trainer_state.pt")  # last: a checkpoint is whole once this exists
-        checkpoints = sorted(self.root.glob("step-*"), key=lambda path: int(path.name.split("-")[1]))
-        for old in checkpoints[: max(len(checkpoints) - self.keep, 0)]:
-            shutil.rmtree(old)
+        self._rotate(target)
         return target
+
+    def _rotate(self, newest: Path) -> None:
+        """Remove all but the `keep` newest checkpoints; `newest` (possibly the final model) stays whatever `keep` says."""
+        checkpoints = sorted(self.root.glob("step-*"), key=lambda path: int(path.name.split("-")[1]))
+        # keep < 1 is refused by validation; this is the second line of defence, for callers that skip it.
+        for old in checkpoints[: max(len(checkpoints) - max(self.keep, 1), 0)]:
+            if old != newest:
+                shutil.rmtree(old)
 
 
 def mark_float32(config_path: Path) -> None:
@@ -124,3 +135,48 @@ def mark_float32(config_path: Path) -> None:
     config = json.loads(Path(config_path).read_text())
     config["dtype"] = "float32"
     Path(config_path).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+# What polo writes into an output directory; anything else there is the user's and is never touched.
+RUN_FILES = (
+    "checkpoints", "final", "tensorboard", "metrics.jsonl", "samples.jsonl", "config.yaml", "summary.json",
+    "reward.png", "accuracy.png", "length.png", "report.html",
+)
+
+
+def previous_run(output_dir: Path) -> list[Path]:
+    """Return the files and folders of an earlier run in `output_dir` (empty when there is none)."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = [output_dir / name for name in RUN_FILES if (output_dir / name).exists()]
+    return found + sorted(output_dir.glob("eval_step*.json"))
+
+
+def claim_output_dir(output_dir: Path, overwrite: bool, resume: bool | None = None) -> None:
+    """Refuse to start a fresh run over an earlier run's files unless `overwrite`, which removes them first.
+
+    Call it only when the run does not continue from a checkpoint. `resume` is None for commands
+    that cannot resume (polo sft, rm, dpo), else the run's `output.resume` (True here means it was
+    asked for but there is no checkpoint to continue from). Every rank may call it: all refuse
+    alike, and only the main process removes anything.
+    """
+    found = previous_run(output_dir)
+    if not found:
+        return
+    names = ", ".join(path.name + ("/" if path.is_dir() else "") for path in found[:4]) + (", ..." if len(found) > 4 else "")
+    if not overwrite:
+        if resume:
+            raise OutputDirInUseError(
+                f"output.resume=true but output.dir {output_dir} has no complete checkpoint, only an earlier run's files ({names}): "
+                "replace them with output.overwrite=true, or pick a new output.dir"
+            )
+        resumable = resume is not None and any(Path(output_dir).glob("checkpoints/step-*/trainer_state.pt"))
+        resume_way = "continue it with output.resume=true, or " if resumable else ""
+        raise OutputDirInUseError(
+            f"output.dir {output_dir} already holds a run ({names}): {resume_way}replace it with output.overwrite=true, or pick a new output.dir"
+        )
+    if is_main_process():
+        for path in found:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        print(f"polo: output.overwrite=true: removed the earlier run in {output_dir} ({names})")
