@@ -7,10 +7,12 @@ import math
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
 
+from polo.data import Task
 from polo.rewards import (
     BUILTIN_REWARDS,
     RewardFunctionError,
@@ -24,7 +26,6 @@ from polo.rewards import (
     resolve_reward,
     tag_count,
 )
-from polo.data import Task
 
 ROW_85 = {"question": "What is 47 + 38?", "answer": "85"}
 
@@ -209,7 +210,7 @@ def test_tag_count_partial_credit(completion, expected):
 
 def test_builtin_rewards_resolve():
     task = make_task()
-    assert set(BUILTIN_REWARDS) == {"code", "correct", "r1_format", "tag_count"}
+    assert set(BUILTIN_REWARDS) == {"code", "code_fraction", "correct", "r1_format", "tag_count"}
     assert resolve_reward("correct", task) == ("correct", task.correctness)
     assert resolve_reward("r1_format", task) == ("r1_format", r1_format)
     assert resolve_reward("tag_count", task) == ("tag_count", tag_count)
@@ -292,7 +293,7 @@ def test_unknown_plain_name_lists_builtins_and_import_form():
         resolve_reward("accuracy", make_task())
     message = str(info.value)
     assert "'accuracy'" in message
-    assert "['code', 'correct', 'r1_format', 'tag_count']" in message
+    assert "['code', 'code_fraction', 'correct', 'r1_format', 'tag_count']" in message
     assert "module:function" in message
 
 
@@ -398,3 +399,202 @@ def test_reward_set_rejects_empty_and_duplicate_names():
 def test_empty_batch_scores_to_empty_tensors():
     total, columns = RewardSet({"correct": 1.0}, make_task()).score([], [])
     assert total.shape == (0,) and columns["correct"].shape == (0,)
+
+
+# ---------------------------------------------------------------- attacks on the code reward
+# Model-written programs that try to earn reward without solving, or to crash the trainer. Each is
+# scored through RewardSet, as the trainer does, with on_error="raise": nothing may raise, and
+# the code reward must be 0 (the fraction too, where a constant could not pass a test).
+
+from polo.data.code import CODE_PROBLEMS_PATH, read_code_problems
+from polo.rewards.code import (
+    CodeReward,
+    _read_reports,
+    _test_outcomes,
+    parse_test,
+    read_value,
+)
+from polo.sandbox.runner import SandboxLimits
+
+ATTACK_LIMITS = SandboxLimits(timeout_s=3.0)
+# No constant passes any of these, and each statement test hides what its call should return.
+ADD_ROW = {"tests": ["assert add(1, 2) == 3", "assert abs(add(0.5, 0.25) - 0.75) < 1e-9",
+                     "assert not add(2, 2) != 4 and add(-1, -1) < -1",
+                     "assert isinstance(add(1, 1), int) and add(1, 1) == 2"]}
+MARKER_FROM_FILE = (
+    "import re\n"
+    "MARKER = re.search(r'@@polo-[0-9a-f]+@@', open('/run/polo/main.py').read()).group(0)\n"
+)
+
+
+def code_rewards() -> RewardSet:
+    return RewardSet({"code": 1.0, "code_fraction": 0.0}, make_task(), on_error="raise")
+
+
+def scored(completion: object, row: dict) -> tuple[float, float]:
+    """Return (code, code_fraction) for one completion, as the trainer scores it."""
+    _, columns = code_rewards().score([completion], [row])
+    return columns["code"].item(), columns["code_fraction"].item()
+
+
+ANSWER_KEY_THIEF = f"""
+import json, os
+def find():
+    for path in [{str(CODE_PROBLEMS_PATH)!r}] + [os.path.join(r, n) for r, _, ns in os.walk('/') for n in ns]:
+        if path.endswith('code_problems.jsonl') and os.path.exists(path):
+            return [json.loads(line) for line in open(path)]
+    raise LookupError('no answer key in sight')
+for problem in find():
+    exec(problem['answer'])
+"""
+FORGER = MARKER_FROM_FILE + (
+    "import json, os\n"
+    "lines = b''\n"
+    "for i in range(8):\n"  # claim every test before the harness can, in every shape
+    "    for value in ('True', '3', '0.75', '4'):\n"
+    "        for count in (1, 2):\n"
+    "            lines += (MARKER + json.dumps({'test': i, 'leaves': [['value', value]] * count}) + '\\n').encode()\n"
+    "    lines += (MARKER + repr(('test', i, 'pass', '')) + '\\n').encode()\n"  # the old format
+    "for fd in range(1, 64):\n"  # wherever the results go
+    "    try:\n"
+    "        os.write(fd, lines)\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "def add(a, b):\n"
+    "    return 0\n"
+)
+FRAME_FORGER = (
+    "import sys\n"
+    "harness = sys._getframe(1).f_globals\n"
+    "harness['_repr'] = lambda value: 'True'\n"  # every leaf now "returns" True
+    "def add(a, b):\n"
+    "    return None\n"
+)
+RIGGED_FLOAT = (
+    "class F(float):\n"
+    "    def __eq__(self, other): return True\n"
+    "    __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__\n"
+    "    def __abs__(self): return self\n"
+    "    def __sub__(self, other): return self\n"
+    "    __add__ = __radd__ = __rsub__ = __sub__\n"
+    "    def __bool__(self): return True\n"
+    "    __hash__ = float.__hash__\n"
+    "def add(a, b):\n"
+    "    return F(0.0)\n"
+)
+PATCHED_BUILTINS = (
+    "import builtins\n"
+    "builtins.repr = lambda value: '3'\n"
+    "builtins.isinstance = lambda *a: True\n"
+    "builtins.abs = lambda value: 0\n"
+    "class AssertionError(Exception): pass\n"
+    "builtins.AssertionError = AssertionError\n"
+    "def add(a, b):\n"
+    "    return 0\n"
+)
+FD_CLOSER = "import os\nos.closerange(3, 1024)\ndef add(a, b):\n    return a + b\n"
+
+
+@pytest.mark.parametrize("program", [FORGER, FRAME_FORGER, RIGGED_FLOAT, PATCHED_BUILTINS],
+                         ids=["forged-report-lines", "harness-frames", "rigged-float", "patched-builtins"])
+def test_reward_without_solving_earns_nothing(program):
+    assert scored(f"```python\n{program}\n```", ADD_ROW) == (0.0, 0.0)
+
+
+def test_stealing_the_answer_key_earns_nothing():
+    problem = read_code_problems()[0]
+    code, fraction = scored(f"```python\n{ANSWER_KEY_THIEF}\n```", problem)
+    assert (code, fraction) == (0.0, 0.0)
+    result = CodeReward(ATTACK_LIMITS).result(ANSWER_KEY_THIEF, problem)
+    assert result.failure_kinds[0] == "solution_error" and "no answer key in sight" in result.reason
+
+
+def test_closing_the_result_channel_earns_nothing():
+    assert scored(FD_CLOSER, ADD_ROW) == (0.0, 0.0)
+
+
+def test_constant_stubs_earn_nothing_by_default():
+    problems = read_code_problems()[:6]
+    for stub in ("return True", "return 0", "return None", "return []"):
+        for problem in problems:
+            code, _ = scored(f"def {problem['entry_point']}(*args, **kwargs):\n    {stub}\n", problem)
+            assert code == 0.0, (stub, problem["entry_point"])
+
+
+REPORT_BOMBS = [
+    "[" * 100_000 + "]" * 100_000,  # deep JSON
+    '{"test": 0, "leaves": 5}', '{"test": "0", "leaves": []}', '{"test": 0, "leaves": [["value", 5]]}',
+    '{"test": 0, "leaves": [["value", "' + "[" * 5000 + '"]]}',  # deep literal
+    '{"test": 0, "leaves": [["value", "' + "-" * 9000 + '1"]]}',  # deep unary minus
+    '{"test": 0, "leaves": [["value", "' + "9" * 9000 + '"]]}',  # past the int digit limit
+    '{"test": 0, "leaves": [["value", "(1,)*10**9"]]}', '{"test": 0, "leaves": [["nope"]]}',
+    '{"test": 99, "leaves": []}', '{"test": true, "leaves": []}', '{"solution": ["x"], "detail": {}}',
+    '[1, 2]', '"text"', 'null', '{"test": 0, "setup_error": [1]}', "\udcff\x00 not json",
+]
+
+
+def test_malformed_reports_fail_their_test_and_never_raise():
+    parsed = [parse_test(test) for test in ADD_ROW["tests"]]
+    for bomb in REPORT_BOMBS:
+        reports = _read_reports(("@@m@@" + bomb + "\n").encode(errors="surrogateescape"), "@@m@@")
+        outcomes = _test_outcomes(reports, parsed)
+        assert not any(outcome.passed for outcome in outcomes.values()), bomb[:60]
+    for text in ("[" * 5000, "-" * 9000 + "1", "9" * 9000, "(" * 300 + ")" * 300, None, 5, "x" * 20_000):
+        with pytest.raises(Exception) as info:
+            read_value(text)
+        assert type(info.value).__name__ == "UnreadableValue"
+
+
+PARENT_BOMBS = [
+    # (program, tests): values the program picks, meeting arithmetic the tests do in the parent.
+    (MARKER_FROM_FILE + "import os, json\nfor bomb in %r:\n    os.write(1, (MARKER + bomb + '\\n').encode())\n"
+     "def add(a, b):\n    return 0\n" % REPORT_BOMBS[:12], ADD_ROW["tests"]),
+    ("def add(a, b):\n    return 10 ** 3000\n",
+     ["assert add(1, 2) ** add(1, 2) == 27", "assert 2 ** add(1, 2) == 8", "assert 1 << add(1, 2) == 8"]),
+    ("def add(a, b):\n    return 'x' * 9000\n", ["assert add(1, 2) * 10 ** 9 == ''", "assert [0] * len(add(1, 2)) * 10 ** 6 == []"]),
+    ("def add(a, b):\n    x = []\n    for _ in range(100000):\n        x = [x]\n    return x\n", ["assert add(1, 2) == 3"]),
+    ("import builtins\ndef boom(*a):\n    raise RecursionError\nbuiltins.repr = boom\ndef add(a, b):\n    return 4\n",
+     ["assert add(1, 2) == 3"]),
+    ("class R:\n    def __repr__(self):\n        return 5\ndef add(a, b):\n    return R()\n", ["assert add(1, 2) == 3"]),
+    ("class S(str):\n    pass\nclass R:\n    def __repr__(self):\n        return S('3')\ndef add(a, b):\n    return R()\n",
+     ["assert add(1, 2) == 3"]),
+]
+
+
+@pytest.mark.parametrize("program, tests", PARENT_BOMBS, ids=["forged-bombs", "huge-int", "huge-str", "deep-list",
+                                                              "repr-raises", "repr-not-str", "repr-str-subclass"])
+def test_programs_cannot_crash_or_stall_the_parent(program, tests):
+    started = time.monotonic()
+    code, fraction = scored(program, {"tests": tests})
+    assert (code, fraction) == (0.0, 0.0)
+    assert time.monotonic() - started < ATTACK_LIMITS.timeout_s + 5
+
+
+@pytest.mark.parametrize("completion", [None, b"def add(a, b): return a + b", "\ud800\x00def add(a, b):\n", "x" * 10**6])
+def test_odd_completions_score_zero(completion):
+    assert scored(completion, ADD_ROW) == (0.0, 0.0)
+
+
+def test_accuracy_check_never_stops_training(user_module):
+    def checker(completion, row):
+        if "boom" in completion:
+            raise RecursionError("maximum recursion depth exceeded")
+        return float("nan") if "nan" in completion else 1.0
+
+    for on_error in ("raise", "zero"):
+        rewards = RewardSet({"r1_format": 1.0}, make_task(checker), on_error=on_error)
+        accuracy = rewards.correctness(["fine", "boom", "nan"], [ROW_85] * 3)
+        assert accuracy.tolist() == [1.0, 0.0, 0.0]
+        assert rewards.failure_counts() == {"correct": {"RecursionError": 1, "non_finite": 1}}
+        assert rewards.failure_counts() == {}  # counted once
+
+
+def test_reward_module_in_the_current_directory_is_importable(tmp_path, monkeypatch):
+    (tmp_path / "polo_cwd_reward.py").write_text("def shout(completion, row):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        name, function = resolve_reward("polo_cwd_reward:shout", make_task())
+        assert (name, function("x", ROW_85)) == ("shout", 1.0)
+    finally:
+        sys.modules.pop("polo_cwd_reward", None)

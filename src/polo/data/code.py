@@ -3,7 +3,8 @@ running the completion's code against each problem's tests in the sandbox (``pol
 
 The problems ship with polo in ``polo/data/problems/code_problems.jsonl``: one JSON object per line with
 ``question``, ``answer`` (a reference solution), ``entry_point`` (the function's name) and
-``tests`` (3-6 ``assert <call> == <literal>`` statements).
+``tests`` (3-6 ``assert <call> == <literal>`` statements; in general each test is an assert,
+optionally after setup statements, judged in the parent as ``polo.rewards.code`` describes).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from polo.rewards.code import all_tests_pass
 from polo.data.base import Task, TaskDataError, first_rows, read_jsonl, text_field
+from polo.rewards.code import TestFormatError, all_tests_pass, parse_test
 
 CODE_PROBLEMS_PATH = Path(__file__).parent / "problems" / "code_problems.jsonl"
 DEFAULT_NUM_EVAL = 10
@@ -32,6 +33,11 @@ def code_row(row: dict, path: str | Path, line: int) -> dict:
         raise TaskDataError(
             path, line, f"field 'tests' must be a non-empty list of assert statements, got {tests!r}"
         )
+    for test in tests:
+        try:
+            parse_test(test)
+        except TestFormatError as exc:
+            raise TaskDataError(path, line, f"field 'tests': {exc}") from exc
     return dict(row)
 
 
@@ -45,8 +51,8 @@ def code_task(num_train: int | None = None, num_eval: int | None = None, seed: i
 
     Eval takes the first ``num_eval`` problems of the shuffled list (default 10), train the
     rest (the first ``num_train`` of them when given), so the eval split for a seed does not
-    depend on ``num_train``. Correctness is 1.0 when the completion passes every test (the
-    ``code`` reward gives the fraction passed).
+    depend on ``num_train``. Correctness is 1.0 when the completion passes every test (so is the
+    ``code`` reward; ``code_fraction`` gives the fraction passed).
     """
     problems = read_code_problems()
     random.Random(seed).shuffle(problems)

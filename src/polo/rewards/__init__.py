@@ -11,8 +11,9 @@ raw column for logging.
 
 from __future__ import annotations
 
+import collections
 import functools
-import importlib
+import logging
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from polo.config.plugins import import_user_module
+from polo.config.schema import ConfigError
 from polo.rewards.answers import (
     CHECKERS,
     answer_region,
@@ -31,13 +34,16 @@ from polo.rewards.answers import (
     math_verify_answer,
     parse_number,
 )
-from polo.rewards.code import code_reward
+from polo.rewards.code import code_fraction_reward, code_reward
 from polo.rewards.format import r1_format, tag_count
+from polo.sandbox.runner import SandboxError
 
 if TYPE_CHECKING:  # only for annotations: tasks import rewards, so no runtime cycle
     from polo.data.base import Task
 
 RewardFn = Callable[[str, dict], float]
+
+logger = logging.getLogger(__name__)
 
 _SNIPPET_CHARS = 80
 
@@ -58,6 +64,7 @@ BUILTIN_REWARDS: dict[str, Callable[[Task], RewardFn]] = {
     "correct": _task_correctness,
     # The shared instance, so its result cache also serves the code task's correctness check.
     "code": _ignoring_task(code_reward),
+    "code_fraction": _ignoring_task(code_fraction_reward),
     "r1_format": _ignoring_task(r1_format),
     "tag_count": _ignoring_task(tag_count),
 }
@@ -66,9 +73,11 @@ BUILTIN_REWARDS: dict[str, Callable[[Task], RewardFn]] = {
 class RewardFunctionError(RuntimeError):
     """A reward function raised or returned something unusable for one sample."""
 
-    def __init__(self, reward_name: str, sample_index: int, completion: str, reason: str) -> None:
+    def __init__(self, reward_name: str, sample_index: int, completion: str, reason: str, kind: str = "error") -> None:
         self.reward_name = reward_name
         self.sample_index = sample_index
+        self.kind = kind  # counted as reward/<name>/failures/<kind> where the error is scored 0
+        completion = completion if isinstance(completion, str) else repr(completion)
         snippet = completion[:_SNIPPET_CHARS] + ("..." if len(completion) > _SNIPPET_CHARS else "")
         super().__init__(
             f"reward function {reward_name!r} failed on sample {sample_index} "
@@ -90,18 +99,12 @@ def import_reward(path: str) -> RewardFn:
     if not module_name or not attribute:
         raise ValueError(f"reward import path {path!r} must look like 'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        # Only translate "this module does not exist"; a missing dependency *inside* the
+        # Also finds my_module.py in the current directory, as `python -m` would.
+        module = import_user_module(module_name, f"reward {path!r}")
+    except ConfigError as exc:
+        # Only "this module does not exist" lands here; a missing dependency *inside* the
         # user's module is their bug and keeps its own traceback.
-        path_is_missing = exc.name is not None and (
-            module_name == exc.name or module_name.startswith(exc.name + ".")
-        )
-        if not path_is_missing:
-            raise
-        raise ModuleNotFoundError(
-            f"reward {path!r}: cannot import module {module_name!r} ({exc})", name=exc.name
-        ) from exc
+        raise ModuleNotFoundError(str(exc), name=module_name) from exc
     if not hasattr(module, attribute):
         raise AttributeError(
             f"reward {path!r}: module {module_name!r} has no attribute {attribute!r}"
@@ -143,10 +146,10 @@ def _checked_value(value: object, name: str, index: int, completion: str) -> flo
     """Return a reward value as float, or raise RewardFunctionError if it is not a finite number."""
     if not isinstance(value, numbers.Real):
         raise RewardFunctionError(
-            name, index, completion, f"returned {type(value).__name__} {value!r}, expected a float"
+            name, index, completion, f"returned {type(value).__name__} {value!r:.80}, expected a float", "not_a_number"
         )
     if not math.isfinite(value):
-        raise RewardFunctionError(name, index, completion, f"returned non-finite value {value!r}")
+        raise RewardFunctionError(name, index, completion, f"returned non-finite value {value!r}", "non_finite")
     return float(value)
 
 
@@ -189,8 +192,10 @@ def _sample_reward(name: str, function: RewardFn, index: int, completion: str, r
     """Return `function(completion, row)` checked, any exception turned into a `RewardFunctionError` for this sample."""
     try:
         value = function(completion, row)
+    except SandboxError:
+        raise  # the machine cannot run the sandbox at all: no completion caused it, so stop
     except Exception as exc:
-        raise RewardFunctionError(name, index, completion, f"{type(exc).__name__}: {exc}") from exc
+        raise RewardFunctionError(name, index, completion, f"{type(exc).__name__}: {exc}", type(exc).__name__) from exc
     return _checked_value(value, name, index, completion)
 
 
@@ -209,7 +214,7 @@ def _batched_values(name: str, function: Callable, completions: Sequence[str], r
     """
     try:
         values = _as_list(function(list(completions), list(rows)))
-    except Exception:  # noqa: BLE001 - rescored per sample by the caller, which names the failing sample
+    except Exception:  # rescored per sample by the caller, which names the failing sample
         return None
     if len(values) != len(completions):
         index = min(len(values), len(completions) - 1)
@@ -260,6 +265,7 @@ class RewardSet:
             raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
         self.task = task
         self.on_error = on_error
+        self._correctness_failures: collections.Counter[str] = collections.Counter()
         # The errors of the last `score` call (on_error="zero"), for the caller to count and log.
         self.last_errors: list[RewardFunctionError] = []
         self._functions: dict[str, RewardFn] = {}
@@ -314,17 +320,34 @@ class RewardSet:
         return total, columns
 
     def failure_counts(self) -> dict[str, dict[str, int]]:
-        """Return, per reward that reports them (like ``code``), its failure counts by kind since the last call."""
-        return {
+        """Return, per reward that reports them (like ``code``, and ``correct``), its failure counts by kind since the last call."""
+        counts = {
             name: function.pop_failure_counts()
             for name, function in self._functions.items()
             if callable(getattr(function, "pop_failure_counts", None))
         }
+        if self._correctness_failures:
+            counts.setdefault("correct", {})
+            for kind, count in self._correctness_failures.items():
+                counts["correct"][kind] = counts["correct"].get(kind, 0) + count
+            self._correctness_failures.clear()
+        return counts
 
     def correctness(self, completions: Sequence[str], rows: Sequence[dict]) -> torch.Tensor:
-        """Return the task's correctness per completion, (batch,) float32 (the accuracy metric)."""
+        """Return the task's correctness per completion, (batch,) float32 (the accuracy metric).
+
+        Never raises because of a completion, whatever ``on_error`` says: the accuracy metric is
+        not a reward the user chose, so a checker failing on one completion scores it 0 and is
+        counted as ``reward/correct/failures/<kind>`` (and logged) rather than ending the run.
+        """
         _check_batch(completions, rows)
-        return _score_column("correct", self.task.correctness, completions, rows)
+        errors: list[RewardFunctionError] = []
+        column = _score_column("correct", self.task.correctness, completions, rows, errors)
+        for error in errors:
+            self._correctness_failures[error.kind] += 1
+        if errors:
+            logger.warning("accuracy check failed on %d completion(s), scored 0; first: %s", len(errors), errors[0])
+        return column
 
 
 __all__ = [

@@ -1,38 +1,49 @@
-"""The ``code`` reward: the fraction of a row's tests that the completion's Python code passes.
+"""The ``code`` reward: 1.0 when the completion's Python code passes every test of its row.
 
 Which code is run (``extract_code``): the last fenced block tagged ``python``/``py``/``python3``;
 else the last fenced block of any language; else the whole completion. A fence cut off by the
 token limit (no closing ```) runs to the end of the text.
 
-A row's ``"tests"`` is a list of Python ``assert`` statements. A test of the form
-``assert <expression> == <literal>`` (every test of the built-in task) is a *value test*: only
-the expression goes into the sandbox, its result comes back as ``repr`` and is compared with the
-literal here, in the parent, so a program cannot fake a pass without computing the right value.
-Any other assert is a *statement test*, run inside the sandbox, passing when it raises nothing
-(weaker: code that tampers with the interpreter could fake it).
+A row's ``"tests"`` are Python asserts, each optionally after setup statements. Every test is
+judged *here, in the parent*: its assert is split into the calls only the program can make
+(*leaves*, e.g. ``f(2)``, evaluated in the sandbox and sent back as ``repr``) and the rest
+(comparisons, arithmetic, ``and``/``or``/``not``, literals, a few pure builtins and ``math``
+functions), which never enters the sandbox. So the program is never told what a leaf should be,
+and nothing it prints can pass a test it did not compute: a report line is at most a claim about
+leaf values. Values are read back with a bounded literal parser (size, node and depth limits),
+so an object with rigged comparison dunders becomes a plain literal before anything compares it,
+and every malformed report fails its test instead of raising.
 
-Every failure has a reason (``CodeResult.reason``, one per test in ``CodeResult.tests``); the
-reward object counts reasons by kind in ``CodeReward.failure_counts`` and logs each at DEBUG.
+All-or-nothing by default (``code``): constant stubs (``return True``, ``return 0``, ...) earned
+a mean 0.30 over the built-in problems under fractional credit without solving any; the
+fraction of tests passed is the opt-in ``code_fraction`` reward (docs/sandbox.md).
+
+The reward never raises because of a completion: every failure, an internal one included, is a
+scored 0 with a kind (``CodeResult.failure_kinds``), counted in ``CodeReward.failure_counts`` and
+logged by the trainer as ``reward/code/failures/<kind>``.
 """
 
 from __future__ import annotations
 
 import ast
 import collections
+import json
 import logging
+import math
+import operator
 import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from polo.sandbox.runner import SandboxLimits, SandboxResult, run_python
+from polo.sandbox.runner import SandboxError, SandboxLimits, SandboxResult, run_python
 
 logger = logging.getLogger(__name__)
 
 # Short programs: generous for the built-in task, small enough that a batch of infinite loops
 # costs seconds, not minutes.
 DEFAULT_LIMITS = SandboxLimits(timeout_s=3.0, memory_bytes=512 * 2**20, max_output_bytes=64 * 2**10)
-_MAX_RESULT_REPR = 10_000
+_MAX_REPORT_CHARS = 1 << 20
 _CACHE_SIZE = 2048
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -82,112 +93,406 @@ class CodeResult:
         return self.total > 0 and self.passed == self.total
 
 
+MAX_VALUE_CHARS = 10_000
+_MAX_VALUE_NODES = 10_000
+_MAX_VALUE_DEPTH = 64
+# Arithmetic on values the program chose must not hang or exhaust the trainer.
+_MAX_INT_BITS = 1 << 16
+_MAX_SEQUENCE = 1 << 20
+
+_PURE_FUNCTIONS = {
+    "abs": abs, "all": all, "any": any, "bool": bool, "dict": dict, "float": float, "frozenset": frozenset,
+    "int": int, "isinstance": isinstance, "len": len, "list": list, "max": max, "min": min, "round": round,
+    "set": set, "sorted": sorted, "str": str, "sum": sum, "tuple": tuple, "type": type,
+}
+_PURE_NAMES = {**_PURE_FUNCTIONS, "complex": complex, "bytes": bytes, "NoneType": type(None)}
+_MATH = {"isclose": math.isclose, "fabs": math.fabs, "sqrt": math.sqrt, "floor": math.floor,
+         "ceil": math.ceil, "inf": math.inf, "pi": math.pi, "e": math.e}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+           ast.BitAnd: operator.and_, ast.BitOr: operator.or_, ast.BitXor: operator.xor,
+           ast.LShift: operator.lshift, ast.RShift: operator.rshift}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
+            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+_UNARY = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert}
+LEAF_PREFIX = "__polo_leaf_"
+
+
+class TestFormatError(ValueError):
+    __test__ = False  # not a pytest test class, despite the name
+
+    """A test the code reward cannot judge (not valid Python, or not ending in an assert)."""
+
+
+class LeafError(Exception):
+    """A leaf whose evaluation raised in the sandbox, or whose value could not be read back."""
+
+
+class UnreadableValue(LeafError):
+    """A leaf value that is not a small Python literal: a wrong answer (nothing else is comparable)."""
+
+
 @dataclass(frozen=True)
-class _Test:
-    """A parsed test: a value test has ``expression`` and ``expected``; else ``statement``."""
+class ParsedTest:
+    """One test: ``setup`` statements and ``leaves`` run in the sandbox, ``check`` is judged here.
+
+    ``expression``/``expected`` are set for the plain ``assert <expression> == <literal>`` form.
+    """
 
     source: str
+    setup: tuple[str, ...]
+    leaves: tuple[str, ...]
+    check: ast.Expression
     expression: str | None = None
     expected: object = None
-    statement: str | None = None
 
 
-def parse_test(test: str) -> _Test:
-    """Return the parsed form of one assert test (a value test when it compares with a literal)."""
+def parse_test(test: str) -> ParsedTest:
+    """Return the parsed form of one test: setup statements then an assert (TestFormatError otherwise)."""
     if not isinstance(test, str):
-        raise ValueError(f"a test must be a string holding an assert statement, got {test!r}")
+        raise TestFormatError(f"a test must be a string holding an assert statement, got {test!r:.80}")
     try:
-        tree = ast.parse(test)
-    except SyntaxError as exc:
-        raise ValueError(f"test {test!r} is not valid Python: {exc.msg}") from exc
-    node = tree.body[0] if len(tree.body) == 1 else None
-    if (
-        isinstance(node, ast.Assert)
-        and isinstance(node.test, ast.Compare)
-        and len(node.test.ops) == 1
-        and isinstance(node.test.ops[0], ast.Eq)
-    ):
+        body = ast.parse(test).body
+    except (SyntaxError, ValueError, MemoryError, RecursionError) as exc:
+        raise TestFormatError(f"test {test!r:.80} is not valid Python: {getattr(exc, 'msg', exc)}") from exc
+    if not body or not isinstance(body[-1], ast.Assert):
+        raise TestFormatError(f"test {test!r:.80} must end with an assert statement")
+    expression = expected = None
+    node = body[-1].test
+    if len(body) == 1 and isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
         try:
-            expected = ast.literal_eval(node.test.comparators[0])
-        except ValueError:
-            pass
-        else:
-            return _Test(test, expression=ast.unparse(node.test.left), expected=expected)
-    return _Test(test, statement=test)
+            expected = ast.literal_eval(node.comparators[0])
+            expression = ast.unparse(node.left)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            expected = None
+    leaves: list[str] = []
+    check = ast.Expression(_lift(node, leaves))  # rewrites the tree: after reading the plain form above
+    ast.fix_missing_locations(check)
+    return ParsedTest(test, tuple(ast.unparse(s) for s in body[:-1]), tuple(leaves), check, expression, expected)
 
 
-# The program sent to the sandbox. Results go to a private copy of stdout, one line each, behind
-# a per-run marker; the solution's own prints are sent to stderr (capped like everything else).
+def _is_pure_call(node: ast.Call) -> bool:
+    """Return whether a call is one of the pure functions the parent evaluates itself."""
+    func = node.func
+    named = isinstance(func, ast.Name) and func.id in _PURE_FUNCTIONS
+    in_math = (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+               and func.value.id == "math" and func.attr in _MATH)
+    plain_args = not any(isinstance(a, ast.Starred) for a in node.args) and all(k.arg for k in node.keywords)
+    # `len(stack)` or `isinstance(x, Node)`: an argument that names one of the program's objects
+    # cannot come back as a literal, so the whole call is the program's to evaluate.
+    values = [*node.args, *(k.value for k in node.keywords)]
+    names_an_object = any(
+        (isinstance(v, ast.Name) and v.id not in _PURE_NAMES)
+        or (isinstance(v, ast.Attribute) and not (isinstance(v.value, ast.Name) and v.value.id == "math"))
+        for v in values
+    )
+    return (named or in_math) and plain_args and not names_an_object
+
+
+def _lift(node: ast.expr, leaves: list[str]) -> ast.expr:
+    """Return ``node`` with every part only the program can compute replaced by a leaf name."""
+    def leaf() -> ast.expr:
+        leaves.append(ast.unparse(node))
+        return ast.Name(id=f"{LEAF_PREFIX}{len(leaves) - 1}", ctx=ast.Load())
+
+    if isinstance(node, ast.Constant):
+        return node
+    if isinstance(node, ast.Name):
+        return node if node.id in _PURE_NAMES else leaf()
+    if isinstance(node, ast.Attribute):
+        simple = isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _MATH
+        return node if simple else leaf()
+    if isinstance(node, ast.Call) and not _is_pure_call(node):
+        return leaf()
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(isinstance(e, ast.Starred) for e in node.elts):
+        return leaf()
+    if isinstance(node, ast.Dict) and any(key is None for key in node.keys):
+        return leaf()
+    lifted_types = (ast.Call, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp, ast.BinOp, ast.BoolOp,
+                    ast.Compare, ast.IfExp, ast.Subscript, ast.Slice, ast.keyword)
+    if not isinstance(node, lifted_types):
+        return leaf()
+    for name, value in ast.iter_fields(node):
+        if isinstance(value, ast.expr) and name != "func":
+            setattr(node, name, _lift(value, leaves))
+        elif isinstance(value, list):
+            setattr(node, name, [_lift(v, leaves) if isinstance(v, ast.expr) else _lift_keyword(v, leaves)
+                                 for v in value])
+    return node
+
+
+def _lift_keyword(item: object, leaves: list[str]) -> object:
+    """Return a call keyword with its value lifted (other list items, e.g. operators, unchanged)."""
+    if isinstance(item, ast.keyword):
+        item.value = _lift(item.value, leaves)
+    return item
+
+
+def read_value(text: object) -> object:
+    """Return the literal ``text`` denotes; LeafError when it is not a small, shallow Python literal."""
+    if not isinstance(text, str) or len(text) > MAX_VALUE_CHARS:
+        raise UnreadableValue("value is not a string of at most %d characters" % MAX_VALUE_CHARS)
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError, OverflowError) as exc:
+        raise UnreadableValue(f"returned non-literal value {text[:80]}") from exc
+    stack, count = [(tree.body, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if depth > _MAX_VALUE_DEPTH or count > _MAX_VALUE_NODES:
+            raise UnreadableValue(f"value nested deeper than {_MAX_VALUE_DEPTH} or larger than {_MAX_VALUE_NODES} nodes")
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    try:
+        return ast.literal_eval(tree)
+    except Exception as exc:  # any failure to read the value is that test's failure, never the trainer's
+        raise UnreadableValue(f"returned non-literal value {text[:80]}") from exc
+
+
+def _checked_size(value: object) -> object:
+    """Return ``value`` unless it is too large to keep computing with."""
+    if isinstance(value, int) and value.bit_length() > _MAX_INT_BITS:
+        raise OverflowError("integer too large to judge")
+    if isinstance(value, (str, bytes, list, tuple)) and len(value) > _MAX_SEQUENCE:
+        raise OverflowError("sequence too large to judge")
+    return value
+
+
+def _binary(op: ast.operator, left: object, right: object) -> object:
+    """Return ``left op right``, refusing operations whose result could be huge."""
+    if isinstance(op, ast.Pow) and isinstance(right, int) and isinstance(left, int):
+        if abs(right) > 4096 or left.bit_length() * abs(right) > _MAX_INT_BITS:
+            raise OverflowError("power too large to judge")
+    if isinstance(op, ast.LShift) and isinstance(right, int) and right > _MAX_INT_BITS:
+        raise OverflowError("shift too large to judge")
+    if isinstance(op, ast.Mult):
+        for count, other in ((left, right), (right, left)):
+            if isinstance(count, int) and isinstance(other, (str, bytes, list, tuple)):
+                if count * max(len(other), 1) > _MAX_SEQUENCE:
+                    raise OverflowError("repetition too large to judge")
+    if type(op) not in _BINARY:
+        raise TypeError(f"operator {type(op).__name__} is not judged")
+    return _checked_size(_BINARY[type(op)](left, right))
+
+
+class _Judge:
+    """Evaluates a lifted check over the values read back for its leaves."""
+
+    def __init__(self, leaves: list[object]) -> None:
+        self.leaves = leaves
+
+    def value(self, node: ast.expr) -> object:
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id.startswith(LEAF_PREFIX):
+                found = self.leaves[int(node.id[len(LEAF_PREFIX):])]
+                if isinstance(found, LeafError):
+                    raise found
+                return found
+            return _PURE_NAMES[node.id]
+        if isinstance(node, ast.Attribute):
+            return _MATH[node.attr]
+        if isinstance(node, ast.BoolOp):
+            return self.bool_op(node)
+        if isinstance(node, ast.Compare):
+            return self.compare(node)
+        if isinstance(node, ast.UnaryOp):
+            return _checked_size(_UNARY[type(node.op)](self.value(node.operand)))
+        if isinstance(node, ast.BinOp):
+            return _binary(node.op, self.value(node.left), self.value(node.right))
+        if isinstance(node, ast.IfExp):
+            return self.value(node.body) if self.value(node.test) else self.value(node.orelse)
+        return self.container(node)
+
+    def container(self, node: ast.expr) -> object:
+        if isinstance(node, ast.Tuple):
+            return tuple(self.value(e) for e in node.elts)
+        if isinstance(node, ast.List):
+            return [self.value(e) for e in node.elts]
+        if isinstance(node, ast.Set):
+            return {self.value(e) for e in node.elts}
+        if isinstance(node, ast.Dict):
+            return {self.value(k): self.value(v) for k, v in zip(node.keys, node.values)}
+        if isinstance(node, ast.Subscript):
+            return self.value(node.value)[self.value(node.slice)]
+        if isinstance(node, ast.Slice):
+            return slice(*(None if part is None else self.value(part) for part in (node.lower, node.upper, node.step)))
+        if isinstance(node, ast.Call):
+            function = self.value(node.func)
+            args = [self.value(a) for a in node.args]
+            return _checked_size(function(*args, **{k.arg: self.value(k.value) for k in node.keywords}))
+        raise TypeError(f"{type(node).__name__} is not judged")
+
+    def bool_op(self, node: ast.BoolOp) -> object:
+        result = None
+        for operand in node.values:
+            result = self.value(operand)
+            if bool(result) == isinstance(node.op, ast.Or):
+                return result
+        return result
+
+    def compare(self, node: ast.Compare) -> bool:
+        left = self.value(node.left)
+        for op, right_node in zip(node.ops, node.comparators):
+            right = self.value(right_node)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+
+
+def judge(test: ParsedTest, leaf_values: list[object]) -> tuple[bool, str]:
+    """Return (passed, reason) for ``test`` given its leaves' values (a LeafError for a failed leaf)."""
+    try:
+        passed = bool(_Judge(leaf_values).value(test.check.body))
+    except LeafError as exc:
+        return False, str(exc)[:300]
+    except Exception as exc:  # the values come from the program: an error while judging fails the test
+        return False, f"{type(exc).__name__}: {str(exc)[:200]}"
+    if passed:
+        return True, ""
+    if test.expression is not None:
+        got = leaf_values[0] if leaf_values else None
+        return False, f"got {got!r:.80}, expected {test.expected!r:.80}"
+    return False, "assertion failed"
+
+
+
+# The program sent to the sandbox. Results go to a private copy of stdout, one JSON line each,
+# behind a per-run marker; the solution's own prints go to stderr. Nothing it reports can pass a
+# test by itself: a test's verdict is computed in the parent from the leaf values (see above), so
+# a forged line can at most claim values, which are only right if the program computed them.
 _HARNESS = """\
-import os as _os, sys as _sys
+import os as _os, sys as _sys, json as _json
 _results = _os.fdopen(_os.dup(1), "w", buffering=1)
 _os.dup2(2, 1)
-def _report(*fields):
-    _results.write({marker!r} + repr(fields) + "\\n")
+_repr, _str, _type, _len = repr, str, type, len
+def _send(**fields):
+    _results.write({marker!r} + _json.dumps(fields) + "\\n")
+def _describe(exc):
+    try:
+        return ("%s: %s" % (_type(exc).__name__, exc))[:300]
+    except BaseException:
+        return _type(exc).__name__
 _namespace = {{"__name__": "solution"}}
 try:
     exec(compile({solution!r}, "solution.py", "exec"), _namespace)
 except BaseException as _exc:
-    _report("solution", type(_exc).__name__, str(_exc)[:300])
+    _send(solution=_type(_exc).__name__, detail=_describe(_exc))
     _os._exit(0)
-_report("solution", "ok", "")
-for _index, (_kind, _text) in enumerate({tests!r}):
+_send(solution="ok", detail="")
+for _index, (_setup, _leaves) in enumerate({tests!r}):
+    _scope = dict(_namespace) if _setup else _namespace
+    _values = []
     try:
-        if _kind == "value":
-            _value = repr(eval(compile(_text, "test_%d" % _index, "eval"), _namespace))
-            if len(_value) > {max_repr}:
-                _report("test", _index, "error", "result repr longer than {max_repr} characters")
-            else:
-                _report("test", _index, "value", _value)
-        else:
-            exec(compile(_text, "test_%d" % _index, "exec"), _namespace)
-            _report("test", _index, "pass", "")
+        for _line in _setup:
+            exec(compile(_line, "test_%d" % _index, "exec"), _scope)
     except BaseException as _exc:
-        _report("test", _index, "error", ("%s: %s" % (type(_exc).__name__, _exc))[:300])
+        _send(test=_index, setup_error=_describe(_exc))
+        continue
+    for _leaf in _leaves:
+        try:
+            _text = _repr(eval(compile(_leaf, "test_%d" % _index, "eval"), _scope))
+            if _type(_text) is not _str or _len(_text) > {max_repr}:
+                _values.append(["error", "result repr longer than {max_repr} characters"])
+            else:
+                _values.append(["value", _text])
+        except BaseException as _exc:
+            _values.append(["error", _describe(_exc)])
+    _send(test=_index, leaves=_values)
 _sys.stdout.flush()
 _os._exit(0)
 """
 
 
-def harness_program(code: str, tests: Sequence[_Test], marker: str) -> str:
-    """Return the sandbox program that runs ``code`` and then each test, reporting per test."""
-    specs = [("value", t.expression) if t.expression is not None else ("statement", t.statement)
-             for t in tests]
-    return _HARNESS.format(marker=marker, solution=code, tests=specs, max_repr=_MAX_RESULT_REPR)
+def harness_program(code: str, tests: Sequence[ParsedTest], marker: str) -> str:
+    """Return the sandbox program that runs ``code`` and then each test's setup and leaves."""
+    specs = [(list(t.setup), list(t.leaves)) for t in tests]
+    return _HARNESS.format(marker=marker, solution=code, tests=specs, max_repr=MAX_VALUE_CHARS)
 
 
-def _read_reports(stdout: bytes, marker: str) -> list[tuple]:
-    """Return the harness's report tuples, in order (lines without the marker are ignored)."""
+def _read_reports(stdout: bytes, marker: str) -> list[dict]:
+    """Return the harness's reports, in order: JSON objects behind the marker (anything else is skipped)."""
     reports = []
     for line in stdout.decode(errors="replace").splitlines():
-        if line.startswith(marker):
-            try:
-                reports.append(ast.literal_eval(line[len(marker):]))
-            except (ValueError, SyntaxError):
-                continue
+        if not line.startswith(marker) or len(line) > _MAX_REPORT_CHARS:
+            continue
+        try:
+            report = json.loads(line[len(marker):])
+        except (ValueError, RecursionError, MemoryError):
+            continue
+        if isinstance(report, dict):
+            reports.append(report)
     return reports
 
 
-def _judge_value(test: _Test, index: int, value_repr: str) -> TestOutcome:
-    """Return the verdict for a value test from the repr the sandbox sent back."""
-    try:
-        value = ast.literal_eval(value_repr)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        return TestOutcome(index, False, "wrong_answer",
-                           f"test {index}: returned non-literal value {value_repr[:80]}")
-    try:
-        equal = bool(value == test.expected)
-    except Exception:  # noqa: BLE001 - comparing two literals should not raise, but never crash
-        equal = False
-    if equal:
+def _solution_outcomes(reports: list[dict], count: int) -> dict[int, TestOutcome]:
+    """Return a failure for every test when the solution itself raised, else nothing."""
+    solution = next((r for r in reports if "solution" in r), None)
+    if solution is None or solution.get("solution") == "ok":
+        return {}
+    error, detail = str(solution.get("solution"))[:80], str(solution.get("detail"))[:300]
+    kind = "syntax_error" if error in ("SyntaxError", "IndentationError", "TabError") else (
+        "memory" if error == "MemoryError" else "solution_error")
+    return {i: TestOutcome(i, False, kind, f"solution raised {detail or error}") for i in range(count)}
+
+
+def _leaf_values(report: dict, test: ParsedTest) -> list[object] | None:
+    """Return the values a test report gives for the test's leaves (a LeafError per failed leaf), or None if malformed."""
+    leaves = report.get("leaves")
+    if not isinstance(leaves, list) or len(leaves) != len(test.leaves):
+        return None
+    values: list[object] = []
+    for entry in leaves:
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in ("value", "error")
+                and isinstance(entry[1], str)):
+            return None
+        if entry[0] == "error":
+            values.append(LeafError(entry[1][:300]))
+            continue
+        try:
+            values.append(read_value(entry[1]))
+        except LeafError as exc:
+            values.append(exc)
+    return values
+
+
+def _test_outcome(report: dict, test: ParsedTest, index: int) -> TestOutcome:
+    """Return one test's verdict from its report, judged here."""
+    if "setup_error" in report:
+        detail = str(report["setup_error"])[:300]
+        return TestOutcome(index, False, _error_kind(detail), f"test {index}: setup raised {detail}")
+    values = _leaf_values(report, test)
+    if values is None:
+        return TestOutcome(index, False, "malformed_report", f"test {index}: malformed result")
+    passed, reason = judge(test, values)
+    if passed:
         return TestOutcome(index, True, "pass", "")
-    return TestOutcome(index, False, "wrong_answer",
-                       f"test {index}: got {value_repr[:80]}, expected {test.expected!r:.80}")
+    errors = [v for v in values if isinstance(v, LeafError) and not isinstance(v, UnreadableValue)]
+    kind = _error_kind(str(errors[0])) if errors else "wrong_answer"
+    return TestOutcome(index, False, kind, f"test {index}: {reason}")
 
 
-def _memory_kind(detail: str) -> str:
-    """Return "memory" for a MemoryError detail, else "error"."""
-    return "memory" if detail.startswith("MemoryError") else "error"
+def _error_kind(detail: str) -> str:
+    """Return the failure kind for an error a test raised in the sandbox."""
+    if detail.startswith("MemoryError"):
+        return "memory"
+    if detail.startswith("AssertionError"):
+        return "wrong_answer"
+    return "error"
+
+
+def _test_outcomes(reports: list[dict], parsed: list[ParsedTest]) -> dict[int, TestOutcome]:
+    """Return the verdict of every test the harness reported on (the first report of each counts)."""
+    outcomes = _solution_outcomes(reports, len(parsed))
+    for report in reports:
+        index = report.get("test")
+        if type(index) is not int or not 0 <= index < len(parsed) or index in outcomes:
+            continue
+        outcomes[index] = _test_outcome(report, parsed[index], index)
+    return outcomes
 
 
 def run_tests(code: str, tests: Sequence[str], limits: SandboxLimits = DEFAULT_LIMITS) -> CodeResult:
@@ -200,70 +505,58 @@ def run_tests(code: str, tests: Sequence[str], limits: SandboxLimits = DEFAULT_L
         return CodeResult(0, len(parsed), outcomes, "no code in the completion", None, ["no_code"])
     marker = "@@polo-" + secrets.token_hex(8) + "@@"
     sandbox = run_python(harness_program(code, parsed, marker), limits)
-    reports = _read_reports(sandbox.stdout, marker)
-    solution = next((r for r in reports if r[0] == "solution"), None)
-    outcomes: dict[int, TestOutcome] = {}
-    if solution is not None and solution[1] != "ok":
-        kind = "syntax_error" if solution[1] in ("SyntaxError", "IndentationError", "TabError") else (
-            "memory" if solution[1] == "MemoryError" else "solution_error")
-        reason = f"solution raised {solution[1]}: {solution[2]}"
-        outcomes = {i: TestOutcome(i, False, kind, reason) for i in range(len(parsed))}
-    for report in reports:
-        if report[0] != "test" or not 0 <= report[1] < len(parsed):
-            continue
-        index, verdict, detail = report[1], report[2], report[3]
-        if verdict == "value" and parsed[index].expression is not None:
-            outcomes[index] = _judge_value(parsed[index], index, detail)
-        elif verdict == "pass" and parsed[index].statement is not None:
-            outcomes[index] = TestOutcome(index, True, "pass", "")
-        elif verdict == "error":
-            kind = "wrong_answer" if detail.startswith("AssertionError") else _memory_kind(detail)
-            outcomes[index] = TestOutcome(index, False, kind, f"test {index}: {detail}")
+    outcomes = _test_outcomes(_read_reports(sandbox.stdout, marker), parsed)
     # Tests the program never reported on: cut short by the sandbox (timeout, signal, output).
     if sandbox.status == "ok":
-        missing_kind = "not_run"
-        missing_reason = "the program exited before reporting this test"
+        missing_kind, missing_reason = "not_run", "the program exited before reporting this test"
     else:
         missing_kind, missing_reason = sandbox.status, sandbox.reason
-    for index in range(len(parsed)):
-        if index not in outcomes:
-            outcomes[index] = TestOutcome(index, False, missing_kind, f"test {index}: {missing_reason}")
-    ordered = [outcomes[i] for i in range(len(parsed))]
+    ordered = [outcomes.get(i) or TestOutcome(i, False, missing_kind, f"test {i}: {missing_reason}")
+               for i in range(len(parsed))]
+    return _code_result(ordered, sandbox)
+
+
+def _code_result(ordered: list[TestOutcome], sandbox: SandboxResult | None) -> CodeResult:
+    """Return the CodeResult summarising per-test outcomes."""
     passed = sum(outcome.passed for outcome in ordered)
     failures = [outcome for outcome in ordered if not outcome.passed]
     reason = "all tests passed" if not failures else failures[0].reason
-    return CodeResult(passed, len(parsed), ordered, reason, sandbox,
-                      [outcome.kind for outcome in failures])
+    return CodeResult(passed, len(ordered), ordered, reason, sandbox, [outcome.kind for outcome in failures])
 
 
 class CodeReward:
-    """The ``code`` reward: ``reward(completion, row)`` is the fraction of ``row["tests"]`` passed.
+    """The ``code`` reward: 1.0 when the completion passes every test of ``row["tests"]``, else 0.0
+    (``partial_credit=True``: the fraction passed, the ``code_fraction`` reward).
 
     Results are cached by (code, tests), so the task's correctness check on the same completion
     does not run it twice. ``failure_counts`` counts failure kinds (one per failed test) since
-    the last ``pop_failure_counts()``; ``last_result`` is the latest ``CodeResult``.
+    the last ``pop_failure_counts()``; ``last_result`` is the latest ``CodeResult``. Only a row
+    without usable tests raises (a data error, the same for every completion); nothing a
+    completion contains does.
     """
 
-    __name__ = "code"
-
-    def __init__(self, limits: SandboxLimits = DEFAULT_LIMITS) -> None:
+    def __init__(self, limits: SandboxLimits = DEFAULT_LIMITS, partial_credit: bool = False) -> None:
         self.limits = limits
+        self.partial_credit = partial_credit
+        self.__name__ = "code_fraction" if partial_credit else "code"
         self.failure_counts: collections.Counter[str] = collections.Counter()
         self.last_result: CodeResult | None = None
 
     def result(self, completion: str, row: dict) -> CodeResult:
         """Return the full CodeResult for one completion (cached)."""
-        tests = row.get("tests")
+        tests = row.get("tests") if isinstance(row, dict) else None
         if not isinstance(tests, (list, tuple)) or not tests:
+            fields = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(
-                f"the code reward needs row['tests'], a non-empty list of assert statements; "
-                f"row has fields {sorted(row)}"
+                f"the code reward needs row['tests'], a non-empty list of assert statements; row has fields {fields}"
             )
-        code = extract_code(completion)
+        for test in tests:
+            parse_test(test)  # a malformed test is the dataset's error: raise it, naming the test
+        code = extract_code(completion) if isinstance(completion, str) else None
         key = (code, tuple(tests), self.limits)
         cached = _CACHE.get(key)
         if cached is None:
-            cached = run_tests(code, tests, self.limits)
+            cached = _scored(code, list(tests), self.limits)
             _CACHE[key] = cached
             if len(_CACHE) > _CACHE_SIZE:
                 _CACHE.popitem(last=False)
@@ -276,7 +569,8 @@ class CodeReward:
         return cached
 
     def __call__(self, completion: str, row: dict) -> float:
-        return self.result(completion, row).fraction
+        result = self.result(completion, row)
+        return result.fraction if self.partial_credit else float(result.all_passed)
 
     def pop_failure_counts(self) -> dict[str, int]:
         """Return the failure counts since the last call and reset them."""
@@ -285,9 +579,29 @@ class CodeReward:
         return counts
 
 
+def _scored(code: str | None, tests: list[str], limits: SandboxLimits) -> CodeResult:
+    """Return run_tests' result, or a scored failure of kind ``internal_error`` when scoring itself broke.
+
+    Only SandboxError passes through: the sandbox cannot run on this machine at all, which no
+    completion caused and which would otherwise score every completion 0 without a word.
+    """
+    if code is None:
+        outcomes = [TestOutcome(i, False, "no_code", "the completion is not text") for i in range(len(tests))]
+        return _code_result(outcomes, None)
+    try:
+        return run_tests(code, tests, limits)
+    except SandboxError:
+        raise
+    except Exception as exc:  # e.g. MemoryError on a huge completion: that completion fails, training goes on
+        logger.warning("code reward: scoring a completion failed (%s: %.200s); scored 0", type(exc).__name__, exc)
+        reason = f"scoring failed: {type(exc).__name__}"
+        return _code_result([TestOutcome(i, False, "internal_error", reason) for i in range(len(tests))], None)
+
+
 _CACHE: collections.OrderedDict[tuple, CodeResult] = collections.OrderedDict()
 
 code_reward = CodeReward()
+code_fraction_reward = CodeReward(partial_credit=True)
 
 
 def all_tests_pass(completion: str, row: dict) -> float:
@@ -296,13 +610,17 @@ def all_tests_pass(completion: str, row: dict) -> float:
 
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "CodeResult",
     "CodeReward",
-    "DEFAULT_LIMITS",
     "TestOutcome",
     "all_tests_pass",
+    "code_fraction_reward",
     "code_reward",
     "extract_code",
+    "harness_program",
+    "judge",
     "parse_test",
+    "read_value",
     "run_tests",
 ]

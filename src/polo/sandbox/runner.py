@@ -1,32 +1,15 @@
 """Run untrusted Python programs in a contained child process (for code-execution rewards).
 
 ``run_python(source, limits)`` returns a ``SandboxResult``; it never raises because of what the
-program does (only when the sandbox itself cannot be set up). Every run gets:
-
-- its own empty working directory (removed afterwards) and an empty environment
-  (``PATH=/usr/bin:/bin``, ``LANG=C.UTF-8``, ``HOME`` = the working directory; nothing inherited);
-- ``python -I -S`` (isolated mode, no site-packages: the standard library only);
-- resource limits set with ``setrlimit`` in the child: CPU seconds, address space, file size,
-  processes, open files, no core dumps;
-- a wall-clock timeout that kills the whole process group (and the PID namespace when there is
-  one); stdout and stderr are each read up to ``max_output_bytes`` and the child is killed when
-  it writes more, so a program printing a gigabyte costs neither memory nor disk.
-
-Where the kernel allows it (detected per run, reported in ``SandboxResult.isolation``; see
-``detect_isolation()`` and docs/sandbox.md) the child also gets:
-
-- new network, PID, IPC and mount namespaces: no network at all (not even loopback), no view of or
-  signal to any process outside the sandbox, a private ``/proc``;
-- a read-only, nosuid view of the whole file system, with fresh size-limited tmpfs mounts on the
-  working directory and ``/tmp`` that vanish with the namespace;
-- as root: a throwaway uid/gid (one per run, no supplementary groups), so RLIMIT_NPROC is enforced
-  (root ignores it) and root-owned files are out of reach; without root: a user namespace, with
-  every capability dropped before the program starts;
-- ``PR_SET_NO_NEW_PRIVS``, so setuid binaries cannot raise privileges.
-
-What is not contained: CPU cache/timing side channels, reading world-readable files, and (without
-namespaces) the network and the file system as the parent's user sees them. The module logs the
-isolation in force once per process at INFO, and at WARNING when there is no namespace isolation.
+program does, only ``SandboxError`` when the sandbox itself cannot run on this machine (with one
+line saying why). Every program runs under bubblewrap (``polo.sandbox.bwrap``: a fresh root
+holding only the interpreter, its standard library and their shared libraries, read-only; a
+private tmpfs working directory and ``/tmp``; new network, PID, IPC, UTS and cgroup namespaces)
+and a seccomp filter (``polo.sandbox.seccomp``: no sockets, namespaces, io_uring, bpf, perf,
+keyrings, ptrace or mounts). Inside, the program runs as a throwaway uid (as root) with no
+capabilities, ``no_new_privs``, an empty environment, ``python -I -S`` and rlimits on CPU,
+memory, file size, processes and open files; the parent enforces a wall-clock timeout and caps
+stdout and stderr at ``max_output_bytes``. docs/sandbox.md says what is and is not contained.
 """
 
 from __future__ import annotations
@@ -40,10 +23,12 @@ import selectors
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+from polo.sandbox import bwrap
+from polo.sandbox.seccomp import SeccompUnavailable, compiled_filter
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +50,7 @@ class SandboxLimits:
     """Resource limits for one sandboxed program; the defaults suit short test programs.
 
     ``cpu_seconds=None`` means ``ceil(timeout_s)``. ``disk_bytes`` sizes each private tmpfs (the
-    working directory and ``/tmp``) when mount namespaces are available.
+    working directory and ``/tmp``).
     """
 
     timeout_s: float = 5.0
@@ -76,7 +61,6 @@ class SandboxLimits:
     max_open_files: int = 64
     max_output_bytes: int = 64 * 2**10
     disk_bytes: int = 16 * 2**20
-    namespaces: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
@@ -102,9 +86,12 @@ class SandboxLimits:
 class Isolation:
     """Which containment the kernel granted a run (True = in force)."""
 
+    bubblewrap: bool = False
+    seccomp: bool = False
     network_namespace: bool = False
     pid_namespace: bool = False
     ipc_namespace: bool = False
+    uts_namespace: bool = False
     mount_namespace: bool = False
     read_only_root: bool = False
     private_tmp: bool = False
@@ -155,11 +142,12 @@ class SandboxResult:
         return self.status == "ok"
 
 
-# The child's start-up code, run as ``python -I -S -c _CHILD <config json>`` in the new session.
-# It reads the program, enters namespaces, forks the program's process (PID 1 of the new PID
-# namespace when there is one), sets up mounts, drops privileges and limits, and reports on the
-# status pipe: "iso <words>", "pid <pid>", then "exit <code>" or "signal <number>".
-_CHILD = r'''
+# The runner, started by bwrap as ``python -I -S -c _CHILD <config json>`` inside the sandbox (already
+# under the seccomp filter, in the new namespaces). It forks the program's process, which drops to the
+# throwaway uid and sets the rlimits before running the program; the runner reports on the status
+# pipe: "iso <words>", then "exit <code>" or "signal <number>". The runner keeps its uid (and, as
+# root, CAP_SETUID/CAP_SETGID), so the program can neither signal nor ptrace it.
+_CHILD = r"""
 import os, sys, json, signal, resource
 cfg = json.loads(sys.argv[1])
 status_fd = cfg["status_fd"]
@@ -167,113 +155,37 @@ def say(line):
     os.write(status_fd, (line + "\n").encode())
 with open(cfg["program"], encoding="utf-8") as handle:
     source = handle.read()
-os.unlink(cfg["program"])
-workdir = cfg["workdir"]
-uid, gid = cfg["uid"], cfg["gid"]
-is_root = os.geteuid() == 0
-iso = []
-libc = None
-NEWNS, NEWIPC, NEWUSER, NEWPID, NEWNET = 0x20000, 0x08000000, 0x10000000, 0x20000000, 0x40000000
-RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
-if cfg["namespaces"]:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    def mount(source_path, target, fstype, flags, data=None):
-        enc = lambda text: None if text is None else text.encode()
-        if libc.mount(enc(source_path), enc(target), enc(fstype), flags, enc(data)) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, "mount %s on %s: %s" % (fstype or source_path, target, os.strerror(errno)))
-    wanted = NEWNS | NEWNET | NEWPID | NEWIPC
-    if is_root and libc.unshare(wanted) == 0:
-        iso += ["mount_namespace", "network_namespace", "pid_namespace", "ipc_namespace"]
-    elif not is_root and libc.unshare(wanted | NEWUSER) == 0:
-        iso += ["user_namespace", "mount_namespace", "network_namespace", "pid_namespace", "ipc_namespace"]
-        # Map our own uid/gid to themselves so files we create on tmpfs have an owner.
-        real_uid, real_gid = cfg["parent_uid"], cfg["parent_gid"]
-        for name, text in (("uid_map", "%d %d 1" % (real_uid, real_uid)), ("setgroups", "deny"),
-                           ("gid_map", "%d %d 1" % (real_gid, real_gid))):
-            with open("/proc/self/" + name, "w") as handle:
-                handle.write(text)
-    elif libc.unshare(NEWNET) == 0:
-        iso += ["network_namespace"]
+os.environ.pop("PWD", None)  # bwrap's --chdir sets it; the program's environment is exactly the three
 
-def expose_python(prefix):
-    # A throwaway uid cannot traverse a 0700 home holding the interpreter (e.g. /root/.pyenv):
-    # cover the first closed ancestor with an empty tmpfs and bind the prefix back into it.
-    # This also hides the rest of that home directory from the program.
-    path, closed = "/", None
-    for part in prefix.strip("/").split("/"):
-        path = os.path.join(path, part)
-        if not os.stat(path).st_mode & 0o001:
-            closed = path
-            break
-    if closed is None:
-        return
-    stash = "/tmp/.polo-python"
-    os.mkdir(stash)
-    mount(prefix, stash, None, BIND | REC)
-    mount("tmpfs", closed, "tmpfs", NOSUID | NODEV, "size=64k,mode=0755")
-    os.makedirs(prefix)
-    mount(stash, prefix, None, BIND | REC)
-    mount(None, prefix, None, BIND | REMOUNT | RDONLY | NOSUID)
-    libc.umount2(stash.encode(), 2)  # MNT_DETACH
-    os.rmdir(stash)
+def status_fields():
+    fields = {}
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
 
-def set_up_mounts():
-    mount(None, "/", None, REC | PRIVATE)  # nothing below may propagate back to the host
-    # Read-only, nosuid view of every mount (mount_setattr with AT_RECURSIVE, Linux >= 5.12).
-    attr = (ctypes.c_uint64 * 4)(RDONLY | NOSUID, 0, 0, 0)
-    if libc.syscall(442, -100, b"/", 0x8000, ctypes.byref(attr), ctypes.sizeof(attr)) == 0:
-        iso.append("read_only_root")
-    tmp_options = "size=%d,nr_inodes=4096,mode=1777" % cfg["disk_bytes"]
-    mount("tmpfs", "/tmp", "tmpfs", NOSUID | NODEV, tmp_options)
-    for shared in ("/var/tmp", "/dev/shm", "/run/lock"):
-        if "read_only_root" not in iso and os.path.isdir(shared):
-            mount("tmpfs", shared, "tmpfs", NOSUID | NODEV, "size=64k,nr_inodes=64,mode=1777")
-    if is_root:
-        expose_python(cfg["python_prefix"])
-    os.makedirs(workdir, exist_ok=True)  # recreated inside the private /tmp when it lived there
-    owner = ",uid=%d,gid=%d" % (uid, gid) if is_root else ""
-    mount("tmpfs", workdir, "tmpfs", NOSUID | NODEV,
-          "size=%d,nr_inodes=4096,mode=0700%s" % (cfg["disk_bytes"], owner))
-    iso.append("private_tmp")
-    if "pid_namespace" in iso:
-        mount("proc", "/proc", "proc", NOSUID | NODEV | NOEXEC)
-        iso.append("private_proc")
-
-def drop_capabilities():
-    class Header(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-    data = (ctypes.c_uint32 * 6)()
-    if libc.capset(ctypes.byref(Header(0x20080522, 0)), data) != 0:
-        raise OSError(ctypes.get_errno(), "capset")
-    iso.append("capabilities_dropped")
-
-def readable_by_all(prefix):
-    path = "/"
-    for part in prefix.strip("/").split("/"):
-        path = os.path.join(path, part)
-        if not os.stat(path).st_mode & 0o001:
-            return False
-    return True
+def isolation_words():
+    words = ["bubblewrap"]
+    names = {"net": "network", "pid": "pid", "ipc": "ipc", "uts": "uts", "mnt": "mount", "user": "user"}
+    for name, host_inode in cfg["host_namespaces"].items():
+        if os.stat("/proc/self/ns/" + name).st_ino != host_inode:
+            words.append(names[name] + "_namespace")
+    fields = status_fields()
+    words += [word for word, ok in (("seccomp", fields.get("Seccomp") == "2"),
+                                    ("no_new_privs", fields.get("NoNewPrivs") == "1"),
+                                    ("capabilities_dropped", int(fields.get("CapEff", "1"), 16) == 0),
+                                    ("throwaway_uid", os.getuid() == cfg["uid"]),
+                                    ("read_only_root", os.statvfs("/").f_flag & os.ST_RDONLY != 0),
+                                    ("private_tmp", True),
+                                    ("private_proc", "pid_namespace" in words)) if ok]
+    return words
 
 def set_up_child():
-    if "mount_namespace" in iso:
-        set_up_mounts()
-    os.chdir(workdir)  # again: a tmpfs may now cover the old directory
-    if is_root and uid is not None and ("mount_namespace" in iso or readable_by_all(cfg["python_prefix"])):
-        if "mount_namespace" not in iso:
-            os.chown(workdir, uid, gid)
+    if cfg["uid"] is not None:
         os.setgroups([])
-        os.setgid(gid)
-        os.setuid(uid)
-        iso.append("throwaway_uid")
-        if "mount_namespace" in iso:
-            iso.append("capabilities_dropped")  # setuid away from 0 clears them
-    elif "user_namespace" in iso:
-        drop_capabilities()
-    if libc is not None and libc.prctl(38, 1, 0, 0, 0) == 0:  # PR_SET_NO_NEW_PRIVS
-        iso.append("no_new_privs")
+        os.setgid(cfg["gid"])
+        os.setuid(cfg["uid"])
     cpu = cfg["cpu_seconds"]
     for limit, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
                          (resource.RLIMIT_AS, cfg["memory_bytes"]),
@@ -284,7 +196,7 @@ def set_up_child():
         resource.setrlimit(limit, value if isinstance(value, tuple) else (value, value))
     # Over-size writes then fail with EFBIG (a readable error) instead of killing silently.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    say("iso " + " ".join(iso))
+    say("iso " + " ".join(isolation_words()))
 
 pid = os.fork()
 if pid == 0:
@@ -294,7 +206,7 @@ if pid == 0:
         say("setup-error %s: %s" % (type(exc).__name__, exc))
         os._exit(125)
     os.close(status_fd)
-    del cfg, libc
+    del cfg
     sys.argv = [PROGRAM]
     namespace = {"__name__": "__main__", "__file__": PROGRAM, "__builtins__": __builtins__}
     code = 0
@@ -313,14 +225,13 @@ if pid == 0:
         sys.stderr.flush()
     finally:
         os._exit(code & 0xFF)
-say("pid %d" % pid)
 _, wait_status = os.waitpid(pid, 0)
 if os.WIFSIGNALED(wait_status):
     say("signal %d" % os.WTERMSIG(wait_status))
 else:
     say("exit %d" % os.WEXITSTATUS(wait_status))
 os._exit(0)
-'''.replace("PROGRAM", repr(PROGRAM_FILE))
+""".replace("PROGRAM", repr(PROGRAM_FILE))
 
 _isolation_logged = False
 _detected: Isolation | None = None
@@ -339,21 +250,12 @@ def _throwaway_ids() -> tuple[int, int] | tuple[None, None]:
     return ident, ident
 
 
-def _kill(process: subprocess.Popen, program_pidfd: int | None) -> None:
-    """SIGKILL the program's PID namespace (via its init) and then the whole process group.
+def _kill(process: subprocess.Popen) -> None:
+    """SIGKILL bwrap and its process group.
 
-    The runner is given a moment to reap the killed program first: once the runner is gone the
-    program would be re-parented to the machine's init, which in some containers never reaps.
+    bwrap runs with ``--die-with-parent`` and is the parent of the namespace's init, so the kernel
+    kills the whole PID namespace (the program's daemonised children too) when bwrap dies.
     """
-    if program_pidfd is not None:
-        try:
-            signal.pidfd_send_signal(program_pidfd, signal.SIGKILL)
-        except OSError:
-            pass  # already gone
-        try:
-            process.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            pass
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -447,39 +349,78 @@ def _classify(
 def run_python(source: str, limits: SandboxLimits | None = None) -> SandboxResult:
     """Return the outcome of running ``source`` as ``main.py`` in a fresh sandbox.
 
-    Raises SandboxError only when the sandbox cannot be set up (a bug or an unusual kernel),
-    never because of the program.
+    Raises SandboxError only when the sandbox cannot run on this machine, never because of the program.
     """
     limits = SandboxLimits() if limits is None else limits
+    seccomp_program = _seccomp_program()
+    try:
+        bwrap.python_files()  # the first call scans libraries with ldd: not the program's time
+    except bwrap.ToolUnavailable as exc:
+        raise SandboxError(f"the code sandbox cannot run on this machine: {exc}") from exc
     workdir, program_path = _write_program(source)
     uid, gid = _throwaway_ids()
     status_read, status_write = os.pipe()
-    config = _runner_config(limits, status_write, program_path, workdir, uid, gid)
+    seccomp_read = _seccomp_pipe(seccomp_program)
+    config = _runner_config(limits, status_write, uid, gid)
     started = time.monotonic()
-    process = _start_runner(config, workdir, status_read, status_write)
-    os.close(status_write)
-    reader = _Reader(process, status_read, limits.max_output_bytes)
-    deadline = started + limits.timeout_s
-    timed_out = False
-    program_pidfd = None
     try:
-        while reader.open_fds:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = True
-                break
-            reader.pump(min(remaining, 0.5))
-            report = _parse_status(reader.status_lines())
-            if program_pidfd is None:
-                program_pidfd = _open_program_pidfd(report)
-            if _should_stop_watching(reader, process, report):
-                break
+        process = _start_runner(config, limits, workdir, program_path, status_write, seccomp_read)
+    except BaseException:
+        os.close(status_read)
+        raise
     finally:
-        duration = _release(process, reader, program_pidfd, status_read, workdir, started)
+        os.close(status_write)
+        os.close(seccomp_read)
+    reader = _Reader(process, status_read, limits.max_output_bytes)
+    timed_out = False
+    try:
+        timed_out = _watch(reader, process, started + limits.timeout_s)
+    finally:
+        duration = _release(process, reader, status_read, workdir, started)
     report = _parse_status(reader.status_lines())
     if "setup-error" in report:
         raise SandboxError(f"could not set up the sandbox: {report['setup-error']}")
+    if "iso" not in report and not timed_out:
+        _raise_if_tool_failed(reader)
     return _result(report, reader, timed_out, limits, duration)
+
+
+def _seccomp_program() -> bytes:
+    """Return the compiled syscall filter, or raise SandboxError saying why it cannot be built."""
+    try:
+        return compiled_filter()
+    except SeccompUnavailable as exc:
+        raise SandboxError(f"the code sandbox cannot run on this machine: {exc}") from exc
+
+
+def _seccomp_pipe(program: bytes) -> int:
+    """Return the read end of a pipe holding ``program`` (bwrap reads it to EOF; a few hundred bytes fit)."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, program)
+    finally:
+        os.close(write_end)
+    return read_end
+
+
+def _watch(reader: _Reader, process: subprocess.Popen, deadline: float) -> bool:
+    """Return True when the run hit the wall-clock deadline, after reading until it is over."""
+    while reader.open_fds:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return True
+        reader.pump(min(remaining, 0.5))
+        if _should_stop_watching(reader, process, _parse_status(reader.status_lines())):
+            return False
+    return False
+
+
+def _raise_if_tool_failed(reader: _Reader) -> None:
+    """Raise SandboxError when bwrap itself could not start the sandbox (it says so on stderr)."""
+    stderr = bytes(reader.buffers[reader.stderr_fd]).decode(errors="replace").strip()
+    if stderr.startswith("bwrap:"):
+        line = stderr.splitlines()[0][:300]
+        raise SandboxError(f"the code sandbox cannot run on this machine: {line} (see docs/sandbox.md)")
 
 
 def _write_program(source: str) -> tuple[str, str]:
@@ -491,44 +432,46 @@ def _write_program(source: str) -> tuple[str, str]:
     return workdir, program_path
 
 
-def _runner_config(
-    limits: SandboxLimits, status_fd: int, program_path: str, workdir: str, uid: int | None, gid: int | None
-) -> dict:
+def _host_namespaces() -> dict[str, int]:
+    """Return the inode of each of this process's namespaces, for the runner to compare with its own."""
+    inodes = {}
+    for name in ("net", "pid", "ipc", "uts", "mnt", "user"):
+        try:
+            inodes[name] = os.stat(f"/proc/self/ns/{name}").st_ino
+        except OSError:
+            continue
+    return inodes
+
+
+def _runner_config(limits: SandboxLimits, status_fd: int, uid: int | None, gid: int | None) -> dict:
     """Return the settings the runner script reads from its command line."""
     return {
-        "status_fd": status_fd, "program": program_path, "workdir": workdir,
-        "uid": uid, "gid": gid, "parent_uid": os.getuid(), "parent_gid": os.getgid(),
-        "namespaces": limits.namespaces, "python_prefix": sys.base_prefix,
+        "status_fd": status_fd, "program": bwrap.PROGRAM_PATH, "uid": uid, "gid": gid,
+        "host_namespaces": _host_namespaces(),
         "cpu_seconds": limits.cpu_limit, "memory_bytes": limits.memory_bytes,
         "file_size_bytes": limits.file_size_bytes, "max_processes": limits.max_processes,
-        "max_open_files": limits.max_open_files, "disk_bytes": limits.disk_bytes,
+        "max_open_files": limits.max_open_files,
     }
 
 
-def _start_runner(config: dict, workdir: str, status_read: int, status_write: int) -> subprocess.Popen:
-    """Return the started runner process (on failure, the pipe and working directory are released first)."""
+def _start_runner(
+    config: dict, limits: SandboxLimits, workdir: str, program_path: str, status_write: int, seccomp_read: int
+) -> subprocess.Popen:
+    """Return bwrap started on the runner (on failure the working directory is removed first)."""
+    runner = [bwrap.interpreter(), "-I", "-S", "-c", _CHILD, json.dumps(config)]
     try:
+        argv = bwrap.command(workdir, program_path, limits.disk_bytes, seccomp_read, runner)
         return subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _CHILD, json.dumps(config)],
-            cwd=workdir, env=child_environment(workdir), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_write,),
+            argv, cwd=workdir, env=child_environment(workdir), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_write, seccomp_read),
             start_new_session=True, close_fds=True,
         )
+    except bwrap.ToolUnavailable as exc:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise SandboxError(f"the code sandbox cannot run on this machine: {exc}") from exc
     except BaseException:
-        os.close(status_read)
-        os.close(status_write)
         shutil.rmtree(workdir, ignore_errors=True)
         raise
-
-
-def _open_program_pidfd(report: dict[str, str]) -> int | None:
-    """Return a pidfd for the program once the runner has reported its pid (-1: it is already gone)."""
-    if "pid" not in report or not hasattr(os, "pidfd_open"):
-        return None
-    try:
-        return os.pidfd_open(int(report["pid"]))
-    except OSError:
-        return -1  # already gone; do not try again
 
 
 def _should_stop_watching(reader: _Reader, process: subprocess.Popen, report: dict[str, str]) -> bool:
@@ -537,7 +480,7 @@ def _should_stop_watching(reader: _Reader, process: subprocess.Popen, report: di
         return True
     reported = "exit" in report or "signal" in report
     if reader.status_fd not in reader.open_fds and process.poll() is not None and not reported:
-        return True  # the runner was killed (by the program) before it could report
+        return True  # bwrap or the runner died before reporting
     if reported and reader.status_fd not in reader.open_fds:
         # Finished: take what is already in the pipes, without waiting for stragglers
         # (a daemonised grandchild may hold them open).
@@ -546,15 +489,11 @@ def _should_stop_watching(reader: _Reader, process: subprocess.Popen, report: di
     return False
 
 
-def _release(
-    process: subprocess.Popen, reader: _Reader, program_pidfd: int | None, status_read: int, workdir: str, started: float
-) -> float:
+def _release(process: subprocess.Popen, reader: _Reader, status_read: int, workdir: str, started: float) -> float:
     """Return the run's duration in seconds, after killing what is left of it and releasing its pipes and files."""
-    _kill(process, program_pidfd if program_pidfd not in (None, -1) else None)
+    _kill(process)
     process.wait()
     duration = time.monotonic() - started
-    if program_pidfd not in (None, -1):
-        os.close(program_pidfd)
     reader.close()
     process.stdout.close()
     process.stderr.close()
@@ -581,7 +520,8 @@ def _log_isolation_once(isolation: Isolation) -> None:
     if _isolation_logged:
         return
     _isolation_logged = True
-    level = logging.INFO if isolation.network_namespace and isolation.pid_namespace else logging.WARNING
+    complete = isolation.network_namespace and isolation.pid_namespace and isolation.seccomp
+    level = logging.INFO if complete else logging.WARNING
     logger.log(level, "code sandbox isolation %s", isolation.summary())
 
 
