@@ -52,3 +52,14 @@ def test_config_errors_name_the_bad_value():
         load_control_config(None, ["algorithm.name=sac"])
     with pytest.raises(ConfigError, match="multiple of"):
         load_control_config(None, ["algorithm.name=grpo", "algorithm.group_size=3", "train.episodes_per_update=16"])
+
+
+def test_a_second_run_into_the_same_directory_is_refused_unless_overwrite(tmp_path):
+    overrides = FAST + [f"output.dir={tmp_path}", "train.total_steps=100", "output.plots=false"]
+    train(RECIPES / "a2c_cartpole.yaml", overrides)
+    first = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"already holds a run \(.*metrics.jsonl.*\): replace it with output.overwrite=true, or pick a new output.dir"):
+        train(RECIPES / "a2c_cartpole.yaml", overrides)
+    assert (tmp_path / "metrics.jsonl").read_text() == first  # nothing lost
+    train(RECIPES / "a2c_cartpole.yaml", overrides + ["output.overwrite=true"])
+    assert (tmp_path / "metrics.jsonl").read_text() != first

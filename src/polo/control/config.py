@@ -94,6 +94,7 @@ class OutputConfig:
     """Where a run writes."""
 
     dir: str = "runs/control"
+    overwrite: bool = False  # replace an earlier run's files in dir (else a run there is refused)
     tensorboard: bool = True
     plots: bool = True
     progress: bool = True

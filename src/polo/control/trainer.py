@@ -26,6 +26,7 @@ from polo.control.ppo import PPO
 from polo.control.reinforce import Reinforce
 from polo.control.rollout import EpisodeCollector, EpisodeTracker, StepCollector, build_batch
 from polo.control.trpo import TRPO
+from polo.runtime.checkpoint import claim_output_dir
 from polo.runtime.metrics import MetricsLogger
 
 ALGORITHMS: dict[str, type[OnPolicyAlgorithm]] = {
@@ -152,11 +153,11 @@ def _make_collector(
 
 
 def _open_logger(config: ControlConfig, output_dir: Path, num_envs: int) -> MetricsLogger:
-    """Return the run's metrics logger, after writing `config.yaml` and dropping old metrics."""
+    """Return the run's metrics logger, after claiming `output_dir` and writing `config.yaml`."""
     train_config, output = config.train, config.output
+    # An earlier run's files are never silently replaced: refuse, or remove them with output.overwrite.
+    claim_output_dir(output_dir, output.overwrite)
     output_dir.mkdir(parents=True, exist_ok=True)
-    # Rows of an earlier run in the same directory would otherwise mix with this one's.
-    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
     (output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
     logger = MetricsLogger(output_dir, train_config.total_steps, 0, output.tensorboard, output.progress)
     logger.write(
