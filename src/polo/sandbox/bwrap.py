@@ -38,15 +38,41 @@ def bwrap_executable() -> str:
 
 
 def interpreter() -> str:
-    """Return the real path of the Python binary that runs programs (a venv's python is a link to it)."""
-    return os.path.realpath(sys.executable)
+    """Return the real path of the Python binary that runs programs: the base interpreter.
+
+    A venv's ``python`` is a link to its base interpreter (``home`` in ``pyvenv.cfg``), or with
+    ``--copies`` a copy of it, which would look for its standard library beside itself; the base
+    binary, where it lives (``/usr/bin``, ``~/.pyenv/versions/X``, a conda or uv install), finds the
+    standard library from its own location, and both are bound into the sandbox at the same paths.
+    """
+    for candidate in (getattr(sys, "_base_executable", None), sys.executable):
+        if candidate:
+            path = os.path.realpath(candidate)
+            if os.path.isfile(path) and os.access(path, os.X_OK):
+                return path
+    raise ToolUnavailable(f"cannot find this Python's own binary (sys.executable is {sys.executable!r})")
+
+
+def _dynload_directory(stdlib: str) -> str:
+    """Return the directory of the standard library's extension modules (``lib-dynload``).
+
+    Taken from ``sys.path``, which the interpreter computes from its own location when it starts
+    (``sysconfig``'s ``platstdlib`` names the venv instead, and ``DESTSHARED`` the build's path);
+    the entry under the base installation, not one that ``PYTHONPATH`` might have added.
+    """
+    base = os.path.realpath(sys.base_exec_prefix)
+    for entry in sys.path:
+        path = os.path.realpath(entry) if entry else ""
+        if os.path.basename(path) == "lib-dynload" and path.startswith(base + "/") and os.path.isdir(path):
+            return path
+    return os.path.join(stdlib, "lib-dynload")
 
 
 @functools.lru_cache(maxsize=1)
 def python_files() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Return (files, directories) to bind read-only: the interpreter, its stdlib and their libraries."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    dynload = os.path.join(stdlib, "lib-dynload")
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])  # a venv's names the base interpreter's
+    dynload = _dynload_directory(stdlib)
     binaries = [interpreter()] + sorted(str(p) for p in Path(dynload).glob("*.so"))
     found = set()
     for start in range(0, len(binaries), 64):
@@ -56,11 +82,13 @@ def python_files() -> tuple[tuple[str, ...], tuple[str, ...]]:
         except OSError as exc:
             raise ToolUnavailable(f"cannot list the interpreter's shared libraries with ldd ({exc})") from exc
         found.update(_LDD_PATH.findall(listing))
-    files = {interpreter()} | {path for path in found if os.path.isfile(path) and not path.startswith(stdlib + "/")}
+    directories = (stdlib,) if dynload.startswith(stdlib + "/") or not os.path.isdir(dynload) else (stdlib, dynload)
+    files = {interpreter()} | {path for path in found
+                               if os.path.isfile(path) and not any(path.startswith(d + "/") for d in directories)}
     # The dynamic loader's cache lists library paths only, and spares it a search per library.
     if os.path.isfile("/etc/ld.so.cache"):
         files.add("/etc/ld.so.cache")
-    return tuple(sorted(files)), (stdlib,)
+    return tuple(sorted(files)), directories
 
 
 def _ancestors(paths: list[str]) -> list[str]:
@@ -84,9 +112,12 @@ def file_system_arguments(workdir: str, program: str, disk_bytes: int) -> list[s
         args += ["--perms", "0755", "--dir", directory]
     for path in (*files, *directories):
         args += ["--ro-bind", path, path]
-    for hidden in site_packages:  # the stdlib only: installed packages (torch, polo) stay out of sight
-        args += ["--perms", "0555", "--size", "4096", "--tmpfs", hidden]
-    args += ["--ro-bind", program, PROGRAM_PATH, "--dev", "/dev", "--proc", "/proc"]
+    # The stdlib only: installed packages (torch, polo) stay out of sight. Each cover, and /dev, is
+    # made read-only as well: without root the program owns them (it is bwrap's uid) and could
+    # chmod and fill them, and /dev's tmpfs has no size limit.
+    for hidden in site_packages:
+        args += ["--perms", "0555", "--size", "4096", "--tmpfs", hidden, "--remount-ro", hidden]
+    args += ["--ro-bind", program, PROGRAM_PATH, "--dev", "/dev", "--remount-ro", "/dev", "--proc", "/proc"]
     for scratch in ("/tmp", workdir):
         args += ["--perms", "1777", "--size", str(disk_bytes), "--tmpfs", scratch]
     return args + ["--remount-ro", "/"]
@@ -97,13 +128,60 @@ def namespace_arguments(as_root: bool) -> list[str]:
 
     As root no user namespace is made, so that the runner can drop to a throwaway uid, which the
     kernel counts for RLIMIT_NPROC (it exempts uid 0); it keeps only CAP_SETUID/CAP_SETGID for that.
-    Without root a user namespace is the only way in, and every capability is dropped.
+    Without root a user namespace is the only way in (the program keeps the caller's uid, mapped to
+    itself), every capability is dropped, and the namespace may hold no further user namespace
+    (``--disable-userns``, besides the seccomp filter). The runner is the PID namespace's init
+    (``--as-pid-1``): the kernel delivers no signal to it from inside unless it has a handler, so a
+    program of the same uid cannot kill it, and no bwrap process of that uid is left in there.
     """
-    common = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-              "--die-with-parent", "--new-session", "--hostname", "sandbox", "--cap-drop", "ALL"]
+    common = ["--unshare-ipc", "--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-uts",
+              "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox",
+              "--cap-drop", "ALL"]
     if as_root:
         return common + ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    return ["--unshare-user", *common]
+    return ["--unshare-user", "--disable-userns", *common]
+
+
+# bwrap's first line when it cannot make or set up the user namespace: the kernel refused
+# (EPERM: kernel.unprivileged_userns_clone=0, a container's seccomp profile; ENOSPC:
+# user.max_user_namespaces=0), or AppArmor let it make one without the rights to use it.
+_USER_NAMESPACE_FAILURE = re.compile(r"namespace|uid map|gid map|setgroups|loopback|RTM_NEWADDR|Operation not permitted")
+
+
+def _sysctl(path: str) -> str | None:
+    """Return the stripped contents of a /proc/sys or /sys file, or None when it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as handle:
+            return handle.read().strip()
+    except (OSError, ValueError):
+        return None
+
+
+def is_user_namespace_failure(bwrap_line: str) -> bool:
+    """Return whether bwrap's error line says the user namespace could not be made or used."""
+    return bool(_USER_NAMESPACE_FAILURE.search(bwrap_line))
+
+
+def user_namespace_advice(read=_sysctl) -> str:
+    """Return why this machine refuses the user namespaces, and what to do, as one phrase.
+
+    ``read(path)`` returns a sysctl's value or None (a parameter for the tests).
+    """
+    if read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
+        return ("unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone = 0): "
+                "enable them with `sudo sysctl -w kernel.unprivileged_userns_clone=1`")
+    if read("/proc/sys/user/max_user_namespaces") == "0":
+        return ("user namespaces are disabled (user.max_user_namespaces = 0): "
+                "enable them with `sudo sysctl -w user.max_user_namespaces=15000`")
+    if read("/sys/module/user_namespace/parameters/enable") == "N":
+        return ("user namespaces are disabled on the kernel command line (user_namespace.enable=N): "
+                "boot with user_namespace.enable=1 and set user.max_user_namespaces")
+    if read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1":
+        return ("AppArmor restricts unprivileged user namespaces (kernel.apparmor_restrict_unprivileged_userns = 1): "
+                "give bwrap an AppArmor profile that allows them or "
+                "`sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`")
+    return ("the kernel or a policy around this process (a container's seccomp profile, an LSM) refuses "
+            "this user a user namespace: allow unprivileged user namespaces there")
 
 
 def command(workdir: str, program: str, disk_bytes: int, seccomp_fd: int, runner: list[str]) -> list[str]:
@@ -119,4 +197,13 @@ def command(workdir: str, program: str, disk_bytes: int, seccomp_fd: int, runner
     ]
 
 
-__all__ = ["PROGRAM_PATH", "ToolUnavailable", "bwrap_executable", "command", "interpreter", "python_files"]
+__all__ = [
+    "PROGRAM_PATH",
+    "ToolUnavailable",
+    "bwrap_executable",
+    "command",
+    "interpreter",
+    "is_user_namespace_failure",
+    "python_files",
+    "user_namespace_advice",
+]

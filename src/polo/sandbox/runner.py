@@ -6,7 +6,8 @@ line saying why). Every program runs under bubblewrap (``polo.sandbox.bwrap``: a
 holding only the interpreter, its standard library and their shared libraries, read-only; a
 private tmpfs working directory and ``/tmp``; new network, PID, IPC, UTS and cgroup namespaces)
 and a seccomp filter (``polo.sandbox.seccomp``: no sockets, namespaces, io_uring, bpf, perf,
-keyrings, ptrace or mounts). Inside, the program runs as a throwaway uid (as root) with no
+keyrings, ptrace or mounts). Inside, the program runs as a throwaway uid (as root; as a normal
+user, in a user namespace as that user) with no
 capabilities, ``no_new_privs``, an empty environment, ``python -I -S`` and rlimits on CPU,
 memory, file size, processes and open files; the parent enforces a wall-clock timeout and caps
 stdout and stderr at ``max_output_bytes``. docs/sandbox.md says what is and is not contained.
@@ -143,16 +144,26 @@ class SandboxResult:
 
 
 # The runner, started by bwrap as ``python -I -S -c _CHILD <config json>`` inside the sandbox (already
-# under the seccomp filter, in the new namespaces). It forks the program's process, which drops to the
-# throwaway uid and sets the rlimits before running the program; the runner reports on the status
-# pipe: "iso <words>", then "exit <code>" or "signal <number>". The runner keeps its uid (and, as
-# root, CAP_SETUID/CAP_SETGID), so the program can neither signal nor ptrace it.
+# under the seccomp filter, in the new namespaces), as the PID namespace's init. It forks the
+# program's process, which drops to the throwaway uid and sets the rlimits before running the
+# program; the runner reports on the status pipe: "iso <words>", then "exit <code>" or "signal
+# <number>". As root the runner keeps uid 0 (and CAP_SETUID/CAP_SETGID), so the program can neither
+# signal nor ptrace it. Without root they share a uid: as init the runner gets no signal it does not
+# handle (it ignores SIGINT, Python's one handler), and it makes itself non-dumpable, so that the
+# program cannot open its /proc/<pid>/mem and run code in it without the program's rlimits.
 _CHILD = r"""
 import os, sys, json, signal, resource
 cfg = json.loads(sys.argv[1])
 status_fd = cfg["status_fd"]
 def say(line):
     os.write(status_fd, (line + "\n").encode())
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+if cfg["uid"] is None:
+    import ctypes
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    if _prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        say("setup-error the runner cannot make itself non-dumpable: %s" % os.strerror(ctypes.get_errno()))
+        os._exit(125)
 with open(cfg["program"], encoding="utf-8") as handle:
     source = handle.read()
 os.environ.pop("PWD", None)  # bwrap's --chdir sets it; the program's environment is exactly the three
@@ -182,10 +193,13 @@ def isolation_words():
     return words
 
 def set_up_child():
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if cfg["uid"] is not None:
         os.setgroups([])
         os.setgid(cfg["gid"])
         os.setuid(cfg["uid"])
+    else:
+        _prctl(4, 1, 0, 0, 0)  # the program itself is dumpable as usual (not its runner)
     cpu = cfg["cpu_seconds"]
     for limit, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
                          (resource.RLIMIT_AS, cfg["memory_bytes"]),
@@ -225,7 +239,10 @@ if pid == 0:
         sys.stderr.flush()
     finally:
         os._exit(code & 0xFF)
-_, wait_status = os.waitpid(pid, 0)
+while True:  # as init, also reap the orphans the program leaves (they would count for RLIMIT_NPROC)
+    reaped, wait_status = os.waitpid(-1, 0)
+    if reaped == pid:
+        break
 if os.WIFSIGNALED(wait_status):
     say("signal %d" % os.WTERMSIG(wait_status))
 else:
@@ -381,7 +398,7 @@ def run_python(source: str, limits: SandboxLimits | None = None) -> SandboxResul
     if "setup-error" in report:
         raise SandboxError(f"could not set up the sandbox: {report['setup-error']}")
     if "iso" not in report and not timed_out:
-        _raise_if_tool_failed(reader)
+        _raise_if_tool_failed(reader, process)
     return _result(report, reader, timed_out, limits, duration)
 
 
@@ -415,12 +432,33 @@ def _watch(reader: _Reader, process: subprocess.Popen, deadline: float) -> bool:
     return False
 
 
-def _raise_if_tool_failed(reader: _Reader) -> None:
-    """Raise SandboxError when bwrap itself could not start the sandbox (it says so on stderr)."""
+def _raise_if_tool_failed(reader: _Reader, process: subprocess.Popen) -> None:
+    """Raise SandboxError saying why the sandbox never reached the program.
+
+    Called when the runner reported nothing before it ended (nor timed out): no program ran, so
+    no completion is to blame, and scoring it 0 would hide a machine that cannot score anything.
+    Either bwrap could not build the sandbox (it says why on stderr, e.g. no user namespace for
+    this user) or the interpreter could not start inside it.
+    """
     stderr = bytes(reader.buffers[reader.stderr_fd]).decode(errors="replace").strip()
-    if stderr.startswith("bwrap:"):
-        line = stderr.splitlines()[0][:300]
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    if lines and lines[0].startswith("bwrap:"):
+        line = lines[0][:300]
+        if os.geteuid() != 0 and bwrap.is_user_namespace_failure(line):
+            raise SandboxError(
+                f"the code sandbox cannot run on this machine: bwrap cannot create a user namespace for uid "
+                f"{os.geteuid()} ({line}); {bwrap.user_namespace_advice()}, or run polo as root (see docs/sandbox.md)"
+            )
         raise SandboxError(f"the code sandbox cannot run on this machine: {line} (see docs/sandbox.md)")
+    # Its own words: "Fatal Python error: ..." (no standard library), the loader's "error while
+    # loading shared libraries: ...", or the last line of a traceback.
+    fatal = next((line for line in lines if line.startswith("Fatal Python error")), None)
+    said = fatal or (lines[-1] if lines and lines[0].startswith("Traceback") else lines[0] if lines else "")
+    said = f": {said[:300]}" if said else ", and said nothing"
+    raise SandboxError(
+        f"the code sandbox cannot run on this machine: its Python ({bwrap.interpreter()}) did not start inside "
+        f"the sandbox (exit status {process.returncode}{said}) (see docs/sandbox.md)"
+    )
 
 
 def _write_program(source: str) -> tuple[str, str]:
