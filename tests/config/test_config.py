@@ -25,6 +25,10 @@ def test_every_recipe_loads(recipe):
     command = recipe.stem.split("_")[1] if recipe.stem.startswith("rlhf_") else None  # rlhf_rm_samples -> rm
     if command in finetune_loaders:
         assert finetune_loaders[command](recipe).data.train_path
+    elif "pipeline" in yaml.safe_load(recipe.read_text()):  # an R1 pipeline (`polo pipeline`): every stage's recipe checked
+        from polo.pipeline.recipe import load_pipeline
+
+        assert load_pipeline(recipe).stages
     elif "env" in yaml.safe_load(recipe.read_text()):  # a Gymnasium control recipe (`polo control`)
         from polo.control.config import ControlConfig, load_control_config
 

@@ -1,4 +1,4 @@
-"""Training curves as PNG files: reward, accuracy and completion length against step."""
+"""Training curves as PNG files: reward, accuracy and completion length against step (and R1's three panels)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def plot_run(output_dir: str | Path) -> list[Path]:
-    """Write reward.png, accuracy.png and length.png from `<output_dir>/metrics.jsonl`; return their paths."""
+    """Write reward.png, accuracy.png and length.png (and r1.png with an r1_format reward) from `<output_dir>/metrics.jsonl`; return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,7 +85,51 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     axis.grid(alpha=0.3)
     axis.legend()
     written.append(_save(figure, output_dir / "length.png"))
+    if any(R1_FORMAT_KEY in row for row in train_rows):
+        written.append(plot_r1(rows, output_dir / "r1.png"))
     return written
+
+
+# DeepSeek-R1's pictures of a run: held-out accuracy, the format rate and the response length
+# against step (length growing with accuracy is the R1-Zero signature).
+R1_FORMAT_KEY = "reward/r1_format/mean"
+R1_PANELS = (
+    ("held-out accuracy", "accuracy"),
+    ("r1_format rate (sampled)", "fraction of completions"),
+    ("mean response length (sampled)", "tokens"),
+)
+
+
+def draw_r1_panels(axes, rows: list[dict]) -> None:
+    """Draw the three R1 panels of a run's metrics rows on three axes (accuracy, r1_format rate, length)."""
+    train_rows = [row for row in rows if "reward/mean" in row]
+    accuracy, form, length = axes
+    steps, values = _series(rows, "eval/accuracy")
+    if steps:
+        accuracy.plot(steps, values, "o-", color="#dd8452", linewidth=2, label="held-out (greedy)")
+    steps, values = _series(train_rows, "accuracy")
+    accuracy.plot(steps, values, color="#4c72b0", alpha=0.6, label="train (sampled)")
+    accuracy.set_ylim(-0.02, 1.02)
+    steps, values = _series(train_rows, R1_FORMAT_KEY)
+    form.plot(steps, values, color="#55a868", linewidth=2)
+    form.set_ylim(-0.02, 1.02)
+    steps, values = _series(train_rows, "completion_length/mean")
+    length.plot(steps, values, color="#8172b3", linewidth=2)
+    for axis, (title, ylabel) in zip(axes, R1_PANELS):
+        axis.set(title=title, ylabel=ylabel)
+        axis.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    if accuracy.get_legend_handles_labels()[0]:
+        accuracy.legend(fontsize=8)
+
+
+def plot_r1(rows: list[dict], path: Path) -> Path:
+    """Write the three R1 panels of a run's metrics rows to `path` (r1.png) and return it."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    draw_r1_panels(axes, rows)
+    return _save(figure, path)
 
 
 def _save(figure, path: Path) -> Path:

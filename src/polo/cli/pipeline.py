@@ -1,0 +1,30 @@
+"""The `polo pipeline` subcommand: a multi-stage recipe (DeepSeek-R1's cold start, GRPO, rejection sampling, GRPO).
+
+A thin wrapper over `polo.pipeline.run_pipeline`; `polo.cli` calls `add_parser(subcommands)` to
+register it and `run(args)` to execute it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subcommands) -> None:
+    """Add the `pipeline` subcommand to an argparse subparsers object."""
+    help_text = "run a multi-stage recipe (R1: cold-start SFT, GRPO, rejection-sampling SFT, GRPO), each stage a polo run"
+    parser = subcommands.add_parser(
+        "pipeline", help=help_text,
+        description=help_text + ". A finished stage is skipped when the pipeline runs again; an interrupted GRPO stage continues. See docs/r1.md.",
+    )
+    parser.add_argument("recipe", help="path to a pipeline recipe (e.g. recipes/r1_arith.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. pipeline.dir=runs/r1 stages.reason.train.steps=10")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the pipeline the arguments name; return the exit status."""
+    from polo.pipeline import run_pipeline
+
+    result = run_pipeline(args.recipe, args.overrides)
+    if result.report is not None:
+        print(f"report: {result.report}")
+    return 0

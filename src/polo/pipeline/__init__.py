@@ -1,0 +1,18 @@
+"""Multi-stage training in one command: DeepSeek-R1's pipeline (`polo pipeline RECIPE.yaml`).
+
+cold-start SFT on formatted demonstrations -> GRPO with accuracy and format rewards -> rejection
+sampling (the RL model's correct, well-formed answers) and SFT on them -> a second GRPO stage.
+Each stage is a normal polo run directory under the pipeline's, starting from the previous
+stage's final model; each is evaluated when it ends, and one report shows them side by side.
+
+    from polo.pipeline import run_pipeline
+    result = run_pipeline("recipes/r1_arith.yaml", ["stages.reason.train.steps=10"])
+
+Recipe format: `polo.pipeline.recipe`; docs/r1.md.
+"""
+
+from polo.pipeline.recipe import Plan, load_pipeline
+from polo.pipeline.rejection import select
+from polo.pipeline.run import PipelineResult, StageResult, run_pipeline
+
+__all__ = ["PipelineResult", "Plan", "StageResult", "load_pipeline", "run_pipeline", "select"]
