@@ -39,6 +39,7 @@ from polo.rewards.answers import (
 )
 from polo.rewards.format import r1_format
 from polo.generation.cpu_sampler import rollout
+from polo.models.family import encode_prompts
 
 AnswerKey = Callable[[str], "str | None"]
 
@@ -196,7 +197,7 @@ def sample_completions(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     from tqdm.auto import tqdm
 
-    prompt_lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    prompt_lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts)]  # as the sampler tokenizes them (BOS included)
     order = sorted(range(len(prompts)), key=lambda index: prompt_lengths[index])
     jobs = [index for index in order for _ in range(samples_per_prompt)]
     results: list[list[dict]] = [[] for _ in prompts]

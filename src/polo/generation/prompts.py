@@ -11,11 +11,27 @@ from typing import Any
 
 import torch
 
+from polo.models.family import encode_prompts
+
+
 def tokenize_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return left-padded `(input_ids, attention_mask)` for already-formatted prompt strings."""
-    # Chat templates already contain the special tokens they need.
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    return encoded["input_ids"], encoded["attention_mask"]
+    """Return left-padded `(input_ids, attention_mask)` for already-formatted prompt strings.
+
+    Each prompt starts with the tokenizer's BOS exactly once when the tokenizer adds one (a chat
+    template that already wrote it gets no second one; `polo.models.family.encode_prompts`).
+    """
+    rows = encode_prompts(tokenizer, prompts)
+    length = max((len(row) for row in rows), default=0)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None and any(len(row) != length for row in rows):
+        raise ValueError("the tokenizer has no pad token; prompts of different lengths cannot be batched")
+    input_ids = torch.full((len(rows), length), pad_id if pad_id is not None else 0, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for index, row in enumerate(rows):
+        if row:
+            input_ids[index, length - len(row) :] = torch.tensor(row, dtype=torch.long)
+            attention_mask[index, length - len(row) :] = 1
+    return input_ids, attention_mask
 
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 
 from polo.kernels.cpu.attention import POLO_ATTENTION
+from polo.kernels.cpu.linear import contiguous_head_input
 from polo.kernels.cpu.logprobs import completion_logprobs_fused, supports_fused_logprobs, token_logprobs
 from polo.kernels.cpu.shared_prompt import share_prompts, sharing_pays
+from polo.models.family import fits_attention_window
 
 # Score completions through the chunked lm_head path when the model allows it (see polo.kernels.cpu.logprobs).
 FUSED_LOGPROBS = True
@@ -61,13 +63,17 @@ def completion_logprobs(
             model, input_ids, attention_mask, position_ids_from_mask(attention_mask), completion_len, completion_ids,
             temperature=temperature, with_entropy=with_entropy,
         )
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-        logits_to_keep=completion_len + 1,
-    ).logits[:, :-1]
+    # The head gets a contiguous input: for a frozen lm_head (a reference, a LoRA base) matmul would
+    # otherwise copy the whole (V, d) weight per row to multiply the strided slice of kept positions
+    # (Gemma 3's 262k vocabulary: 34 s and ~10 GB per 32-row forward instead of under a second).
+    with contiguous_head_input(model):
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+            logits_to_keep=completion_len + 1,
+        ).logits[:, :-1]
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -97,9 +103,12 @@ def shared_completion_logprobs(
     """Return (log-probs, entropy or None), each (batch, C), scored in the shared layout; None when it does not apply.
 
     Applies when the model supports the chunked lm_head path (polo.kernels.cpu.logprobs), the batch is
-    whole groups with identical prompts, and `sharing_pays`.
+    whole groups with identical prompts, `sharing_pays`, and a row fits in every sliding attention
+    window of the model (the shared layout's mask has no window; `polo.models.family`).
     """
     if group_size < 2 or not supports_fused_logprobs(model):
+        return None
+    if not fits_attention_window(model, prompt_ids.shape[1] + completion_ids.shape[1]):
         return None
     hidden_size, per_layer = _params_per_layer(model)
     blockwise = getattr(model.config, "_attn_implementation", None) == POLO_ATTENTION

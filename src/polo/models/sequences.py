@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from polo.models.family import encode_prompts
 from polo.models.scoring import position_ids_from_mask
 
 
@@ -29,8 +30,9 @@ def encode(tokenizer: Any, prompt_texts: Sequence[str], responses: Sequence[str]
 
     Prompt and response are tokenized separately, the way the policy meets them (prompt tokens,
     then generated ones), so no token spans the boundary. Prompts are already formatted (chat
-    template), hence no special tokens are added. A response too long for `max_length` loses its
-    end (EOS included); a prompt that alone fills `max_length` is an error.
+    template) and get only the tokenizer's BOS, once, when it adds one (`polo.models.family.encode_prompts`,
+    as in sampling); responses get no special tokens but the EOS. A response too long for `max_length`
+    loses its end (EOS included); a prompt that alone fills `max_length` is an error.
     """
     if len(prompt_texts) != len(responses):
         raise ValueError(f"got {len(prompt_texts)} prompts for {len(responses)} responses")
@@ -38,7 +40,7 @@ def encode(tokenizer: Any, prompt_texts: Sequence[str], responses: Sequence[str]
         raise ValueError("the tokenizer has no EOS token; responses could not be terminated")
     if not prompt_texts:
         return []
-    prompt_ids = tokenizer(list(prompt_texts), add_special_tokens=False)["input_ids"]
+    prompt_ids = encode_prompts(tokenizer, prompt_texts)
     response_ids = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
     encoded = []
     for prompt, response, text in zip(prompt_ids, response_ids, prompt_texts):

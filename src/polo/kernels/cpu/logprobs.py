@@ -17,36 +17,26 @@ saved hidden states and the per-token logsumexp:
 
 `completion_logprobs_fused` applies this to a Hugging Face causal LM by running the trunk
 (`model.get_decoder()`) and using the output embedding matrix directly; it is only valid for
-models whose logits are exactly `lm_head(last_hidden_state)` (see `supports_fused_logprobs`).
+models whose logits are exactly `lm_head(last_hidden_state)`. `supports_fused_logprobs` decides
+that from what the model is, whatever its family is called: a bias-free linear head, and one traced
+forward showing that the head reads the trunk's output (after its final norm) and that nothing
+changes its logits afterwards.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.autograd.function import once_differentiable
 
 __all__ = [
     "ChunkedTokenLogprobs",
+    "head_reads_trunk",
     "completion_logprobs_fused",
     "supports_fused_logprobs",
     "token_logprobs",
 ]
-
-# Decoder-only families whose `*ForCausalLM.forward` (transformers 5.x) computes
-# `logits = lm_head(last_hidden_state[slice])` with nothing in between or after (apart from the
-# loss and the MoE router auxiliary loss). Families outside this list are refused rather than
-# guessed at: several scale the hidden states or the logits under names we could not list
-# exhaustively (minicpm3 divides hidden states by `logits_scaling`, hyperclovax multiplies the
-# logits by it, falcon_h1 uses a module attribute, modernbert-decoder adds a head after
-# lm_head, chameleon masks token ranges, ...). tests/kernels/test_logprobs.py re-checks the source.
-FUSED_MODEL_TYPES = frozenset({
-    "llama", "mistral", "ministral", "mixtral",
-    "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-    "phi", "phi3", "gemma",
-    "olmo", "olmo2", "olmo3", "olmoe",
-    "smollm3", "starcoder2", "stablelm", "helium", "glm", "glm4",
-    "gpt2", "gpt_neox", "gpt_bigcode",
-})
 
 # Config fields that mean the logits are post-processed after lm_head (soft-capping, scaling).
 # Checked on the config and on its `text_config`, whatever the model type.
@@ -287,9 +277,10 @@ def _is_fsdp_sharded(model) -> bool:
 def supports_fused_logprobs(model) -> bool:
     """Return True when `model`'s logits are exactly `output_embeddings(decoder(...).last_hidden_state)`.
 
-    Requires a known plain decoder-only family (`FUSED_MODEL_TYPES`), `get_decoder` returning
-    a trunk distinct from the model, a bias-free `nn.Linear` output layer with a (V, d) weight,
-    and no logit post-processing field in the config (`LOGIT_POSTPROCESSING_FIELDS`). When it
+    Decided by what the model is, not by its family's name: `get_decoder` returns a trunk distinct
+    from the model, the output layer is a bias-free `nn.Linear` with a (V, d) weight, no config
+    field post-processes the logits (`LOGIT_POSTPROCESSING_FIELDS`), and a traced forward shows the
+    head reading the trunk's last hidden state with nothing after it (`head_reads_trunk`). When it
     returns False, callers should use the full-logits path.
     """
     get_decoder = getattr(model, "get_decoder", None)
@@ -299,7 +290,7 @@ def supports_fused_logprobs(model) -> bool:
     if _is_fsdp_sharded(model):  # the output weight is a shard outside the model's own forward
         return False
     configs = _configs(model)
-    if not configs or getattr(configs[0], "model_type", None) not in FUSED_MODEL_TYPES:
+    if not configs:
         return False
     for config in configs:
         for field in LOGIT_POSTPROCESSING_FIELDS:
@@ -314,7 +305,51 @@ def supports_fused_logprobs(model) -> bool:
         return False
     if head.bias is not None or head.weight.dim() != 2:
         return False
-    return True
+    key = (id(decoder), id(head))
+    traced = _TRACED.get(model)
+    if traced is None or traced[0] != key:  # traced once per model (and again if its trunk or head is replaced)
+        traced = _TRACED[model] = (key, head_reads_trunk(model, decoder, head))
+    return traced[1]
+
+
+_TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> ((id(trunk), id(head)), verdict)
+
+
+def head_reads_trunk(model, decoder, head, length: int = 4) -> bool:
+    """Return whether, in one forward of `model` on a few tokens, `head` maps the trunk's last hidden state to the logits.
+
+    Hooks record what `decoder` returns, what `head` is given and what it returns: the head's input
+    must be the trunk's `last_hidden_state` (so the final norm, and nothing else, sits between the
+    layers and the head) and the model's logits must be the head's output (no soft-capping, scaling
+    or extra layer after it). Run without gradient; a model whose forward fails here is refused.
+    """
+    seen: dict = {}
+
+    def keep_trunk(module, args, output):
+        hidden = getattr(output, "last_hidden_state", None)
+        seen["trunk"] = hidden if hidden is not None else (output[0] if isinstance(output, (tuple, list)) else output)
+
+    def keep_head(module, args, output):
+        seen["head_in"], seen["head_out"] = args[0] if args else None, output
+
+    weight = head.weight
+    input_ids = (torch.arange(length, device=weight.device) % weight.shape[0])[None]
+    handles = [decoder.register_forward_hook(keep_trunk), head.register_forward_hook(keep_head)]
+    try:
+        with torch.no_grad():
+            logits = getattr(model(input_ids=input_ids, use_cache=False), "logits", None)
+    except Exception:  # noqa: BLE001 - any model that cannot be traced this way takes the full-logits path
+        return False
+    finally:
+        for handle in handles:
+            handle.remove()
+    trunk, head_in, head_out = seen.get("trunk"), seen.get("head_in"), seen.get("head_out")
+    if not all(isinstance(t, torch.Tensor) for t in (trunk, head_in, head_out, logits)):
+        return False
+    return (
+        trunk.shape == head_in.shape and torch.equal(trunk, head_in)
+        and logits.shape == head_out.shape and torch.equal(logits, head_out.to(logits.dtype))
+    )
 
 
 def completion_logprobs_fused(
