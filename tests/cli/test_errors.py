@@ -74,7 +74,8 @@ def jsonl_task(train: Path, held_out: Path, **options) -> dict:
 def test_train_misspelled_checker(tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", 3)
     recipe = rl_recipe(tmp_path, task=jsonl_task(data, data, checker="exact_nmber"))
-    assert polo("train", str(recipe), cwd=tmp_path) == "task.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string"
+    expected = "task.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string (`polo train --help` says what each accepts)"
+    assert polo("train", str(recipe), cwd=tmp_path) == expected
 
 
 def test_train_num_eval_beyond_the_held_out_file(tmp_path):

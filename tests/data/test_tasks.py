@@ -362,7 +362,7 @@ def test_jsonl_empty_file_is_an_error(tmp_path):
 
 
 def test_registry_builds_each_task(tmp_path):
-    assert set(TASKS) == {"arithmetic", "code", "gsm8k", "jsonl"}
+    assert set(TASKS) == {"arithmetic", "code", "gsm8k", "hf", "jsonl"}
     task = build_task("arithmetic", seed=2, num_train=10, num_eval=2)
     assert isinstance(task, Task) and task.name == "arithmetic"
     assert task.train_rows == arithmetic_task(seed=2, num_train=10, num_eval=2).train_rows
@@ -372,7 +372,7 @@ def test_registry_builds_each_task(tmp_path):
 
 
 def test_registry_unknown_task_names_valid_ones():
-    with pytest.raises(ValueError, match=r"'countdown'.*\['arithmetic', 'code', 'gsm8k', 'jsonl'\]"):
+    with pytest.raises(ValueError, match=r"'countdown'.*\['arithmetic', 'code', 'gsm8k', 'hf', 'jsonl'\]"):
         build_task("countdown")
 
 
@@ -411,7 +411,7 @@ def _jsonl_config(tmp_path, *overrides):
 
 
 def test_make_task_misspelled_checker_names_the_valid_ones(tmp_path):
-    with pytest.raises(ConfigError, match=r"^task\.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string$"):
+    with pytest.raises(ConfigError, match=r"^task\.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string \(`polo train --help` says what each accepts\)$"):
         make_task(_jsonl_config(tmp_path, "task.checker=exact_nmber"))
 
 
@@ -422,7 +422,7 @@ def test_make_task_num_eval_beyond_the_held_out_file(tmp_path):
 
 
 def test_make_task_unknown_name_and_impossible_arithmetic(tmp_path):
-    with pytest.raises(ConfigError, match=r"^task\.name: 'jsnl' is not one of arithmetic, code, gsm8k, jsonl$"):
+    with pytest.raises(ConfigError, match=r"^task\.name: 'jsnl' is not one of arithmetic, code, gsm8k, hf, jsonl$"):
         make_task(load_config(None, ["task.name=jsnl"]))
     with pytest.raises(ConfigError, match=r"^task arithmetic: .*only 100\b"):
         make_task(load_config(None, ["task.min_digits=1", "task.max_digits=1", "task.num_train=200"]))

@@ -23,6 +23,7 @@ from polo.rl.guard import DivergenceGuard
 from polo.rl.train import train
 from polo.runtime.checkpoint import Checkpointer, OutputDirInUseError
 from polo.runtime.errors import DivergenceError, NonFiniteLossError
+from polo.runtime.metrics import read_metrics
 
 QUICK = {"eval": {"before": False, "after": False}}
 
@@ -124,7 +125,8 @@ def test_rotation_never_deletes_the_newest_checkpoint_whatever_keep_says(tiny_mo
 
 def test_a_huge_learning_rate_stops_at_step_1_before_the_ruined_weights_are_saved(tiny_model_dir, tmp_path, capsys):
     start = snapshot(tiny_model_dir)
-    assert cli_train(tiny_config(tiny_model_dir, tmp_path / "run", **QUICK), tmp_path, "train.learning_rate=1e9") == 2
+    overrides = ("train.learning_rate=1e9", "train.on_divergence=stop")
+    assert cli_train(tiny_config(tiny_model_dir, tmp_path / "run", **QUICK), tmp_path, *overrides) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("polo")]  # not transformers' progress bars
     assert len(err) == 1 and err[0].startswith("polo: error: step 1 diverged: weight_norm ")
     assert "x the starting weights' " in err[0] and "(train.divergence_factor=10)" in err[0]
@@ -153,7 +155,7 @@ def jump_at(step_to_break: int, monkeypatch):
 
 
 def test_a_jump_after_a_checkpoint_names_that_checkpoint_and_resuming_from_it_goes_on(tiny_model_dir, tmp_path, monkeypatch):
-    config = tiny_config(tiny_model_dir, tmp_path / "run", **QUICK)
+    config = tiny_config(tiny_model_dir, tmp_path / "run", train={"on_divergence": "stop"}, **QUICK)
     real_step = jump_at(3, monkeypatch)
     checkpoint = tmp_path / "run" / "checkpoints" / "step-000002"
     with pytest.raises(DivergenceError) as error:
@@ -171,6 +173,82 @@ def test_a_jump_after_a_checkpoint_names_that_checkpoint_and_resuming_from_it_go
     assert all(row["weight_norm"] < 100 for row in resumed.metrics if "weight_norm" in row)
 
 
+def jump_once_at(step_to_break: int, monkeypatch) -> list[list[str]]:
+    """Make the first time step `step_to_break` runs take a 1e9 learning-rate step; return the data position each step drew."""
+    real_step, broken, positions = trainer.rl_step, [], []
+    real_batch_rows = rl_step_module.batch_rows
+
+    def record(rows, position, *args, **kwargs):
+        positions.append(position)
+        return real_batch_rows(rows, position, *args, **kwargs)
+
+    def step_with_a_huge_rate(run, step):
+        if step == step_to_break and not broken:
+            broken.append(step)
+            for group in run.optimizer.param_groups:
+                group["lr"] = 1e9
+        return real_step(run, step)
+
+    monkeypatch.setattr(trainer, "rl_step", step_with_a_huge_rate)
+    monkeypatch.setattr(rl_step_module, "batch_rows", record)
+    return positions
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_jump_rolls_back_to_the_checkpoint_before_it_skips_its_batch_and_finishes(tiny_model_dir, tmp_path, monkeypatch, capsys, lora):
+    settings = {"lora": {"r": 4, "alpha": 8}} if lora else {}
+    config = tiny_config(tiny_model_dir, tmp_path / "run", model={"name": str(tiny_model_dir), **settings}, **QUICK)
+    positions = jump_once_at(3, monkeypatch)
+    result = train(config)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000002"
+    out = capsys.readouterr().out
+    assert "diverged: weight_norm " in out and f"rolling back to {checkpoint} and skipping the 1 batch(es) drawn since (rollback 1 of at most 3" in out
+    assert [row["step"] for row in result.metrics if "loss" in row] == [1, 2, 3, 4]  # the diverged attempt's row is gone
+    assert [row.get("rollbacks", 0) for row in result.metrics if "loss" in row] == [0, 0, 1, 1]
+    assert all(row["weight_norm"] < 100 for row in result.metrics if "weight_norm" in row)
+    # steps 1, 2, 3 (diverged) drew positions 0, 1, 2; after the rollback steps 3 and 4 draw 3 and 4: batch 2 is skipped
+    assert positions == [0, 1, 2, 3, 4]
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=False)
+    assert (state["data_offset"], state["rollbacks"]) == (1, 1)  # a resume from here keeps skipping what was skipped
+
+
+def poison_weights_from(step_to_break: int, monkeypatch) -> None:
+    """Make every update of step `step_to_break` or later leave an infinite weight behind."""
+    real_update, steps = rl_step_module.policy_update, []
+    real_step = trainer.rl_step
+
+    def note_step(run, step):
+        steps.append(step)
+        return real_step(run, step)
+
+    def update_then_poison(model, *args, **kwargs):
+        metrics = real_update(model, *args, **kwargs)
+        if steps[-1] >= step_to_break:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = float("inf")
+        return metrics
+
+    monkeypatch.setattr(trainer, "rl_step", note_step)
+    monkeypatch.setattr(rl_step_module, "policy_update", update_then_poison)
+
+
+def test_rollbacks_that_do_not_help_stop_the_run_naming_the_checkpoint_before_the_jump(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    poison_weights_from(3, monkeypatch)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000002"
+    with pytest.raises(DivergenceError) as error:
+        train(tiny_config(tiny_model_dir, tmp_path / "run", train={"max_rollbacks": 2}, **QUICK))
+    rollbacks = [line for line in capsys.readouterr().out.splitlines() if "rolling back" in line]
+    assert [line.split(" diverged")[0] for line in rollbacks] == ["polo: warning: step 3"] * 2
+    assert f"rolling back to {checkpoint} and skipping the 1 batch(es)" in rollbacks[0]
+    assert f"rolling back to {checkpoint} and skipping the 1 batch(es)" in rollbacks[1]  # each retry skips the next batch too
+    assert str(error.value) == (
+        "step 3 diverged: weight_norm is inf; 2 rollbacks did not help (train.max_rollbacks=2); the run stopped without saving it; "
+        f"its last checkpoint, written before the jump, is {checkpoint}: continue from it with output.resume=true and a lower train.learning_rate"
+    )
+    assert sorted(path.name for path in checkpoint.parent.iterdir()) == ["step-000002"]
+    assert [row["step"] for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in row] == [1, 2, 3]  # the last attempt's step 3 is on record
+
+
 def test_non_finite_weights_stop_the_run_even_with_jump_checks_off(tiny_model_dir, tmp_path, monkeypatch):
     real_update = rl_step_module.policy_update
 
@@ -182,7 +260,7 @@ def test_non_finite_weights_stop_the_run_even_with_jump_checks_off(tiny_model_di
 
     monkeypatch.setattr(rl_step_module, "policy_update", update_then_poison)
     with pytest.raises(DivergenceError, match=r"^step 1 diverged: weight_norm is inf; .*no checkpoint was written before step 1"):
-        train(tiny_config(tiny_model_dir, tmp_path / "run", train={"divergence_factor": 0}, **QUICK))
+        train(tiny_config(tiny_model_dir, tmp_path / "run", train={"divergence_factor": 0, "on_divergence": "stop"}, **QUICK))
 
 
 def test_consecutive_nan_steps_before_any_checkpoint_name_the_untouched_starting_model(tiny_model_dir, tmp_path, monkeypatch):
@@ -213,6 +291,8 @@ def test_loss_and_gradient_norm_jumps_are_judged_only_when_asked_for():
 @pytest.mark.parametrize(("override", "match"), [
     ("train.divergence_factor=0.5", "train.divergence_factor must be 0 .* or a finite number above 1, got 0.5"),
     ("train.divergence_checks=[weight_norm,gradnorm]", "train.divergence_checks: unknown check 'gradnorm'; choose from weight_norm, grad_norm, loss"),
+    ("train.on_divergence=retry", "train.on_divergence"),
+    ("train.max_rollbacks=-1", "train.max_rollbacks"),
 ])
 def test_guard_settings_that_make_no_sense_stop_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch, override, match):
     no_model_load(monkeypatch)

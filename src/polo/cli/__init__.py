@@ -14,22 +14,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="polo", description="Policy optimization from REINFORCE to GRPO.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train_parser = commands.add_parser("train", help="train a language model with a recipe")
+    train_parser = commands.add_parser(
+        "train", help="train a language model with a recipe", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    train_parser.add_argument("-h", "--help", action=TrainHelp, help="show this help message, with the tasks and answer checkers, and exit")
     train_parser.add_argument("recipe", help="path to a YAML recipe (see recipes/)")
     train_parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=10 output.resume=true")
 
-    fetch_parser = commands.add_parser("fetch-model", help="fetch and convert a built-in model into the cache")
-    fetch_parser.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    fetch_parser = commands.add_parser("fetch-model", help="fetch a built-in model (or a Hub id org/name) into the cache")
+    fetch_parser.add_argument(
+        "name", nargs="?", default="smollm2-135m-instruct", help="smollm2-135m-instruct (the default), gemma3-270m, or a Hub id"
+    )
 
     plot_parser = commands.add_parser("plot", help="draw reward/accuracy/length curves of a run directory")
     plot_parser.add_argument("run_dir")
 
     from polo.cli import control as control_cli
-    from polo.cli import eval as eval_cli, rlhf as rlhf_cli
+    from polo.cli import eval as eval_cli, pipeline as pipeline_cli, rlhf as rlhf_cli
 
     eval_cli.add_parsers(commands)  # eval, report
     rlhf_cli.add_parsers(commands)  # sft, rm, dpo, make-preferences
     control_cli.add_parser(commands)
+    pipeline_cli.add_parser(commands)  # pipeline (R1's stages)
 
     args = parser.parse_args(argv)
     try:
@@ -44,6 +50,27 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+class TrainHelp(argparse.Action):
+    """`polo train -h`: the usual help, then the tasks and answer checkers, read from the registries validation uses.
+
+    Read only when asked: the checkers' module imports math-verify, which every other command can do without.
+    """
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option_string: str | None = None) -> None:
+        from polo.data import TASKS
+        from polo.rewards.answers import DEFAULT_CHECKER, checker_help
+
+        parser.epilog = (
+            f"tasks (task.name): {', '.join(TASKS)}; see README.md and docs/tasks.md\n\n"
+            f"answer checkers (task.checker, for the jsonl and hf tasks; default {DEFAULT_CHECKER}):\n{checker_help()}"
+        )
+        parser.print_help()
+        parser.exit()
+
+
 def _run(args: argparse.Namespace) -> int:
     from polo.cli import control as control_cli
     from polo.cli import eval as eval_cli, rlhf as rlhf_cli
@@ -54,6 +81,10 @@ def _run(args: argparse.Namespace) -> int:
         return control_cli.run(args)
     if args.command in rlhf_cli.COMMANDS:
         return rlhf_cli.run(args)
+    if args.command == "pipeline":
+        from polo.cli import pipeline as pipeline_cli
+
+        return pipeline_cli.run(args)
     if args.command == "train":
         from polo.rl.train import train
 
@@ -62,9 +93,10 @@ def _run(args: argparse.Namespace) -> int:
         if result.eval_before is not None and result.eval_after is not None and rank_zero:
             print(f"held-out accuracy: {result.eval_before['accuracy']:.3f} -> {result.eval_after['accuracy']:.3f}")
     elif args.command == "fetch-model":
-        from polo.models.loading import ensure_builtin_model
+        from polo.models.hub import is_hub_id
+        from polo.models.loading import ensure_builtin_model, resolve_model_path
 
-        print(ensure_builtin_model(args.name))
+        print(resolve_model_path(args.name) if is_hub_id(args.name) else ensure_builtin_model(args.name))
     elif args.command == "plot":
         from polo.evaluation.plots import check_plottable, plot_run
 
@@ -88,9 +120,10 @@ def _user_errors() -> tuple[type, ...]:
     from polo.rewards import RewardFunctionError
     from polo.runtime.checkpoint import SaveError
     from polo.runtime.errors import NonFiniteLossError
+    from polo.sandbox.runner import SandboxError
 
     paths = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
-    return (ConfigError, *paths, ModelLoadError, NonFiniteLossError, SaveError, RewardFunctionError, TaskDataError, PlotError)
+    return (ConfigError, *paths, ModelLoadError, NonFiniteLossError, SaveError, RewardFunctionError, TaskDataError, PlotError, SandboxError)
 
 
 if __name__ == "__main__":

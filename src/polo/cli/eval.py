@@ -34,7 +34,7 @@ def add_parsers(subcommands) -> None:
             "and the mean response length; per-problem results go to eval.json."
         ),
     )
-    eval_parser.add_argument("--model", default=None, help=f"a local Hugging Face causal-LM directory or a built-in name (default: {DEFAULT_MODEL}, or the recipe's model)")
+    eval_parser.add_argument("--model", default=None, help=f"a local Hugging Face causal-LM directory, a built-in name or a Hub id org/name[@revision] (default: {DEFAULT_MODEL}, or the recipe's model)")
     eval_parser.add_argument("--task", default=None, help="arith | gsm8k | jsonl:FILE (default: arith, or the recipe's task)")
     eval_parser.add_argument("--recipe", default=None, help="take the task, prompt and model from a recipe YAML or a run directory (its config.yaml)")
     eval_parser.add_argument("--samples", "-k", type=int, default=None, help="completions per problem, K (default 16; 1 with --greedy)")

@@ -61,7 +61,7 @@ def add_parsers(subcommands) -> None:
         "with --from-model, write preferences_train/eval.jsonl from the model's samples on the RL task's training "
         "problems instead, each correct sample ranked above a wrong one by the task's checker (any task of the recipe)",
     )
-    sampled.add_argument("--from-model", default=None, metavar="MODEL", help="a causal-LM directory or built-in name to sample")
+    sampled.add_argument("--from-model", default=None, metavar="MODEL", help="a causal-LM directory, built-in name or Hub id org/name to sample")
     sampled.add_argument("--samples", type=int, default=8, help="samples per prompt (default 8, the RL group size)")
     sampled.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0, as in RL)")
     sampled.add_argument("--num-prompts", type=int, default=1500, help="training prompts to sample (default 1500)")

@@ -29,7 +29,7 @@ class LoraSettings:
 class ModelConfig:
     """Which causal LM to train."""
 
-    name: str = "smollm2-135m-instruct"  # a built-in model name or a local HF model directory
+    name: str = "smollm2-135m-instruct"  # a built-in model name, a local HF model directory, or a Hub id org/name[@revision] (polo.models.hub)
     attn_implementation: str | None = None  # eager | sdpa | None (transformers' default: sdpa)
     lora: LoraSettings = field(default_factory=LoraSettings)
 
@@ -38,7 +38,7 @@ class ModelConfig:
 class TaskConfig:
     """Which prompts to train and evaluate on, and how they are phrased."""
 
-    name: str = "arithmetic"  # arithmetic | gsm8k | jsonl
+    name: str = "arithmetic"  # arithmetic | gsm8k | jsonl | hf | code
     instruction: str | None = None  # template with {question}; None picks the task's default
     system_prompt: str | None = None
     answer_in_tags: bool = False  # the answer only counts inside <answer>...</answer>
@@ -49,12 +49,18 @@ class TaskConfig:
     operators: list[str] = field(default_factory=lambda: ["+"])
     min_digits: int = 2
     max_digits: int = 2
-    # gsm8k / jsonl
+    # gsm8k / jsonl (hf: eval_path is the eval data file beside a task.path data file)
     train_path: str | None = None
     eval_path: str | None = None
     prompt_field: str = "question"
     answer_field: str = "answer"
-    checker: str = "math_verify"  # jsonl only: math_verify | exact_number | exact_string
+    checker: str = "math_verify"  # jsonl and hf: math_verify | exact_number | exact_string (`polo train --help`)
+    # hf (Hugging Face datasets; docs/tasks.md): a save_to_disk directory, a data file or directory
+    # (parquet/json/jsonl/csv), or a Hub id; null with datasets passed to polo.train(train_dataset=...)
+    path: str | None = None
+    subset: str | None = None  # the Hub dataset's configuration (load_dataset's name), e.g. main
+    split: str = "train"
+    eval_split: str | None = None  # null: "test" when the dataset has one, else the last num_eval train rows
 
 
 @dataclass
@@ -123,9 +129,13 @@ class TrainConfig:
     on_reward_error: str = "raise"  # raise: stop naming the function and sample | zero: score 0, count, go on
     max_nonfinite_steps: int = 3  # a NaN/inf loss skips its step; this many in a row stop the run
     # The divergence guard (polo.rl.guard): a step whose judged value is more than this many times its
-    # reference, or whose weights are not finite, stops the run before anything of it is saved. 0 = jumps off.
+    # reference, or whose weights are not finite, is never saved. 0 = jumps off (non-finite weights still count).
     divergence_factor: float = 10.0
     divergence_checks: list[str] = field(default_factory=lambda: ["weight_norm"])  # of weight_norm | grad_norm | loss
+    # rollback: reload the last checkpoint written before the jump (or the starting model) and go on,
+    # skipping the batches drawn since it | stop: stop the run naming that checkpoint.
+    on_divergence: str = "rollback"
+    max_rollbacks: int = 3  # rollbacks in one run before it stops instead
     # Under torchrun: ddp (every rank holds the whole model) | fsdp (parameters, gradients and Adam
     # state sharded across ranks; weights gathered whole for generation). Ignored in one process.
     data_parallel: str = "ddp"
@@ -151,9 +161,18 @@ class OutputConfig:
     keep_checkpoints: int = 2
     resume: bool = False
     overwrite: bool = False  # a fresh run into a directory holding an earlier run removes that run first
-    tensorboard: bool = True
+    tensorboard: bool = True  # false leaves tensorboard out of report_to (the older spelling)
+    # Trackers the metrics go to, besides metrics.jsonl (always written): any of tensorboard, jsonl,
+    # wandb, trackio, mlflow (polo.runtime.trackers; wandb, trackio and mlflow need polo's extras).
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project: str | None = None  # the trackers' project (mlflow: experiment); null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME if set, else polo
+    run_name: str | None = None  # the trackers' run name; null: the output directory's name
     plots: bool = True
     progress: bool = True
+    # A Hugging Face Hub repo id (org/name): the final model and its model card (README.md) are
+    # uploaded there once the run ends; checked (online, token) before anything loads. null: no upload.
+    push_to_hub: str | None = None
+    hub_private: bool = False  # a repository push_to_hub creates is private
 
 
 @dataclass

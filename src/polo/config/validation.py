@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ _CHOICES = {
     "train.precision": ("auto", "fp32", "bf16", "bf16_master"),
     "train.lr_schedule": ("constant", "linear", "cosine"),
     "train.on_reward_error": ("raise", "zero"),
+    "train.on_divergence": ("rollback", "stop"),
     "train.data_parallel": ("ddp", "fsdp"),
     "algorithm.name": tuple(PRESETS),
     "algorithm.critic": ("separate", "head"),
@@ -55,6 +59,16 @@ _FLOAT_RANGES = {
     "train.adam_beta2": "[0, 1)",
     "train.max_grad_norm": "> 0",
 }
+
+# A Hugging Face Hub repository id, namespace/name: each part 1-96 letters, digits, '_', '-' or '.',
+# starting and ending with a letter, digit or '_', with no '--' or '..' (huggingface_hub's rule).
+HUB_REPO_ID = re.compile(r"(?!.*(?:--|\.\.))(?=[^/]{1,96}/[^/]{1,96}$)\w(?:[\w.-]*\w)?/\w(?:[\w.-]*\w)?", re.ASCII)
+
+
+def check_hub_repo(key: str, repo_id: str | None) -> None:
+    """Raise `ConfigError` when `repo_id` (None: not set) is not a Hub repository id `org/name`."""
+    if repo_id is not None and not HUB_REPO_ID.fullmatch(repo_id):
+        raise ConfigError(f"{key}: {repo_id!r} is not a Hugging Face Hub repo id; use org/name (letters, digits, '-', '_', '.')")
 
 
 def float_settings(config: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
@@ -112,6 +126,28 @@ def check_output_dir(key: str, directory: str) -> None:
             raise ConfigError(f"{key}: {directory} cannot be made, {candidate} is a file; name a directory (it is made if missing)")
 
 
+# output.report_to: every tracker polo reports to (polo.runtime.trackers has a sink for each), and
+# the packages it needs beyond polo's own, which the polo extra of the same name installs.
+TRACKER_PACKAGES: dict[str, tuple[str, ...]] = {
+    "tensorboard": (), "jsonl": (), "wandb": ("wandb",), "trackio": ("trackio",), "mlflow": ("mlflow", "pandas"),
+}
+MLFLOW_LOCAL_STORE = ("sqlalchemy", "alembic")  # mlflow's sqlite store in the output directory (no MLFLOW_TRACKING_URI)
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """Raise `ConfigError` for a tracker polo does not know, or one whose package is not installed (one line, naming the extra)."""
+    for name in report_to:
+        if name not in TRACKER_PACKAGES:
+            raise ConfigError(f"output.report_to: {name!r} is not one of {', '.join(TRACKER_PACKAGES)}")
+    for name in dict.fromkeys(report_to):
+        needed = TRACKER_PACKAGES[name] + (MLFLOW_LOCAL_STORE if name == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI") else ())
+        for package in needed:
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(
+                    f"output.report_to includes {name} but the {package} package is not installed: pip install 'polo[{name}]'"
+                )
+
+
 def check_lora(lora: LoraSettings) -> None:
     """Raise `ConfigError` for LoRA settings that make no sense."""
     if lora.r < 0:
@@ -163,6 +199,7 @@ def check_sizes(config: Config) -> None:
         "task.num_eval": config.task.num_eval,
         "eval.every": config.eval.every,
         "output.save_every": config.output.save_every,
+        "train.max_rollbacks": config.train.max_rollbacks,
     }, 0)
 
 
@@ -175,6 +212,8 @@ def validate(config: Config) -> None:
     check_sizes(config)
     check_floats(config, _FLOAT_RANGES)
     check_output_dir("output.dir", config.output.dir)
+    check_trackers(config.output.report_to)
+    check_hub_repo("output.push_to_hub", config.output.push_to_hub)
     check_lora(config.model.lora)
     if config.model.lora.r and estimator.needs_critic:
         raise ConfigError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from polo.config import Config, ConfigError
+from polo.config import Config, ConfigError, TaskConfig
 from polo.data.arithmetic import OPERATIONS, arithmetic_task
 from polo.data.base import (
     DEFAULT_INSTRUCTION,
@@ -23,6 +23,7 @@ from polo.data.base import (
 )
 from polo.data.code import code_task
 from polo.data.gsm8k import gsm8k_task
+from polo.data.hf import hf_task
 from polo.data.jsonl import jsonl_task
 from polo.rewards.answers import CHECKERS
 
@@ -30,6 +31,7 @@ TASKS: dict[str, Callable[..., Task]] = {
     "arithmetic": arithmetic_task,
     "code": code_task,
     "gsm8k": gsm8k_task,
+    "hf": hf_task,
     "jsonl": jsonl_task,
 }
 
@@ -61,6 +63,7 @@ __all__ = [
     "fill_instruction",
     "format_prompt",
     "gsm8k_task",
+    "hf_task",
     "jsonl_task",
     "read_jsonl",
 ]
@@ -71,32 +74,44 @@ TASK_OPTIONS = {
     "arithmetic": ("seed", "operators", "min_digits", "max_digits", "num_train", "num_eval", "answer_in_tags"),
     "gsm8k": ("train_path", "eval_path", "num_train", "num_eval", "answer_in_tags"),
     "jsonl": ("train_path", "eval_path", "prompt_field", "answer_field", "num_train", "num_eval", "answer_in_tags", "checker"),
+    "hf": (
+        "path", "subset", "split", "eval_split", "eval_path", "prompt_field", "answer_field", "num_train", "num_eval",
+        "answer_in_tags", "checker",
+    ),
     "code": ("num_train", "num_eval", "seed"),
 }
 
 
 
-def make_task(config: Config) -> Task:
+def make_task(config: Config, train_dataset: object = None, eval_dataset: object = None) -> Task:
     """Return the task the config names, built with the options that task understands.
 
     A setting the task cannot use (an unknown name or checker, a row count the data cannot meet)
     is a `ConfigError` naming the key; this runs before any model loads, so a typo costs nothing.
+    ``train_dataset`` / ``eval_dataset`` (a ``datasets.Dataset`` or a list of dicts) make it the
+    ``hf`` task over those rows (``task.name`` hf or left at its default, ``task.path`` null).
     """
     task_config = config.task
     if task_config.name not in TASKS:
         raise ConfigError(f"task.name: {task_config.name!r} is not one of {', '.join(TASKS)}")
-    if task_config.name == "jsonl" and task_config.checker not in CHECKERS:
-        raise ConfigError(f"task.checker: {task_config.checker!r} is not one of {', '.join(CHECKERS)}")
-    keys = TASK_OPTIONS.get(task_config.name, ())
+    passed = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
+    passed = {key: value for key, value in passed.items() if value is not None}
+    if passed and task_config.name not in ("hf", TaskConfig.name):
+        raise ConfigError(f"task.name is {task_config.name!r} but {' and '.join(passed)} was passed; datasets make the hf task (task.name: hf)")
+    name = "hf" if passed else task_config.name
+    if name in ("jsonl", "hf") and task_config.checker not in CHECKERS:
+        raise ConfigError(f"task.checker: {task_config.checker!r} is not one of {', '.join(CHECKERS)} (`polo train --help` says what each accepts)")
+    keys = TASK_OPTIONS.get(name, ())
     options = {key: getattr(task_config, key) for key in keys if getattr(task_config, key) is not None}
+    options.update(passed)
     try:
-        return build_task(task_config.name, **options)
+        return build_task(name, **options)
     except ValueError as error:
         # Builders check their own settings with a plain ValueError; its subclasses (bad data
         # files, decoding errors) already say what they are and pass through unchanged.
         if type(error) is not ValueError:
             raise
-        raise ConfigError(f"task {task_config.name}: {error}") from error
+        raise ConfigError(f"task {name}: {error}") from error
 
 
 def instruction_for(config: Config, task: Task | None = None) -> str:

@@ -26,13 +26,18 @@ from polo.generation.prompts import (  # noqa: F401  (re-exported: tasks own the
 )
 
 class TaskDataError(ValueError):
-    """A task data file holds a row that cannot be used; the message names file and line."""
+    """A task data file holds a row that cannot be used; the message names file and line.
 
-    def __init__(self, path: str | Path, line: int | None, problem: str) -> None:
+    ``unit`` names what ``line`` counts: a file's 1-based "line", or a dataset's 0-based "row"
+    (``dataset[row]``), where ``path`` names the dataset and split.
+    """
+
+    def __init__(self, path: str | Path, line: int | None, problem: str, unit: str = "line") -> None:
         self.path = str(path)
         self.line = line
         self.problem = problem
-        where = self.path if line is None else f"{self.path} line {line}"
+        self.unit = unit
+        where = self.path if line is None else f"{self.path} {unit} {line}"
         super().__init__(f"{where}: {problem}")
 
 
@@ -109,31 +114,34 @@ def _decoded(raw: bytes, path: Path, line_number: int) -> str:
 
 
 def text_field(
-    row: dict, field: str, path: str | Path, line: int, allow_numbers: bool = False
+    row: dict, field: str, path: str | Path, line: int, allow_numbers: bool = False, unit: str = "line"
 ) -> str:
     """Return ``row[field]`` as a string, or raise TaskDataError naming file, line and field.
 
-    ``allow_numbers`` accepts JSON numbers (common for answers) and turns them into strings.
+    ``allow_numbers`` accepts JSON numbers (common for answers) and turns them into strings;
+    ``unit`` is TaskDataError's ("row" for a dataset).
     """
     if field not in row:
         raise TaskDataError(
-            path, line, f"missing field {field!r}; fields present: {sorted(row)}"
+            path, line, f"missing field {field!r}; fields present: {sorted(row)}", unit
         )
     value = row[field]
     accepted = (str, int, float) if allow_numbers else (str,)
     if isinstance(value, bool) or not isinstance(value, accepted):
         kinds = "a string or a number" if allow_numbers else "a string"
         raise TaskDataError(
-            path, line, f"field {field!r} must be {kinds}, got {type(value).__name__} {value!r}"
+            path, line, f"field {field!r} must be {kinds}, got {type(value).__name__} {value!r}", unit
         )
     return str(value)
 
 
-def first_rows(rows: list[dict], limit: int | None, what: str, key: str = "the row limit") -> list[dict]:
+def first_rows(
+    rows: list[dict], limit: int | None, what: str, key: str = "the row limit", holder: str = "the file"
+) -> list[dict]:
     """Return the first ``limit`` rows (all of them when ``limit`` is None).
 
     ``key`` names the setting the limit came from (e.g. ``task.num_eval``) in the error for a limit
-    the file cannot meet.
+    the file cannot meet; ``holder`` what holds the rows there ("the dataset" for datasets).
     """
     if limit is None:
         return rows
@@ -141,7 +149,7 @@ def first_rows(rows: list[dict], limit: int | None, what: str, key: str = "the r
         raise ConfigError(f"{what}: {key} must be null or an integer >= 0, got {limit!r}")
     if limit > len(rows):
         raise ConfigError(
-            f"{what}: {key} is {limit} but the file holds only {len(rows)} rows; "
+            f"{what}: {key} is {limit} but {holder} holds only {len(rows)} rows; "
             f"set it to at most {len(rows)}, or null for every row"
         )
     return rows[:limit]

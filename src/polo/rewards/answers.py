@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import functools
 import re
+import textwrap
 import threading
 from collections.abc import Callable
 from fractions import Fraction
@@ -329,12 +330,33 @@ def math_verify_answer(completion: str, row: dict, answer_in_tags: bool = False)
     return float(verify(list(reference), predicted, timeout_seconds=timeout))
 
 
-# Names accepted by the jsonl task's ``checker`` option.
-CHECKERS: dict[str, Callable[..., float]] = {
-    "math_verify": math_verify_answer,
-    "exact_number": exact_number,
-    "exact_string": exact_string,
-}
+# The names the jsonl and hf tasks' ``checker`` option accepts, each with what it counts as right:
+# the one list that validation (`checker`), `polo train --help` and the README's table follow.
+_CHECKER_TABLE: tuple[tuple[str, Callable[..., float], str], ...] = (
+    ("math_verify", math_verify_answer,
+     "the final answer equals the reference as maths, in any notation (\"0.5\", \"1/2\", \"$\\frac{1}{2}$\", "
+     "\"\\boxed{1/2}\"); any reference math-verify can parse (numbers, fractions, LaTeX expressions)"),
+    ("exact_number", exact_number,
+     "the final number equals the reference numerically (\"85\", \"85.0\", \"1,000\" for 1000); "
+     "every reference must be a plain number, checked when the data loads"),
+    ("exact_string", exact_string,
+     "the answer (the last <answer> block, else the whole completion) equals the reference as text, "
+     "ignoring case and surrounding spaces; for short text answers"),
+)
+CHECKERS: dict[str, Callable[..., float]] = {name: function for name, function, _ in _CHECKER_TABLE}
+CHECKER_HELP: dict[str, str] = {name: accepts for name, _, accepts in _CHECKER_TABLE}
+DEFAULT_CHECKER = "math_verify"  # the jsonl and hf tasks' default (TaskConfig.checker)
+
+
+def checker_help(indent: str = "  ", width: int = 100) -> str:
+    """Return "name: what it accepts" per checker, the default marked, wrapped to ``width`` (for `polo train --help`)."""
+    return "\n".join(
+        textwrap.fill(
+            f"{name}{' (default)' if name == DEFAULT_CHECKER else ''}: {accepts}",
+            width, initial_indent=indent, subsequent_indent=indent * 3,
+        )
+        for name, accepts in CHECKER_HELP.items()
+    )
 
 
 def checker(name: str, answer_in_tags: bool = False) -> Callable[[str, dict], float]:

@@ -67,6 +67,7 @@ class Batch:
     rollouts: Rollouts
     rewards: torch.Tensor  # (batch,) total reward, shaping included
     prompts: list[str]  # one per group
+    columns: dict[str, torch.Tensor] | None = None  # (batch,) per reward function, for the completions table
 
 
 
@@ -108,4 +109,5 @@ def align_groups(batch: Batch | None, group_size: int) -> Batch | None:
     if groups * group_size == len(batch.rollouts):
         return batch
     rows = torch.arange(groups * group_size)
-    return Batch(batch.rollouts.select(rows), batch.rewards[rows], batch.prompts[:groups])
+    columns = {name: column[rows] for name, column in batch.columns.items()} if batch.columns is not None else None
+    return Batch(batch.rollouts.select(rows), batch.rewards[rows], batch.prompts[:groups], columns)

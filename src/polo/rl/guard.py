@@ -14,29 +14,60 @@ guard judges each step after its update, before it is logged as good, evaluated 
   zero and a group with spread after groups without one multiplies the gradient norm, so their
   ratios flag healthy steps, and clipping already bounds what a gradient spike can do.
 
-On a divergence the run stops (it does not retry: the prompts and random streams are a function
-of the step, so replaying from the checkpoint would take the same step again) and its one line
-names where the run stands: the last checkpoint, written before the jump because every saved step
-passed the guard, which `output.resume=true` continues from with its model, optimizer, schedule
-and random streams; or, when none was written, the untouched starting model. The guard keeps no
-copy of the weights (the checkpoint on disk, or the starting model, is the copy), only a few
-numbers; computing the norm is one pass over the parameters per step.
+On a divergence the step is never logged as good, evaluated or saved, and (`train.on_divergence`):
+
+- **rollback** (the default): the run goes back to the last checkpoint, which was written before
+  the jump because every saved step passed the guard (or to the untouched starting model when none
+  was written), with its weights, optimizer, schedule, critic and random streams, and goes on from
+  there. Replaying the same steps would draw the same prompts and take the same jump, so the
+  batches drawn between the checkpoint and the jump are skipped (`Run.data_offset`; PaLM, Chowdhery
+  et al. 2022 §5.1, restarted about 100 steps before a loss spike and skipped 200-500 batches). The
+  rebuild goes through the same code as `output.resume=true` (`polo.rl.setup.set_up`). After
+  `train.max_rollbacks` rollbacks in one run it stops instead: a jump that comes back on fresh
+  data is the settings' fault (usually the learning rate), not the data's.
+- **stop**: the run stops and its one line names where it stands: that checkpoint, which
+  `output.resume=true` continues from, or the untouched starting model.
+
+The guard keeps no copy of the weights (the checkpoint on disk, or the starting model, is the
+copy), only a few numbers; computing the norm is one pass over the parameters per step.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from polo.config import Config, ConfigError
 from polo.runtime import distributed as parallel
 from polo.runtime.checkpoint import Checkpointer
+from polo.runtime.errors import DivergenceError
 
 CHECKS = ("weight_norm", "grad_norm", "loss")
 WARMUP_STEPS = 3  # accepted steps before a loss or gradient norm median means anything
 HISTORY = 20  # accepted steps the median looks back over
+
+
+@dataclass
+class RollbackState:
+    """Where a run stands with rollbacks: the batches it skips, how many it took, and (on a rollback) where to."""
+
+    data_offset: int = 0
+    rollbacks: int = 0
+    eval_before: dict | None = None
+    checkpoint: Path | None = None  # the checkpoint to roll back to; None: the starting model
+    message: str = ""
+
+
+class Rollback(Exception):  # noqa: N818 - a request, not an error: `polo.rl.train.train` rebuilds the run and goes on
+    """Raised by the loop to go back to `state.checkpoint`; carries no traceback-held state."""
+
+    def __init__(self, state: RollbackState):
+        super().__init__(state.message)
+        self.state = state
 
 
 def check_guard_settings(config: Config) -> None:
@@ -82,7 +113,7 @@ class DivergenceGuard:
                 if key in values:
                     self.history[key] = (self.history[key] + [values[key]])[-HISTORY:]
             return None
-        return f"step {step} diverged: {reason}; {self.where_the_run_stands(step)}"
+        return f"step {step} diverged: {reason}"
 
     def jump(self, item: tuple[str, float]) -> str | None:
         """Return why `value` of `name` is a divergence, or None."""
@@ -103,9 +134,25 @@ class DivergenceGuard:
             return f"{name} {value:.4g} is {value / reference:.3g}x {against} {reference:.4g} (train.divergence_factor={self.factor:g})"
         return None
 
-    def where_the_run_stands(self, step: int) -> str:
-        """Return what is on disk after stopping at `step`, and how to go on from it."""
+    def rollback_or_stop(self, step: int, reason: str, run_state: RollbackState, config: Config) -> RollbackState:
+        """Return where the run rolls back to after `reason` at `step`, or raise `DivergenceError` to stop it."""
         latest = self.checkpointer.latest()
+        if config.train.on_divergence == "stop" or run_state.rollbacks >= config.train.max_rollbacks:
+            tried = f"; {run_state.rollbacks} rollbacks did not help (train.max_rollbacks={config.train.max_rollbacks})" if run_state.rollbacks else ""
+            raise DivergenceError(f"{reason}{tried}; {self.where_the_run_stands(step, latest)}")
+        checkpoint_step = int(latest.name.split("-")[1]) if latest is not None else 0
+        return RollbackState(
+            checkpoint=latest,
+            data_offset=run_state.data_offset + step - checkpoint_step,  # step s draws position s - 1 + offset
+            rollbacks=run_state.rollbacks + 1,
+            eval_before=run_state.eval_before,
+            message=(f"polo: warning: {reason}; rolling back to {latest or 'the starting model ' + self.model_name} and skipping "
+                     f"the {step - checkpoint_step} batch(es) drawn since (rollback {run_state.rollbacks + 1} of at most "
+                     f"{config.train.max_rollbacks}, train.max_rollbacks)"),
+        )
+
+    def where_the_run_stands(self, step: int, latest: Path | None) -> str:
+        """Return what is on disk after stopping at `step`, and how to go on from it."""
         if latest is not None:
             return (f"the run stopped without saving it; its last checkpoint, written before the jump, is {latest}: "
                     "continue from it with output.resume=true and a lower train.learning_rate")

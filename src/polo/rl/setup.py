@@ -7,7 +7,7 @@ weights, the optimizer, the critic, the schedule, and finally the resumed state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,15 +17,17 @@ from polo import core
 from polo.config import Config, ConfigError, config_to_dict, load_config
 from polo.data import instruction_for, make_task
 from polo.data.base import Task
+from polo.data.hf import check_same_datasets, passed_datasets_note
 from polo.generation.cpu_sampler import rollout
 from polo.generation.rollouts import Sampler
 from polo.kernels.cpu.attention import use_polo_attention
+from polo.models.hub import check_push
 from polo.models.loading import enable_activation_checkpointing, frozen_copy, load_policy, resolve_model_path
 from polo.models.lora import add_adapters, freeze_base_dtype, load_adapters
 from polo.models.precision import MasterWeights
 from polo.rewards import RewardSet
 from polo.rl.critic import Critic, build_critic
-from polo.rl.guard import check_guard_settings
+from polo.rl.guard import RollbackState, check_guard_settings
 from polo.rl.modules import UpdateModules
 from polo.rl.update import update_modules
 from polo.runtime import distributed as parallel
@@ -58,10 +60,15 @@ class Run:
     start_step: int = 0
     eval_before: dict | None = None
     sampler: Sampler = rollout  # draws each step's completions (polo.generation)
+    # After a rollback (polo.rl.guard) step s draws the prompts of position s - 1 + data_offset: the
+    # batches seen between the checkpoint and the jump are skipped, not replayed.
+    data_offset: int = 0
+    rollbacks: int = 0
 
     def checkpoint_state(self) -> dict:
         """Return the run state a checkpoint keeps beside the weights and the optimizer."""
-        return {"eval_before": self.eval_before, **(self.critic.state() if self.critic is not None else {})}
+        critic = self.critic.state() if self.critic is not None else {}
+        return {"eval_before": self.eval_before, "data_offset": self.data_offset, "rollbacks": self.rollbacks, **critic}
 
     def save(self, step: int) -> Path | None:
         """Write checkpoint `step` (every rank calls it) and return its path (None off rank 0)."""
@@ -85,6 +92,8 @@ def checked_config(config, overrides: list[str] | None) -> Config:
             f"train.prompts_per_step={config.train.prompts_per_step} is not divisible by the {parallel.world_size()} processes; "
             f"pick a multiple of {parallel.world_size()} (each process samples whole groups)"
         )
+    if config.output.push_to_hub:
+        check_push(config.output.push_to_hub)  # before anything loads: a run whose model could not be pushed never starts
     return config
 
 
@@ -160,23 +169,39 @@ def resume(run: Run, checkpoint: Path) -> None:
     if run.critic is not None:
         run.critic.load(state)
     run.start_step, run.eval_before = state["step"], state.get("eval_before")
+    run.data_offset, run.rollbacks = state.get("data_offset", 0), state.get("rollbacks", 0)
     if is_main_process():  # the one writer; a second rank rewriting the same file could empty it
         truncate_metrics(run.output_dir / "metrics.jsonl", run.start_step)
         truncate_metrics(run.output_dir / "samples.jsonl", run.start_step)
 
 
-def set_up(config, overrides: list[str] | None = None, reward_functions: dict | None = None) -> Run:
-    """Return a ready `Run`: config checked, task and rewards built, models loaded, state resumed, config.yaml written."""
+def set_up(
+    config, overrides: list[str] | None = None, reward_functions: dict | None = None, rollback: RollbackState | None = None,
+    train_dataset: object = None, eval_dataset: object = None,
+) -> Run:
+    """Return a ready `Run`: config checked, task and rewards built, models loaded, state resumed, config.yaml written.
+
+    `train_dataset` / `eval_dataset` (a `datasets.Dataset` or a list of dicts) are the rows of the
+    hf task (`polo.data.hf`): config.yaml records task.name hf, task.path null and the rows' sha256,
+    and a resume goes on only with the same rows passed again.
+
+    With `rollback` (from the divergence guard) the run is rebuilt from `rollback.checkpoint`, or
+    from the starting model when it is None, as a resume would, then skips the batches it names.
+    """
     config = checked_config(config, overrides)
     output_dir = Path(config.output.dir)
     precision = resolve_train_precision(config)
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
-    task = make_task(config)
+    task = make_task(config, train_dataset, eval_dataset)
+    if train_dataset is not None:
+        config = replace(config, task=replace(config.task, name="hf"))
     reward_set = RewardSet({**config.rewards, **(reward_functions or {})}, task, on_error=config.train.on_reward_error)
     check_guard_settings(config)
     checkpointer = Checkpointer(output_dir, config.output.keep_checkpoints)
-    resume_from = find_resume_point(config, checkpointer)
+    resume_from = find_resume_point(config, checkpointer) if rollback is None else rollback.checkpoint
+    if train_dataset is not None and resume_from is not None:
+        check_same_datasets(output_dir / "config.yaml", task)
     # Ranks sample different completions (seed + rank); they all start from the same weights.
     seed_everything(config.train.seed + parallel.rank())
     model, tokenizer, reference = load_models(config, precision, resume_from)
@@ -190,7 +215,13 @@ def set_up(config, overrides: list[str] | None = None, reward_functions: dict | 
     )
     if resume_from is not None:
         resume(run, resume_from)
+    if rollback is not None:
+        run.data_offset, run.rollbacks, run.eval_before = rollback.data_offset, rollback.rollbacks, rollback.eval_before
+        if resume_from is None and is_main_process():  # back to the starting model: the rows logged since go
+            truncate_metrics(output_dir / "metrics.jsonl", 0)
+            truncate_metrics(output_dir / "samples.jsonl", 0)
     if is_main_process():
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+        note = passed_datasets_note(task) if train_dataset is not None else ""
+        (output_dir / "config.yaml").write_text(note + yaml.safe_dump(config_to_dict(config), sort_keys=False))
     return run

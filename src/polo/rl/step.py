@@ -23,6 +23,7 @@ from polo.rl.setup import Run
 from polo.rl.update import policy_update
 from polo.runtime import distributed as parallel
 from polo.runtime.device import autocast_context
+from polo.runtime.trackers import logs_tables
 
 
 @contextmanager
@@ -55,7 +56,7 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> di
     """
     config, alg, sampling = run.config, run.config.algorithm, run.config.sampling
     # Every rank draws the same step's prompts and keeps its own share: whole prompts, so whole groups.
-    all_rows = batch_rows(run.task.train_rows, step - 1, config.train.prompts_per_step, config.train.seed, stream=round_index)
+    all_rows = batch_rows(run.task.train_rows, step - 1 + run.data_offset, config.train.prompts_per_step, config.train.seed, stream=round_index)
     row_batch = parallel.rank_share(all_rows, "train.prompts_per_step")
     started = time.perf_counter()
     prompts = run.task.prompts(run.tokenizer, row_batch, run.instruction, config.task.system_prompt)
@@ -92,7 +93,7 @@ def collect_batch(run: Run, step: int, timings: dict) -> tuple[Batch | None, dic
     timings.setdefault("reward", 0.0)
     alg, group_size = run.config.algorithm, run.config.algorithm.group_size
     wanted = run.config.train.prompts_per_step // parallel.world_size()  # this rank's groups
-    kept: list[tuple[Rollouts, torch.Tensor, list[str]]] = []
+    kept: list[tuple[Rollouts, torch.Tensor, list[str], dict]] = []
     seen: list[dict] = []
     kept_groups = 0
     for round_index in range(alg.max_sampling_rounds if alg.dynamic_sampling else 1):
@@ -102,13 +103,15 @@ def collect_batch(run: Run, step: int, timings: dict) -> tuple[Batch | None, dic
         keep = core.informative_rows(rewards, group_size) if alg.dynamic_sampling else torch.arange(len(rollouts))
         keep = keep[: (wanted - kept_groups) * group_size]
         if len(keep):
-            kept.append((rollouts.select(keep), rewards[keep], [scored["prompts"][int(i)] for i in keep[::group_size] // group_size]))
+            prompts = [scored["prompts"][int(i)] for i in keep[::group_size] // group_size]
+            kept.append((rollouts.select(keep), rewards[keep], prompts, {name: column[keep] for name, column in scored["columns"].items()}))
             kept_groups += len(keep) // group_size
         if kept_groups >= wanted:
             break
     batch = None
     if kept:
-        batch = Batch(concat_rollouts([part[0] for part in kept]), torch.cat([part[1] for part in kept]), [p for part in kept for p in part[2]])
+        columns = {name: torch.cat([part[3][name] for part in kept]) for name in kept[0][3]}
+        batch = Batch(concat_rollouts([part[0] for part in kept]), torch.cat([part[1] for part in kept]), [p for part in kept for p in part[2]], columns)
     metrics = sampling_metrics(run, seen, kept_groups)
     first = seen[0]
     samples = sample_log_rows(step, first["rollouts"], first["prompts"], first["rewards"], first["columns"], first["correct"])
@@ -171,6 +174,24 @@ def sample_log_rows(step: int, rollouts: Rollouts, prompts: list[str], rewards, 
     ]
 
 
+def completion_rows(batch: Batch, advantages: torch.Tensor) -> list[dict]:
+    """Return a completions-table row per completion of `batch`: prompt, completion, reward in total and per function, advantage.
+
+    The advantage is the mean over the completion's tokens (its sequence advantage under GRPO-style estimators).
+    """
+    rollouts, mask = batch.rollouts, batch.rollouts.completion_mask.float()
+    per_completion = ((advantages.float() * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
+    rewards = batch.rewards.tolist()
+    columns = {f"reward/{name}": column.tolist() for name, column in (batch.columns or {}).items()}
+    return [
+        {
+            "prompt": batch.prompts[index // rollouts.group_size], "completion": text, "reward": rewards[index],
+            **{name: values[index] for name, values in columns.items()}, "advantage": per_completion[index],
+        }
+        for index, text in enumerate(rollouts.texts)
+    ]
+
+
 def reference_and_old(run: Run, rollouts: Rollouts) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Return (reference log-probs, old log-probs, old values), each (batch, completion_len) or None when not needed.
 
@@ -199,7 +220,11 @@ def compute_advantages(batch: Batch, old_logprobs, ref_logprobs, old_values, con
 
 
 def rl_step(run: Run, step: int) -> tuple[dict, list[dict]]:
-    """Run one sampling + update step in place; return (metrics row, sample log rows), combined over ranks."""
+    """Run one sampling + update step in place; return (metrics row, sample log rows), combined over ranks.
+
+    When a tracker in `output.report_to` keeps tables, the row also holds `_completions`: a
+    `completion_rows` row for every completion the step trained on, from every rank.
+    """
     alg, timings = run.config.algorithm, {}
     batch, metrics, samples = collect_batch(run, step, timings)
     batch = align_groups(batch, alg.group_size) if alg.dynamic_sampling else batch
@@ -213,6 +238,7 @@ def rl_step(run: Run, step: int) -> tuple[dict, list[dict]]:
     ref_logprobs, old_logprobs, old_values = reference_and_old(run, rollouts)
     advantages, returns = compute_advantages(batch, old_logprobs, ref_logprobs, old_values, run.config)
     timings["reference"] = time.perf_counter() - started
+    completions = completion_rows(batch, advantages) if logs_tables(run.config.output.report_to) else None
 
     started = time.perf_counter()
     update_metrics = policy_update(
@@ -234,4 +260,7 @@ def rl_step(run: Run, step: int) -> tuple[dict, list[dict]]:
     if returns is not None:
         metrics["value/explained_variance"] = core.explained_variance(old_values, returns, rollouts.completion_mask)
         metrics["value/mean"] = core.masked_mean(old_values, rollouts.completion_mask).item()
-    return parallel.combine_metrics(parallel.gather_objects(metrics)), samples
+    combined = parallel.combine_metrics(parallel.gather_objects(metrics))
+    if completions is not None:  # every rank's, for a tracker's completions table; the training loop logs and drops it
+        combined["_completions"] = [row for part in parallel.gather_objects(completions) for row in part]
+    return combined, samples

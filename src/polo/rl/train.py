@@ -19,14 +19,16 @@ from polo.config import Config
 from polo.evaluation.evaluate import greedy_accuracy
 from polo.evaluation.plots import plot_run
 from polo.models.lora import trainable_summary
-from polo.rl.guard import DivergenceGuard
+from polo.rl.guard import DivergenceGuard, Rollback, RollbackState
+from polo.rl.publish import publish_model
 from polo.rl.setup import Run, set_up
 from polo.rl.step import rl_step, sampling_weights
 from polo.runtime import distributed as parallel
 from polo.runtime.distributed import is_main_process
-from polo.runtime.errors import DivergenceError, NonFiniteLossError
+from polo.runtime.errors import NonFiniteLossError
 from polo.runtime.interrupt import StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
+from polo.runtime.trackers import Trackers
 
 
 @dataclass
@@ -45,17 +47,30 @@ def train(
     overrides: list[str] | None = None,
     *,
     reward_functions: dict | None = None,
+    train_dataset: object = None,
+    eval_dataset: object = None,
 ) -> TrainResult:
     """Train a causal LM with the configured policy-optimization algorithm and return the result.
 
     `config` is a `Config`, a recipe path or a mapping; `overrides` are `dotted.key=value`
     strings. `reward_functions` maps extra callables `(completion, row) -> float` to weights,
-    added to the configured rewards. Launched by `torchrun`, every process calls it and the run
-    is data-parallel (see `polo.runtime.distributed`); the process group is joined and left here.
+    added to the configured rewards. `train_dataset` / `eval_dataset` (a `datasets.Dataset` or a
+    list of dicts) are the rows of the hf task (`polo.data.hf`; a resume needs the same ones again).
+    Launched by `torchrun`, every process calls it and the run is data-parallel (see
+    `polo.runtime.distributed`); the process group is joined and left here.
     """
     joined = parallel.init_from_environment()
     try:
-        return train_loop(set_up(config, overrides, reward_functions))
+        rollback = None
+        while True:  # once, unless the divergence guard rolls the run back (polo.rl.guard)
+            try:
+                return train_loop(set_up(
+                    config, overrides, reward_functions, rollback=rollback, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                ))
+            except Rollback as request:
+                rollback = request.state  # the failed run's frames go with the exception, before the rebuild
+            if is_main_process():
+                print(rollback.message, flush=True)
     finally:
         if joined:
             torch.distributed.destroy_process_group()
@@ -64,7 +79,9 @@ def train(
 def train_loop(run: Run) -> TrainResult:
     """Run steps `run.start_step + 1 ... train.steps`: sample, score, update, log, evaluate, checkpoint."""
     config = run.config
-    logger = MetricsLogger(run.output_dir, config.train.steps, run.start_step, config.output.tensorboard, config.output.progress)
+    logger = MetricsLogger(
+        run.output_dir, config.train.steps, run.start_step, config.output.tensorboard, config.output.progress, trackers=Trackers.of(config),
+    )
     logger.write(banner(run))
     evaluate = HeldOutEvaluation(run, logger)
     if run.eval_before is None and config.eval.before and run.task.eval_rows:
@@ -81,10 +98,12 @@ def train_loop(run: Run) -> TrainResult:
                 nonfinite_streak = skip_or_stop(run, logger, step, nonfinite_streak + 1, error)
                 metrics, samples = {"skipped_nonfinite": 1.0}, []
             diverged = guard.judge(step, metrics)  # before anything could evaluate or save the step's weights
+            if run.rollbacks:
+                metrics["rollbacks"] = run.rollbacks
             log_step(logger, step, metrics, samples)
             if diverged:
                 logger.close()
-                raise DivergenceError(diverged)
+                raise Rollback(guard.rollback_or_stop(step, diverged, RollbackState(run.data_offset, run.rollbacks, run.eval_before), config))
             if config.eval.every and step % config.eval.every == 0 and step != config.train.steps:
                 evaluate(step)
             stopping = parallel.any_rank(stop.requested)  # every rank stops after the same step
@@ -101,6 +120,7 @@ def train_loop(run: Run) -> TrainResult:
     logger.close()
     if is_main_process() and config.output.plots:
         plot_run(run.output_dir)
+    publish_model(run, eval_after)  # README.md into the final checkpoint; the upload of output.push_to_hub (main process)
     return TrainResult(run.output_dir, config.train.steps, run.eval_before, eval_after, read_metrics(run.output_dir / "metrics.jsonl"))
 
 
@@ -117,12 +137,14 @@ def banner(run: Run) -> str:
 
 
 def log_step(logger: MetricsLogger, step: int, metrics: dict, samples: list[dict]) -> None:
-    """Write the step's metrics row and sample rows, its messages, and advance the progress bar."""
+    """Write the step's metrics row, sample rows and completions table, its messages, and advance the progress bar."""
     for message in metrics.pop("_messages", []):
         logger.write(message)
+    completions = metrics.pop("_completions", [])
     metrics["step"] = step
     logger.log(metrics)
     logger.log_samples(samples)
+    logger.log_completions(step, completions)
     summary = {"reward": "reward/mean", "acc": "accuracy", "len": "completion_length/mean"}
     logger.advance(step, {label: metrics.get(key, float("nan")) for label, key in summary.items()})
 

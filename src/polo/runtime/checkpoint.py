@@ -140,7 +140,7 @@ def mark_float32(config_path: Path) -> None:
 # What polo writes into an output directory; anything else there is the user's and is never touched.
 RUN_FILES = (
     "checkpoints", "final", "tensorboard", "metrics.jsonl", "samples.jsonl", "config.yaml", "summary.json",
-    "reward.png", "accuracy.png", "length.png", "report.html",
+    "reward.png", "accuracy.png", "length.png", "r1.png", "report.html", "wandb", "mlflow.db", "mlruns",
 )
 
 

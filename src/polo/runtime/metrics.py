@@ -1,13 +1,15 @@
-"""Run logging: one metrics row per step to JSONL and TensorBoard, and a progress bar."""
+"""Run logging: one metrics row per step to JSONL and the trackers (TensorBoard, wandb, ...), and a progress bar."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import time
 from pathlib import Path
 
 from polo.runtime.distributed import is_main_process
+from polo.runtime.trackers import Sink, Trackers, open_sinks
 
 
 
@@ -36,38 +38,73 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 
 class MetricsLogger:
-    """Writes metrics rows to `<dir>/metrics.jsonl` and TensorBoard, and drives the progress bar."""
+    """Writes metrics rows to `<dir>/metrics.jsonl` and the run's trackers, and drives the progress bar.
 
-    def __init__(self, output_dir: Path, total_steps: int, start_step: int = 0, tensorboard: bool = True, progress: bool = True):
+    `trackers.report_to` names the trackers (`polo.runtime.trackers`); without `trackers` it is
+    TensorBoard alone, and `tensorboard=False` leaves TensorBoard out either way.
+    """
+
+    def __init__(
+        self, output_dir: Path, total_steps: int, start_step: int = 0, tensorboard: bool = True, progress: bool = True,
+        trackers: Trackers | None = None,
+    ):
         self.main = is_main_process()
         self.path = output_dir / "metrics.jsonl"
-        self.writer = None
+        self.sinks: list[Sink] = []
         self.bar = None
         if not self.main:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=start_step + 1)
+        trackers = trackers or Trackers()
+        names = [name for name in trackers.report_to if name != "tensorboard" or tensorboard]
+        self.sinks = open_sinks(names, output_dir, start_step, trackers)
+        for sink in self.sinks:
+            if getattr(sink, "where", None):
+                print(f"polo: reporting to {sink.where}", flush=True)
+        if any(getattr(sink, "where", None) for sink in self.sinks):
+            atexit.register(self.close)  # a run that stops on an error still finishes its tracker runs
         if progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="polo", unit="step", dynamic_ncols=True)
 
+    @property
+    def logs_tables(self) -> bool:
+        """Whether a tracker here keeps tables (`log_completions` does nothing otherwise)."""
+        return any(sink.tables for sink in self.sinks)
+
     def log(self, row: dict) -> None:
-        """Append one row (must hold "step") to every sink."""
+        """Append one row (must hold "step") to metrics.jsonl, and its numbers to every tracker."""
         if not self.main:
             return
         row = {**row, "timestamp": row.get("timestamp", time.time())}
         clean = {key: (None if isinstance(value, float) and not math.isfinite(value) else value) for key, value in row.items()}
         with self.path.open("a") as handle:
             handle.write(json.dumps(clean) + "\n")
-        if self.writer is not None:
-            for key, value in row.items():
-                if key not in ("step", "timestamp") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(key, value, row["step"])
-            self.writer.flush()
+        scalars = {
+            key: value for key, value in row.items()
+            if key not in ("step", "timestamp") and isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
+        for sink in self.sinks:
+            sink.log_scalars(row["step"], scalars)
+
+    def log_completions(self, step: int, rows: list[dict]) -> None:
+        """Log the step's completions (one dict per completion, same keys) as a `completions` table, with a step column.
+
+        A tracker that fails to take a table is warned about once and gets no more tables; the run goes on.
+        """
+        if not self.main or not rows or not self.logs_tables:
+            return
+        columns = ["step", *rows[0]]
+        data = [[step, *(row.get(column) for column in columns[1:])] for row in rows]
+        for sink in self.sinks:
+            if not sink.tables:
+                continue
+            try:
+                sink.log_table(step, "completions", columns, data)
+            except Exception as error:  # noqa: BLE001 - a tracker's table is not worth the run
+                sink.tables = False
+                self.write(f"polo: warning: {type(sink).__name__} could not log the completions table, no more tables go to it: {error}")
 
     def log_samples(self, rows: list[dict]) -> None:
         """Append sample completions (each row holds "step") to `<dir>/samples.jsonl`, for reports."""
@@ -92,7 +129,11 @@ class MetricsLogger:
             print(message, flush=True)
 
     def close(self) -> None:
+        """Close the progress bar and finish every tracker run (once; later calls do nothing)."""
         if self.bar is not None:
             self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+            self.bar = None
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
+        atexit.unregister(self.close)
