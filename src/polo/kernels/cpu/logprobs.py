@@ -335,8 +335,9 @@ def head_reads_trunk(model, decoder, head, length: int = 4) -> bool:
     weight = head.weight
     input_ids = (torch.arange(length, device=weight.device) % weight.shape[0])[None]
     handles = [decoder.register_forward_hook(keep_trunk), head.register_forward_hook(keep_head)]
-    try:
-        with torch.no_grad():
+    devices = [weight.device] if weight.device.type == "cuda" else []
+    try:  # the random streams are put back: a model with dropout draws the same masks as without the trace
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
             logits = getattr(model(input_ids=input_ids, use_cache=False), "logits", None)
     except Exception:  # noqa: BLE001 - any model that cannot be traced this way takes the full-logits path
         return False
