@@ -167,6 +167,31 @@ def test_format_prompt_uses_chat_template_when_present():
     assert without_system == "<|user|>Q: What is 1 + 2?\n<|assistant|>"
 
 
+def test_few_shot_examples_are_earlier_turns_through_the_same_instruction():
+    tokenizer = tiny_tokenizer(CHAT_TEMPLATE)
+    shots = (("What is 1 + 1?", "<answer>2</answer>"),)
+    prompt = format_prompt(tokenizer, "What is 1 + 2?", "Q: {question}", "Be brief.", shots)
+    assert prompt == (
+        "<|system|>Be brief.\n<|user|>Q: What is 1 + 1?\n<|assistant|><answer>2</answer>\n"
+        "<|user|>Q: What is 1 + 2?\n<|assistant|>"
+    )
+    assert format_prompt(tiny_tokenizer(None), "What is 1 + 2?", "Q: {question}", None, shots) == (
+        "Q: What is 1 + 1?\n\n<answer>2</answer>\n\nQ: What is 1 + 2?\n"
+    )
+
+
+def test_task_few_shot_reaches_every_prompt_and_bad_examples_say_which():
+    config = load_config({"task": {"num_train": 4, "num_eval": 2, "few_shot": [{"question": "What is 1 + 1?", "response": "2"}]}})
+    task = make_task(config)
+    assert task.few_shot == (("What is 1 + 1?", "2"),)
+    prompt = task.prompts(tiny_tokenizer(CHAT_TEMPLATE), task.eval_rows[:1])[0]
+    assert prompt.count("<|user|>") == 2 and "<|assistant|>2\n" in prompt
+    with pytest.raises(ConfigError, match=r"task\.few_shot\[0\]\.response is empty"):
+        make_task(load_config({"task": {"few_shot": [{"question": "q"}]}}))
+    with pytest.raises(ConfigError, match=r"unknown config key 'task\.few_shot\[0\]\.answer'.*question, response"):
+        load_config({"task": {"few_shot": [{"question": "q", "answer": "a"}]}})
+
+
 def test_format_prompt_falls_back_to_plain_text_without_template():
     tokenizer = tiny_tokenizer(None)
     assert format_prompt(tokenizer, "What is 1 + 2?", "Q: {question}") == "Q: What is 1 + 2?\n"

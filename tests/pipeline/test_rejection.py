@@ -91,6 +91,15 @@ def test_arithmetic_cold_start_demonstrations_are_correct_and_well_formed():
     assert not held_out & {row["question"] for row in rows}
 
 
+def test_cold_start_prompts_carry_the_few_shot_example_turns():
+    task = arithmetic_task(num_train=20, num_eval=5, answer_in_tags=True)
+    task.few_shot = (("What is 1 + 1?", "<think>1+1=2</think> <answer>2</answer>"),)
+    (demo,) = cold_start_rows(task, task.train_rows[:1], "{question}", None)
+    assert [message["role"] for message in demo["prompt"]] == ["user", "assistant", "user"]
+    assert demo["prompt"][1]["content"] == task.few_shot[0][1]
+    assert demo["prompt"][2]["content"] == task.train_rows[0]["question"]
+
+
 def test_gsm8k_cold_start_uses_the_worked_solution_without_annotations():
     row = gsm8k_row(
         {"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",

@@ -35,12 +35,21 @@ class ModelConfig:
 
 
 @dataclass
+class PromptExample:
+    """A worked example shown before every question, as an earlier user turn and the assistant's reply."""
+
+    question: str = ""
+    response: str = ""
+
+
+@dataclass
 class TaskConfig:
     """Which prompts to train and evaluate on, and how they are phrased."""
 
     name: str = "arithmetic"  # arithmetic | gsm8k | jsonl | hf | code
     instruction: str | None = None  # template with {question}; None picks the task's default
     system_prompt: str | None = None
+    few_shot: list[PromptExample] = field(default_factory=list)  # worked examples before every question (docs/r1.md)
     answer_in_tags: bool = False  # the answer only counts inside <answer>...</answer>
     num_train: int | None = None
     num_eval: int | None = 200

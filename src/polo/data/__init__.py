@@ -104,14 +104,26 @@ def make_task(config: Config, train_dataset: object = None, eval_dataset: object
     keys = TASK_OPTIONS.get(name, ())
     options = {key: getattr(task_config, key) for key in keys if getattr(task_config, key) is not None}
     options.update(passed)
+    few_shot = _few_shot_pairs(task_config)
     try:
-        return build_task(name, **options)
+        task = build_task(name, **options)
     except ValueError as error:
         # Builders check their own settings with a plain ValueError; its subclasses (bad data
         # files, decoding errors) already say what they are and pass through unchanged.
         if type(error) is not ValueError:
             raise
         raise ConfigError(f"task {name}: {error}") from error
+    task.few_shot = few_shot
+    return task
+
+
+def _few_shot_pairs(task_config) -> tuple[tuple[str, str], ...]:
+    """Return `task.few_shot` as `(question, response)` pairs; an empty side is a `ConfigError`."""
+    for index, example in enumerate(task_config.few_shot):
+        for side in ("question", "response"):
+            if not getattr(example, side).strip():
+                raise ConfigError(f"task.few_shot[{index}].{side} is empty; each example needs a question and a response")
+    return tuple((example.question, example.response) for example in task_config.few_shot)
 
 
 def instruction_for(config: Config, task: Task | None = None) -> str:

@@ -48,7 +48,8 @@ class Task:
     ``correctness(completion, row) -> float`` (1.0 correct, 0.0 not) is the single definition of
     "right answer" for the task: the ``"correct"`` reward and the accuracy metric both use it.
     ``instruction`` is the template used when ``prompts`` is not given one; builders pick the
-    tagged or plain form to match how their correctness reads the answer.
+    tagged or plain form to match how their correctness reads the answer. ``few_shot`` holds
+    ``(question, response)`` worked examples shown before every question (``task.few_shot``).
     """
 
     name: str
@@ -56,6 +57,7 @@ class Task:
     eval_rows: list[dict]
     correctness: Callable[[str, dict], float]
     instruction: str = DEFAULT_INSTRUCTION
+    few_shot: tuple[tuple[str, str], ...] = ()
 
     def prompts(
         self,
@@ -66,7 +68,7 @@ class Task:
     ) -> list[str]:
         """Return one prompt string per row, in order (see ``format_prompt``)."""
         template = self.instruction if instruction is None else instruction
-        return [format_prompt(tokenizer, row["question"], template, system_prompt) for row in rows]
+        return [format_prompt(tokenizer, row["question"], template, system_prompt, self.few_shot) for row in rows]
 
 
 def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from polo.data.arithmetic import OPERATIONS, arithmetic_task
 from polo.data.base import Task, TaskDataError, fill_instruction, read_jsonl
+from polo.generation.prompts import prompt_messages
 
 ROLES = ("system", "user", "assistant")
 
@@ -277,12 +278,13 @@ def write_arithmetic_preferences(output_dir: str | Path, task: Task | None = Non
 # ---------------------------------------------------------------- comparisons from a model's own samples
 
 
-def user_prompt(question: str, instruction: str, system_prompt: str | None = None) -> str | list[dict]:
-    """Return the `prompt` field of a data row for `question`: the filled instruction, after a system message if any."""
-    message = fill_instruction(instruction, question)
-    if system_prompt is None:
-        return message
-    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": message}]
+def user_prompt(
+    question: str, instruction: str, system_prompt: str | None = None, few_shot: Sequence[tuple[str, str]] = ()
+) -> str | list[dict]:
+    """Return the `prompt` field of a data row for `question`: the filled instruction alone, or the
+    messages (system, worked examples, question) when there is more than the question."""
+    messages = prompt_messages(question, instruction, system_prompt, few_shot)
+    return messages[0]["content"] if len(messages) == 1 else messages
 
 
 def comparisons_from_samples(

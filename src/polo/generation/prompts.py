@@ -90,42 +90,63 @@ def fill_instruction(instruction: str, question: str) -> str:
 
 
 
+def prompt_messages(
+    question: str,
+    instruction: str = DEFAULT_INSTRUCTION,
+    system_prompt: str | None = None,
+    few_shot: Sequence[tuple[str, str]] = (),
+) -> list[dict]:
+    """Return the chat messages that ask `question`: [system], then each worked example, then the question.
+
+    `few_shot` holds `(question, response)` pairs shown as earlier turns: the example question
+    through the same instruction as a user message, its response as the assistant's reply. A
+    worked example is how a small instruct model learns a layout it never writes on its own
+    (`docs/r1.md`: SmolLM2-135M writes the R1 tags only after seeing one).
+    """
+    messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    for example_question, response in few_shot:
+        messages.append({"role": "user", "content": fill_instruction(instruction, example_question)})
+        messages.append({"role": "assistant", "content": response})
+    messages.append({"role": "user", "content": fill_instruction(instruction, question)})
+    return messages
+
+
+def render_messages(tokenizer: Any, messages: Sequence[dict]) -> str:
+    """Return the text before the model's reply: the chat template with the assistant turn opened.
+
+    Without a chat template (base models) the contents are joined by blank lines and followed by
+    a newline, so a system prompt or an example is never silently dropped.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(message["content"] for message in messages) + "\n"
+
+
 def format_prompt(
     tokenizer: Any,
     question: str,
     instruction: str = DEFAULT_INSTRUCTION,
     system_prompt: str | None = None,
+    few_shot: Sequence[tuple[str, str]] = (),
 ) -> str:
     """Return the prompt text for one question, through the chat template when there is one.
 
     With a chat template the filled instruction becomes the user message (after an optional
-    system message) and the assistant turn is opened (``add_generation_prompt=True``), so the
-    completion is exactly the assistant's reply. Without one (base models) the prompt is the
-    filled instruction followed by a newline; ``system_prompt`` then goes first, on its own
-    paragraph, so it is not silently dropped.
+    system message and the `few_shot` example turns) and the assistant turn is opened
+    (``add_generation_prompt=True``), so the completion is exactly the assistant's reply.
+    Without one (base models) the messages are joined as plain text (`render_messages`).
     """
-    filled = fill_instruction(instruction, question)
-    if getattr(tokenizer, "chat_template", None):
-        messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-        messages.append({"role": "user", "content": filled})
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    preamble = "" if system_prompt is None else system_prompt + "\n\n"
-    return preamble + filled + "\n"
+    return render_messages(tokenizer, prompt_messages(question, instruction, system_prompt, few_shot))
 
 
 def render_prompt(tokenizer: Any, messages: Sequence[dict], system_prompt: str | None = None) -> str:
     """Return the text the model sees before its reply: the chat template with the assistant turn opened.
 
-    A lone user message goes through `format_prompt`, so the text is exactly what the RL trainer
-    gives the policy for the same message and system prompt. `system_prompt` is used only when the
-    messages bring no system message of their own. Without a chat template (base models) the
-    contents are joined by blank lines and followed by a newline.
+    A lone user message renders exactly as `format_prompt` renders the same message and system
+    prompt, so SFT and RL prompts match. `system_prompt` is used only when the messages bring no
+    system message of their own.
     """
     messages = list(messages)
-    if len(messages) == 1 and messages[0]["role"] == "user":
-        return format_prompt(tokenizer, messages[0]["content"], "{question}", system_prompt)
     if system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "\n\n".join(message["content"] for message in messages) + "\n"
+    return render_messages(tokenizer, messages)

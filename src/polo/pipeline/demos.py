@@ -78,7 +78,7 @@ def cold_start_rows(task: Task, rows: list[dict], instruction: str, system_promp
     working = WORKINGS[task.name]
     return [
         {
-            "prompt": user_prompt(row["question"], instruction, system_prompt),
+            "prompt": user_prompt(row["question"], instruction, system_prompt, task.few_shot),
             "response": r1_completion(working(row), str(row["answer"])),
             "question": row["question"],
             "answer": row["answer"],

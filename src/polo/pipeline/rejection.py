@@ -132,7 +132,7 @@ def rejection_sample(
         per_prompt.append({"question": row["question"], "answer": row["answer"], **selection.counts()})
         for name in ("sampled", "correct", "well_formed", "accepted", "duplicates", "over_cap"):
             setattr(totals, name, getattr(totals, name) + getattr(selection, name))
-        prompt = user_prompt(row["question"], instruction, system_prompt)
+        prompt = user_prompt(row["question"], instruction, system_prompt, task.few_shot)
         kept_rows.extend({"prompt": prompt, "response": text, "question": row["question"], "answer": row["answer"]} for text in selection.kept)
     return RejectionResult(kept_rows, rejection_summary(totals, len(kept_rows), per_prompt, samples, max_per_prompt))
 

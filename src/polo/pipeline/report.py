@@ -7,6 +7,8 @@ it can be drawn again at any time from the directories alone.
 
 from __future__ import annotations
 
+import base64
+
 import json
 import math
 from pathlib import Path
@@ -179,8 +181,8 @@ def examples_html(entries: list[dict], per_stage: int = 2) -> str:
     return "".join(parts)
 
 
-def build_pipeline_report(pipeline_dir: str | Path, labels: list[str]) -> str:
-    """Return the pipeline's report page as one HTML string (figures embedded)."""
+def build_pipeline_report(pipeline_dir: str | Path, labels: list[str], figure_path: Path | None = None) -> str:
+    """Return the pipeline's report page as one HTML string (figures embedded); also write the joined curves to `figure_path`."""
     pipeline_dir = Path(pipeline_dir)
     base = read_json(pipeline_dir / "base" / EVAL_FILE)
     entries = stage_entries(pipeline_dir, labels)
@@ -190,6 +192,8 @@ def build_pipeline_report(pipeline_dir: str | Path, labels: list[str]) -> str:
             entry["evaluation"] = evaluation
     settings = (base or (entries[0].get("evaluation") if entries else None) or {}).get("settings", {})
     figure = joined_figure(base, entries)
+    if figure and figure_path is not None:
+        figure_path.write_bytes(base64.b64decode(figure))
     body = [
         f"<h1>polo pipeline report <small>{escape(pipeline_dir.resolve().name)}</small></h1>",
         f'<div class="meta">{escape(pipeline_dir.resolve())}</div>',
@@ -218,7 +222,7 @@ def build_pipeline_report(pipeline_dir: str | Path, labels: list[str]) -> str:
 
 
 def write_pipeline_report(pipeline_dir: str | Path, labels: list[str]) -> Path:
-    """Write `<pipeline_dir>/report.html` for the stages `labels` (in order) and return its path."""
+    """Write `<pipeline_dir>/report.html` (and the joined curves alone as `curves.png`) for the stages `labels`; return the page's path."""
     path = Path(pipeline_dir) / "report.html"
-    path.write_text(build_pipeline_report(pipeline_dir, labels), encoding="utf-8")
+    path.write_text(build_pipeline_report(pipeline_dir, labels, Path(pipeline_dir) / "curves.png"), encoding="utf-8")
     return path

@@ -46,6 +46,7 @@ def eval_settings(plan: Plan, model: str) -> dict:
     return {
         "model": model, **settings, "task": plan.task.name, "num_problems": len(eval_rows(plan)),
         "instruction": plan.instruction, "system_prompt": plan.task_config.task.system_prompt,
+        "few_shot": [list(example) for example in plan.task.few_shot],
     }
 
 
