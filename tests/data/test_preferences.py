@@ -206,6 +206,19 @@ def test_sampled_preferences_rank_the_models_own_answers_on_training_problems(ti
         sampled_preference_data(model, tokenizer, task, num_prompts=100)
 
 
+def test_sampled_comparisons_keep_the_few_shot_turns_they_were_sampled_with(tiny_model_dir):
+    from polo.models.loading import load_policy
+
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    task = arithmetic_task(num_train=20, num_eval=4)
+    task.few_shot = (("What is 1 + 1?", "2"),)
+    task.correctness = lambda text, row: float(len(text) % 2 == 0)
+    splits, _ = sampled_preference_data(model, tokenizer, task, instruction="{question}", num_prompts=6, num_prompts_eval=0, samples=4, max_new_tokens=5)
+    rows = splits["preferences_train"]
+    assert rows and all([message["role"] for message in row["prompt"]] == ["user", "assistant", "user"] for row in rows)
+    assert all(row["prompt"][1]["content"] == "2" for row in rows)
+
+
 def test_make_preferences_from_a_model_writes_comparisons_and_stats(tiny_model_dir, tmp_path, capsys):
     recipe = tmp_path / "rl.yaml"
     recipe.write_text("task: {name: arithmetic, num_train: 50, num_eval: 10}\nsampling: {max_new_tokens: 4}\n")

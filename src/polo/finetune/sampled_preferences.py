@@ -74,7 +74,8 @@ def sampled_preference_data(
     for index, (row, done) in enumerate(zip(rows, completions)):
         scored = [(sample["text"], float(task.correctness(sample["text"], row))) for sample in done]
         correct += sum(score > 0.5 for _, score in scored)
-        pairs = comparisons_from_samples(user_prompt(row["question"], template, system_prompt), scored, rng, max_pairs)
+        prompt = user_prompt(row["question"], template, system_prompt, task.few_shot)  # exactly what was sampled from
+        pairs = comparisons_from_samples(prompt, scored, rng, max_pairs)
         mixed += bool(pairs)
         splits["preferences_train" if index < num_prompts else "preferences_eval"].extend(pairs)
     stats = {

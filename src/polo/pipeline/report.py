@@ -8,7 +8,6 @@ it can be drawn again at any time from the directories alone.
 from __future__ import annotations
 
 import base64
-
 import json
 import math
 from pathlib import Path
