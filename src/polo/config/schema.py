@@ -132,6 +132,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     precision: str = "auto"  # auto | fp32 | bf16 (autocast) | bf16_master (bf16 weights, fp32 masters); see polo.models.precision
+    device: str = "auto"  # auto | cpu | cuda | cuda:N; auto is CUDA when available (polo.runtime.device)
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     # Recompute activations in backward: with micro-batches of 32 as fast as 16 without it, at 60% of the memory.
     gradient_checkpointing: bool = True
