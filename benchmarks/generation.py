@@ -38,12 +38,12 @@ MODEL = "smollm2-135m-instruct"
 
 def hf_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, precision, stop_ids):
     """Return the number of generated tokens (through the first stop token) from `model.generate`."""
-    from polo.runtime.device import autocast_context
+    from polo.runtime.device import Compute
 
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     input_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0)
     attention_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0)
-    with torch.no_grad(), autocast_context(precision):
+    with torch.no_grad(), Compute.named(precision).autocast():
         output = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -62,11 +62,13 @@ def hf_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperatu
 
 
 def polo_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, precision):
-    """Return the number of generated tokens from polo's sampler."""
-    from polo.generation.cpu_sampler import rollout
+    """Return the number of generated tokens from polo's sampler (the one `sampling.sampler: auto` picks on the CPU)."""
+    from polo.generation.grouped import pick_sampler
+    from polo.runtime.device import Compute
 
-    rollouts = rollout(
-        model, tokenizer, prompts, group_size, max_new_tokens=max_new_tokens, temperature=temperature, precision=precision
+    compute = Compute.named(precision)
+    rollouts = pick_sampler("auto", compute)(
+        model, tokenizer, prompts, group_size, max_new_tokens=max_new_tokens, temperature=temperature, compute=compute
     )
     return int(rollouts.completion_mask.sum())
 

@@ -1,4 +1,4 @@
-"""GRPO step time and peak memory: polo against TRL on the same job, on the CPU.
+"""GRPO step time and peak memory: polo against TRL on the same job, on the CPU (or one GPU, --device cuda).
 
 The job: SmolLM2-135M-Instruct (polo's built-in default model, the same local directory for
 both), 4 arithmetic prompts x 8 completions per step, at most 64 new tokens, temperature 1.0,
@@ -24,9 +24,10 @@ TRL, with saving off, does not). On a shared machine the script waits for other 
 quiet before each run and runs again any run during which they used the CPU (--retries).
 
 The compute floor is FLOPs / rate with FLOPs = (6 + 2 + 2) * N * T per step (policy update,
-reference forward, sampling), N the parameter count, T the prompt + completion tokens of the
-step's 32 sequences (median over polo's timed steps), and rate the best measured bf16 2048^3
-matmul rate on this machine.
+reference forward, sampling), N the parameter count, T the least tokens the step needs: each
+group's prompt once (the shared-prompt layout) plus the completions of its 32 sequences (median
+over polo's timed steps), and rate the faster of the measured bf16 and fp32 2048^3 matmul rates
+on this machine (both are printed, with the precision each trainer used).
 
 Usage:
   python benchmarks/grpo_vs_trl.py                   # 1 round, 4 steps per run (1 warm-up + 3 timed)
@@ -35,6 +36,17 @@ Usage:
 Needs the `bench` extra (`pip install -e ".[bench]"`, TRL 1.16.0) for the TRL runs.
 The last line printed is
   polo_vs_trl step_time_ratio=... peak_rss_ratio=... floor_fraction=...
+
+On a GPU (`--device cuda`, docs/gpu.md) the same job runs on the GPU:
+  polo      polo's defaults with train.device=cuda (precision auto)
+  trl_gpu   TRL GRPOTrainer, bf16 (mixed precision), no gradient checkpointing, no vLLM
+alternating for --rounds; each run's first step is a warm-up and is dropped, and memory is the
+peak `torch.cuda.max_memory_allocated` as of the end of each run's last step. With
+`--accuracy-steps N` both also train the demo recipe (recipes/grpo_arith.yaml) for N steps on the
+GPU, and `polo eval` scores the base model and each trained one greedily on its held-out
+problems. The last line printed is then
+  polo_vs_trl_gpu step_time_ratio=<TRL/polo> gpu_memory_ratio=<polo/TRL>
+  python benchmarks/grpo_vs_trl.py --device cuda --steps 6 --rounds 2 --accuracy-steps 40
 """
 
 from __future__ import annotations
@@ -63,12 +75,15 @@ LORA = {"r": 16, "alpha": 32.0}  # on every linear layer but the LM head (polo's
 FULL_RUNS = ("polo", "trl_fast", "trl_lean")
 LORA_RUNS = ("polo_lora", "trl_lora")
 RUNS = FULL_RUNS + LORA_RUNS
+GPU_RUNS = ("polo", "trl_gpu")  # --device cuda
+DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "grpo_arith.yaml"
 EXTRA_RUNS = ("trl_default",)  # only with --only: TRL's own defaults, bf16 autocast + gradient checkpointing
 TRL_SETTINGS = {  # run -> (bf16 autocast, gradient checkpointing)
     "trl_fast": (True, False),
     "trl_lean": (False, True),
     "trl_default": (True, True),
     "trl_lora": (True, False),
+    "trl_gpu": (True, False),
 }
 DESCRIPTIONS = {
     "polo": "polo defaults (precision auto)",
@@ -77,10 +92,11 @@ DESCRIPTIONS = {
     "trl_default": "TRL bf16, grad ckpt (defaults)",
     "polo_lora": "polo defaults, LoRA r=16",
     "trl_lora": "TRL bf16, no ckpt, LoRA r=16",
+    "trl_gpu": "TRL bf16 on the GPU, no grad ckpt",
 }
 
 
-def polo_config(steps: int, output_dir: Path, lora: bool = False) -> dict:
+def polo_config(steps: int, output_dir: Path, lora: bool = False, device: str = "cpu") -> dict:
     """Return the polo run configuration (a mapping of config sections); `lora` adds the LoRA adapters."""
     return {
         "model": {"name": MODEL, **({"lora": dict(LORA)} if lora else {})},
@@ -88,15 +104,31 @@ def polo_config(steps: int, output_dir: Path, lora: bool = False) -> dict:
         "rewards": {"correct": 1.0, "r1_format": 1.0},
         "sampling": {"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS},
         "algorithm": {"group_size": GROUP_SIZE, "beta": BETA, "update_epochs": 1},
-        "train": {"steps": steps, "prompts_per_step": PROMPTS_PER_STEP, "learning_rate": LEARNING_RATE, "precision": "auto"},
+        "train": {"steps": steps, "prompts_per_step": PROMPTS_PER_STEP, "learning_rate": LEARNING_RATE, "precision": "auto", "device": device},
         "eval": {"before": False, "after": False},
         "output": {"dir": str(output_dir), "save_every": 0, "tensorboard": False, "plots": False, "progress": False},
     }
 
 
+def demo_config(steps: int, output_dir: Path, device: str) -> dict:
+    """Return the demo recipe's configuration (recipes/grpo_arith.yaml) for `steps` steps on `device`, evaluated afterwards by `polo eval`."""
+    import yaml
+
+    config = yaml.safe_load(DEMO_RECIPE.read_text())
+    config["train"].update(steps=steps, device=device)
+    config["eval"] = {**config.get("eval", {}), "before": False, "after": False}
+    config["output"] = {"dir": str(output_dir), "save_every": 0, "tensorboard": False, "plots": False, "progress": False}
+    return config
+
+
+def job_config(job: str, steps: int, output_dir: Path, lora: bool = False, device: str = "cpu") -> dict:
+    """Return the polo configuration of a job: "bench" (this benchmark's) or "demo" (the demo recipe)."""
+    return demo_config(steps, output_dir, device) if job == "demo" else polo_config(steps, output_dir, lora, device)
+
+
 def trl_micro_batch(config, requested: int | None = None) -> int:
     """Return TRL's per-device batch: `requested`, else polo's micro-batch size, as a divisor of the step's sequences."""
-    sequences = PROMPTS_PER_STEP * GROUP_SIZE
+    sequences = config.train.prompts_per_step * config.algorithm.group_size
     size = max(min(requested or config.train.micro_batch_size, sequences), 1)
     while sequences % size:
         size -= 1
@@ -122,24 +154,27 @@ def step_prompts(config, tokenizer, steps: int):
 # children
 
 
-def run_polo(steps: int, out_dir: Path, lora: bool = False) -> dict:
+def run_polo(steps: int, out_dir: Path, lora: bool = False, device: str = "cpu", job: str = "bench") -> dict:
     import polo
     import polo.rl.train as trainer_module
     from polo.config import load_config
     from polo.models.loading import ensure_builtin_model
-    from polo.runtime.device import resolve_train_precision
+    from polo.runtime.device import train_compute
     from transformers import AutoTokenizer
 
-    config_dict = polo_config(steps, out_dir / "run", lora)
+    config_dict = job_config(job, steps, out_dir / "run", lora, device)
     config = load_config(config_dict)
+    prompts_per_step, group_size = config.train.prompts_per_step, config.algorithm.group_size
 
     # Prompt tokens per step (for T when the metrics do not give it).
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin_model(MODEL)))
     _, _, prompts = step_prompts(config, tokenizer, steps)
     prompt_lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     prompt_tokens = [
-        GROUP_SIZE * sum(prompt_lengths[s * PROMPTS_PER_STEP : (s + 1) * PROMPTS_PER_STEP]) for s in range(steps)
+        group_size * sum(prompt_lengths[s * prompts_per_step : (s + 1) * prompts_per_step]) for s in range(steps)
     ]
+    # The least work: each group's prompt once (the shared-prompt layout), then its completions.
+    shared_prompt_tokens = [sum(prompt_lengths[s * prompts_per_step : (s + 1) * prompts_per_step]) for s in range(steps)]
     del tokenizer
 
     # Peak RSS as of the end of each step (polo saves a final checkpoint after the last step,
@@ -156,6 +191,7 @@ def run_polo(steps: int, out_dir: Path, lora: bool = False) -> dict:
         trainer_module.rl_step = measured_step
 
     polo.train(config_dict)
+    compute = train_compute(config)  # as the run resolved it (after it, so the run starts CUDA itself)
 
     rows = [json.loads(line) for line in (out_dir / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = sorted((row for row in rows if "time/step" in row), key=lambda row: row["step"])
@@ -174,10 +210,11 @@ def run_polo(steps: int, out_dir: Path, lora: bool = False) -> dict:
             tokens.append(round(row["tokens_per_second"] * row["time/step"]))
             token_source = "metrics tokens_per_second x time/step"
         else:
-            tokens.append(row["completion_length/mean"] * PROMPTS_PER_STEP * GROUP_SIZE + prompt_tokens[index])
+            tokens.append(row["completion_length/mean"] * prompts_per_step * group_size + prompt_tokens[index])
             token_source = "completion_length/mean x 32 + prompt tokens"
     return {
-        "precision": resolve_train_precision(config),
+        "precision": compute.precision,
+        "device": str(compute.device),
         "gradient_checkpointing": getattr(config.train, "gradient_checkpointing", False),
         "micro_batch": config.train.micro_batch_size,
         "step_times": times,
@@ -186,91 +223,145 @@ def run_polo(steps: int, out_dir: Path, lora: bool = False) -> dict:
         "completion_length": [row["completion_length/mean"] for row in rows],
         "tokens": tokens,
         "token_source": token_source,
+        "floor_tokens": [
+            row["completion_length/mean"] * prompts_per_step * group_size + shared_prompt_tokens[index] for index, row in enumerate(rows)
+        ],
         "peak_rss_train": rss_after_step[-1] if rss_after_step else None,
+        "peak_gpu_train": gpu_peak(rows),
+        "final_model": str(max((out_dir / "run" / "checkpoints").glob("step-*"), default="")),
     }
 
 
-def run_trl(variant: str, steps: int, out_dir: Path, requested_micro_batch: int | None = None) -> dict:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local directory; never ask a hub
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from polo.config import load_config
-    from polo.models.loading import ensure_builtin_model
-    from polo.rewards import r1_format
-
-    model_dir = str(ensure_builtin_model(MODEL))
-    config = load_config(polo_config(steps, out_dir / "unused"))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    task, rows, prompts = step_prompts(config, tokenizer, steps)
-    polo_prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # what polo's sampler feeds the model
-    del tokenizer
-    # Plain-text prompts (already chat-templated by polo): TRL only tokenizes them, like polo.
-    dataset = Dataset.from_dict({"prompt": prompts, "row_index": list(range(len(rows)))})
-
-    def correct(completions, row_index, **kwargs):
-        return [task.correctness(text, rows[index]) for text, index in zip(completions, row_index)]
-
-    def r1_format_reward(completions, row_index, **kwargs):
-        return [r1_format(text, rows[index]) for text, index in zip(completions, row_index)]
+def trl_arguments(config, variant: str, micro_batch: int, output_dir: Path, device: str, job: str, reward_weights: list[float]):
+    """Return TRL's GRPOConfig for polo's `config` (same batch, sampling, KL and learning rate; the demo's schedule too)."""
+    from trl import GRPOConfig
 
     bf16, checkpointing = TRL_SETTINGS[variant]
-    micro_batch = trl_micro_batch(config, requested_micro_batch)  # by default the same as polo's
-    args = GRPOConfig(
-        output_dir=str(out_dir / "run"),
-        max_steps=steps,
+    sequences = config.train.prompts_per_step * config.algorithm.group_size
+    schedule = {}
+    if job == "demo":  # the demo recipe's warm-up then constant rate (the step-time job keeps TRL's default schedule)
+        kind = config.train.lr_schedule
+        schedule = {"warmup_steps": config.train.warmup_steps, "lr_scheduler_type": "constant_with_warmup" if kind == "constant" else kind}
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        max_steps=config.train.steps,
         per_device_train_batch_size=micro_batch,
-        gradient_accumulation_steps=PROMPTS_PER_STEP * GROUP_SIZE // micro_batch,
-        generation_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,  # one generation per optimizer step
-        num_generations=GROUP_SIZE,
-        max_completion_length=MAX_NEW_TOKENS,
-        temperature=TEMPERATURE,
-        beta=BETA,
+        gradient_accumulation_steps=sequences // micro_batch,
+        generation_batch_size=sequences,  # one generation per optimizer step
+        num_generations=config.algorithm.group_size,
+        max_completion_length=config.sampling.max_new_tokens,
+        temperature=config.sampling.temperature,
+        beta=config.algorithm.beta,
         num_iterations=1,
-        learning_rate=LEARNING_RATE,
+        learning_rate=config.train.learning_rate,
         bf16=bf16,
         gradient_checkpointing=checkpointing,
-        use_cpu=True,
+        use_cpu=device == "cpu",
         shuffle_dataset=False,  # keep polo's prompt order
         seed=0,
         logging_strategy="no",
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
+        reward_weights=reward_weights,
+        **schedule,
     )
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.first_begin = None
-            self.ends: list[float] = []
-            self.rss: list[int] = []
-            self.lengths: list[float] = []
-            self.trainer = None
 
-        def on_step_begin(self, args, state, control, **kwargs):
-            if self.first_begin is None:
-                self.first_begin = time.perf_counter()
+def trl_rewards(config, task, rows) -> tuple[list, list[float]]:
+    """Return (TRL reward functions, their weights) for polo's configured rewards, scored by polo's own checkers."""
+    from polo.rewards import r1_format
 
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
-            self.rss.append(peak_rss_bytes())
-            lengths = self.trainer._metrics["train"].get("completions/mean_length") if self.trainer else None
-            self.lengths.append(lengths[-1] if lengths else float("nan"))
+    checkers = {"correct": task.correctness, "r1_format": r1_format}
+    unknown = sorted(set(config.rewards) - set(checkers))
+    if unknown:
+        raise SystemExit(f"the TRL side knows the rewards {sorted(checkers)}, not {unknown}")
+    functions = []
+    for name in config.rewards:
+        def reward(completions, row_index, _checker=checkers[name], **kwargs):
+            return [_checker(text, rows[index]) for text, index in zip(completions, row_index)]
 
-    timer = StepTimer()
+        reward.__name__ = name
+        functions.append(reward)
+    return functions, [float(weight) for weight in config.rewards.values()]
+
+
+class StepTimer:
+    """A TRL TrainerCallback's hooks: the time, peak RSS, peak GPU memory and mean completion length at each step's end."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.first_begin = None
+        self.ends: list[float] = []
+        self.rss: list[int] = []
+        self.gpu: list[int] = []
+        self.lengths: list[float] = []
+        self.trainer = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.first_begin is None:
+            self.first_begin = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import torch
+
+        if self.device != "cpu":
+            torch.cuda.synchronize()  # the step's kernels belong to its time
+            self.gpu.append(torch.cuda.max_memory_allocated())
+        self.ends.append(time.perf_counter())
+        self.rss.append(peak_rss_bytes())
+        lengths = self.trainer._metrics["train"].get("completions/mean_length") if self.trainer else None
+        self.lengths.append(lengths[-1] if lengths else float("nan"))
+
+
+def step_timer(device: str):
+    """Return a StepTimer that TRL's Trainer takes as a callback."""
+    from transformers import TrainerCallback
+
+    class TrlStepTimer(StepTimer, TrainerCallback):
+        pass
+
+    return TrlStepTimer(device)
+
+
+def gpu_peak(rows: list[dict]) -> int | None:
+    """Return the run's peak `torch.cuda.max_memory_allocated` in bytes from polo's metrics rows (None off CUDA).
+
+    polo logs each step's peak and resets the counter (`gpu_max_memory_allocated_gib`), so the
+    run's peak over its steps is the largest of them; the final checkpoint, written after the
+    last step, is not counted (as TRL, with saving off, writes none).
+    """
+    peaks = [row["gpu_max_memory_allocated_gib"] for row in rows if "gpu_max_memory_allocated_gib" in row]
+    return round(max(peaks) * 2**30) if peaks else None
+
+
+def run_trl(variant: str, steps: int, out_dir: Path, requested_micro_batch: int | None = None, device: str = "cpu", job: str = "bench") -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local directory; never ask a hub
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    from polo.config import load_config
+    from polo.models.loading import ensure_builtin_model
+
+    config = load_config(job_config(job, steps, out_dir / "unused", device=device))
+    model_dir = str(ensure_builtin_model(config.model.name))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    task, rows, prompts = step_prompts(config, tokenizer, steps)
+    polo_prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # what polo's sampler feeds the model
+    # Plain-text prompts (already chat-templated by polo): TRL only tokenizes them, like polo.
+    dataset = Dataset.from_dict({"prompt": prompts, "row_index": list(range(len(rows)))})
+    reward_funcs, reward_weights = trl_rewards(config, task, rows)
+    micro_batch = trl_micro_batch(config, requested_micro_batch)  # by default the same as polo's
+    args = trl_arguments(config, variant, micro_batch, out_dir / "run", device, job, reward_weights)
+    timer = step_timer(device)
     peft_config = None
     if variant == "trl_lora":
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(
-        model=model_dir,
-        reward_funcs=[correct, r1_format_reward],
-        args=args,
-        train_dataset=dataset,
-        callbacks=[timer],
-        peft_config=peft_config,
+        model=model_dir, reward_funcs=reward_funcs, args=args, train_dataset=dataset, callbacks=[timer], peft_config=peft_config,
     )
     timer.trainer = trainer
     # TRL tokenizes plain-text prompts itself (no chat template); check it sees polo's exact tokens.
@@ -278,7 +369,13 @@ def run_trl(variant: str, steps: int, out_dir: Path, requested_micro_batch: int 
     if not same_prompt_tokens:
         print("WARNING: TRL tokenizes the prompts differently from polo", flush=True)
     trainer.train()
+    final_model = ""
+    if job == "demo":  # kept for `polo eval`, which scores it on the held-out problems
+        final_model = str(out_dir / "final")
+        trainer.save_model(final_model)
+        tokenizer.save_pretrained(final_model)
     times = [timer.ends[0] - timer.first_begin] + [b - a for a, b in zip(timer.ends, timer.ends[1:])]
+    bf16, checkpointing = TRL_SETTINGS[variant]
     return {
         "precision": "bf16" if bf16 else "fp32",
         "gradient_checkpointing": checkpointing,
@@ -288,6 +385,8 @@ def run_trl(variant: str, steps: int, out_dir: Path, requested_micro_batch: int 
         "same_prompt_tokens": same_prompt_tokens,
         "completion_length": timer.lengths,
         "peak_rss_train": timer.rss[-1] if timer.rss else None,
+        "peak_gpu_train": timer.gpu[-1] if timer.gpu else None,
+        "final_model": final_model,
     }
 
 
@@ -297,9 +396,9 @@ def child_main(args) -> None:
     started = time.perf_counter()
     foreign = ForeignLoad()
     if args.child.startswith("polo"):
-        result = run_polo(args.steps, out_dir, lora=args.child == "polo_lora")
+        result = run_polo(args.steps, out_dir, lora=args.child == "polo_lora", device=args.device, job=args.job)
     else:
-        result = run_trl(args.child, args.steps, out_dir, args.trl_micro_batch)
+        result = run_trl(args.child, args.steps, out_dir, args.trl_micro_batch, device=args.device, job=args.job)
     import torch
 
     result.update(
@@ -329,13 +428,15 @@ def parameter_count() -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_child(name: str, steps: int, out_dir: Path, trl_micro_batch: int | None = None) -> dict:
+def run_child(name: str, steps: int, out_dir: Path, trl_micro_batch: int | None = None, device: str = "cpu", job: str = "bench") -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "result.json").unlink(missing_ok=True)  # a retry must not read an earlier attempt's result
     log_path = out_dir / "child.log"
     command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--steps", str(steps), "--out", str(out_dir)]
     if trl_micro_batch:
         command += ["--trl-micro-batch", str(trl_micro_batch)]
+    if device != "cpu" or job != "bench":
+        command += ["--device", device, "--job", job]
     started = time.perf_counter()
     with log_path.open("w") as log:
         code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
@@ -360,12 +461,100 @@ def print_phase_medians(name: str, runs: list[dict]) -> None:
         ))
 
 
+# ----------------------------------------------------------------------------------------------
+# --device cuda
+
+
+def gib(num_bytes: float | None) -> str:
+    return "n/a" if num_bytes is None else f"{num_bytes / 2**30:.2f} GiB"
+
+
+def heldout_accuracy(model: str, out_path: Path) -> float:
+    """Return `polo eval`'s greedy held-out accuracy of `model` on the demo recipe's task (on the GPU)."""
+    command = [sys.executable, "-m", "polo", "eval", "--recipe", str(DEMO_RECIPE), "--model", model, "--greedy",
+               "--device", "cuda", "--no-progress", "-o", str(out_path)]
+    finished = subprocess.run(command, capture_output=True, text=True)
+    if finished.returncode != 0:
+        raise SystemExit(f"polo eval of {model} failed (exit {finished.returncode}):\n{finished.stderr[-3000:]}")
+    return float(json.loads(out_path.read_text())["summary"]["pass@1"])
+
+
+def gpu_step_runs(args, order: list[str], root: Path) -> dict[str, dict]:
+    """Return, per run, the median timed step and peak GPU memory over --rounds runs of the benchmark's job."""
+    results: dict[str, list[dict]] = {name: [] for name in order}
+    for round_index in range(args.rounds):
+        for name in order:
+            print(f"round {round_index + 1}/{args.rounds}: {name} ...", flush=True)
+            result = run_child(name, args.steps, root / f"round{round_index + 1}-{name}", args.trl_micro_batch, device="cuda")
+            results[name].append(result)
+            print(f"  {name}: steps {', '.join(f'{t:.2f}' for t in result['step_times'])} s (first is warm-up), "
+                  f"median {median(result['step_times'][1:]):.2f} s, peak GPU memory {gib(result['peak_gpu_train'])}, "
+                  f"precision {result['precision']}", flush=True)
+    return {
+        name: {
+            "median": median([t for result in runs for t in result["step_times"][1:]]),
+            "peak_gpu": max(result["peak_gpu_train"] or 0 for result in runs),
+            "precision": runs[0]["precision"],
+        }
+        for name, runs in results.items()
+    }
+
+
+def gpu_accuracy_runs(args, order: list[str], root: Path) -> None:
+    """Train the demo recipe --accuracy-steps steps with each run on the GPU and print its time, memory and held-out gain."""
+    steps = args.accuracy_steps
+    print(f"\ndemo recipe ({DEMO_RECIPE.name}), {steps} steps on the GPU; held-out greedy accuracy by polo eval", flush=True)
+    before = heldout_accuracy(MODEL, root / "demo-eval-base.json")
+    print(f"  base model {MODEL}: held-out accuracy {before:.3f}", flush=True)
+    for name in order:
+        result = run_child(name, steps, root / f"demo-{name}", device="cuda", job="demo")
+        after = heldout_accuracy(result["final_model"], root / f"demo-eval-{name}.json")
+        times = result["step_times"]
+        print(f"  {name}: median step {median(times[1:]):.2f} s after a warm-up, {sum(times):.1f} s of training for {len(times)} steps, "
+              f"peak GPU memory {gib(result['peak_gpu_train'])}; held-out accuracy {before:.3f} -> {after:.3f} "
+              f"(gain {after - before:+.3f})", flush=True)
+
+
+def gpu_main(args) -> None:
+    """polo against TRL on one GPU: step time and peak GPU memory (and, with --accuracy-steps, the demo's held-out gain)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"--device cuda: torch {torch.__version__} sees no CUDA GPU")
+    root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="polo-vs-trl-gpu-"))
+    order = [name for name in GPU_RUNS if name in (args.only or GPU_RUNS)]
+    print(f"polo vs TRL GRPO step on {MODEL} on {torch.cuda.get_device_name()}: {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} "
+          f"completions, <= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, beta={BETA}, mu=1, rewards correct + r1_format")
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}); {args.rounds} round(s) of {order}, {args.steps} steps per run "
+          f"(first dropped); output in {root}", flush=True)
+    if "trl_gpu" in order:
+        try:
+            import trl
+
+            print(f"trl {trl.__version__}: {DESCRIPTIONS['trl_gpu']}", flush=True)
+        except ImportError:
+            raise SystemExit('TRL is not installed: pip install -e ".[bench]" (on the GPU machine: its wheel kit, docs/gpu.md)')
+    summary = gpu_step_runs(args, order, root)
+    print()
+    for name in order:
+        print(f"{name:<8} {DESCRIPTIONS[name] if name != 'polo' else 'polo defaults, train.device=cuda'} "
+              f"({summary[name]['precision']}): median step {summary[name]['median']:.3f} s, peak GPU memory {gib(summary[name]['peak_gpu'])}")
+    if args.accuracy_steps:
+        gpu_accuracy_runs(args, order, root)
+    step_ratio = memory_ratio = float("nan")
+    if len(summary) == 2:
+        step_ratio = summary["trl_gpu"]["median"] / summary["polo"]["median"]
+        memory_ratio = summary["polo"]["peak_gpu"] / summary["trl_gpu"]["peak_gpu"]
+    print(f"polo_vs_trl_gpu step_time_ratio={fmt(step_ratio)} gpu_memory_ratio={fmt(memory_ratio)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is a warm-up (default 4)")
     parser.add_argument("--rounds", type=int, default=1, help="times to repeat the alternating runs (default 1)")
-    parser.add_argument("--only", nargs="+", choices=RUNS + EXTRA_RUNS, default=list(RUNS),
-                        help="run only these (trl_default, TRL's own bf16 + gradient checkpointing defaults, runs only when named)")
+    parser.add_argument("--only", nargs="+", choices=RUNS + EXTRA_RUNS + GPU_RUNS[1:], default=None,
+                        help="run only these (trl_default, TRL's own bf16 + gradient checkpointing defaults, runs only when named; "
+                        f"with --device cuda the runs are {', '.join(GPU_RUNS)})")
     parser.add_argument("--out", default=None, help="where runs write (default: a new temporary directory)")
     parser.add_argument("--max-wait", type=float, default=900.0,
                         help="seconds to wait for other processes to go quiet before each measurement (default 900)")
@@ -374,18 +563,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trl-micro-batch", type=int, default=None,
                         help="TRL's per_device_train_batch_size (default: polo's train.micro_batch_size); "
                         "gradient accumulation makes up the 32 sequences of a step")
-    parser.add_argument("--child", choices=RUNS + EXTRA_RUNS, help=argparse.SUPPRESS)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu (default): the CPU comparison above; cuda: polo (train.device=cuda) against TRL bf16 on one GPU")
+    parser.add_argument("--accuracy-steps", type=int, default=0, metavar="N",
+                        help="with --device cuda: also train the demo recipe N steps (e.g. 40) with both and score each "
+                        "greedily on its held-out problems (polo eval)")
+    parser.add_argument("--child", choices=RUNS + EXTRA_RUNS + GPU_RUNS[1:], help=argparse.SUPPRESS)
+    parser.add_argument("--job", choices=("bench", "demo"), default="bench", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         child_main(args)
         return
     if args.steps < 2:
         parser.error("--steps must be at least 2 (one warm-up step is dropped)")
+    if args.device == "cuda":
+        gpu_main(args)
+        return
+    if args.accuracy_steps:
+        parser.error("--accuracy-steps goes with --device cuda")
 
     import torch
 
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="polo-vs-trl-"))
-    order = [name for name in RUNS + EXTRA_RUNS if name in args.only]
+    order = [name for name in RUNS + EXTRA_RUNS if name in (args.only or RUNS)]
     print(f"polo vs TRL GRPO step on {MODEL}: {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} completions, "
           f"<= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, beta={BETA}, mu=1, rewards correct + r1_format")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} round(s) of {order}, "
@@ -445,23 +645,25 @@ def main(argv: list[str] | None = None) -> None:
     print()
     for name in order:
         s = summary[name]
-        print(f"{name:<11} median step {s['median']:.2f} s over {args.rounds} round(s); peak RSS {mib(s['peak_train'])} "
+        print(f"{name:<11} ({results[name][0].get('precision', '?')}) median step {s['median']:.2f} s over {args.rounds} round(s); peak RSS {mib(s['peak_train'])} "
               f"at the last step, {mib(s['peak'])} whole process")
 
     step_ratio = rss_ratio = floor_fraction = float("nan")
     trl_runs = [name for name in order if name in FULL_RUNS and name.startswith("trl")]
     if "polo" in summary:
         polo_median = summary["polo"]["median"]
-        polo_timed_tokens = [t for result in results["polo"] for t in result["tokens"][1:]]
-        tokens = median(polo_timed_tokens)
+        # The floor is the least work at the best rate this machine offers: every group's prompt counted once,
+        # and the faster of the two measured dtypes (a floor_fraction above 1 would be a bug in the floor).
+        tokens = median([t for result in results["polo"] for t in result["floor_tokens"][1:]])
         n_params = parameter_count()
         flops = (6 + 2 + 2) * n_params * tokens
-        floor = flops / rate_bf16
+        best_rate, best_dtype = max((rate_bf16, "bf16"), (rate_fp32, "fp32"))
+        floor = flops / best_rate
         floor_fraction = floor / polo_median
-        source = results["polo"][0]["token_source"]
         print(
-            f"compute floor: N = {n_params:,} parameters, T = {tokens:,.0f} tokens per step (median of polo's timed steps; "
-            f"{source}), 10*N*T = {flops / 1e12:.2f} TFLOP at {rate_bf16 / 1e9:,.1f} GFLOP/s bf16 = {floor:.2f} s "
+            f"compute floor: N = {n_params:,} parameters, T = {tokens:,.0f} tokens per step (each group's prompt once + "
+            f"the completions; median of polo's timed steps), 10*N*T = {flops / 1e12:.2f} TFLOP at the faster measured rate, "
+            f"{best_dtype} {best_rate / 1e9:,.1f} GFLOP/s (bf16 {rate_bf16 / 1e9:,.1f}, fp32 {rate_fp32 / 1e9:,.1f}) = {floor:.2f} s "
             f"= {floor_fraction:.1%} of polo's median step"
         )
         first = results["polo"][0]

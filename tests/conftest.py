@@ -14,6 +14,19 @@ CHAT_TEMPLATE = (
 )
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip the `cuda`-marked tests, with the reason shown, where torch sees no CUDA GPU.
+
+    A skip is reported as one (`-rs`, or the `-ra` of the project's pytest options), never as a pass.
+    """
+    if torch.cuda.is_available():
+        return
+    reason = f"needs a CUDA GPU: torch {torch.__version__} sees none (torch.cuda.is_available() is False)"
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 def build_tiny_model(directory: Path, seed: int = 0) -> Path:
     """Save a 2-layer Llama with a character tokenizer (chat template, EOS <|im_end|>) to `directory`."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

@@ -107,8 +107,7 @@ def test_the_layer_contract_holds():
 # What asking "which device am I on?" looks like in source; only runtime/ and kernels/ may do it.
 DEVICE_QUESTIONS = ("torch.cuda", ".device.type", "/proc/cpuinfo", "init_process_group", "torch.autocast(")
 DEVICE_LAYERS = ("polo/runtime/", "polo/kernels/")
-# polo.core's one collective must put its tensor where the process group's backend wants it.
-DEVICE_EXCEPTIONS = ("polo/core/distributed.py",)
+DEVICE_EXCEPTIONS: tuple[str, ...] = ()
 
 
 def test_only_runtime_and_kernels_ask_which_device_they_run_on():
@@ -121,3 +120,76 @@ def test_only_runtime_and_kernels_ask_which_device_they_run_on():
             if any(question in line for question in DEVICE_QUESTIONS):
                 askers.append(f"{relative}:{number}: {line.strip()}")
     assert askers == []
+
+
+def polo_sources_outside(layers: tuple[str, ...]):
+    """Yield (relative path, parsed module) for every source file of polo outside `layers`."""
+    for path in sorted(SRC.rglob("*.py")):
+        relative = path.relative_to(SRC).as_posix()
+        if not relative.startswith(layers):
+            yield relative, ast.parse(path.read_text())
+
+
+def cpu_kernel_imports(tree: ast.AST) -> list[int]:
+    """Return the line numbers of imports of `polo.kernels.cpu` (or its modules) in a module."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        if any(name == "polo.kernels.cpu" or name.startswith("polo.kernels.cpu.") for name in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_kernels_facade_imports_the_cpu_kernels():
+    importers = [
+        f"{relative}:{line}" for relative, tree in polo_sources_outside(("polo/kernels/",)) for line in cpu_kernel_imports(tree)
+    ]
+    assert importers == [], "import kernels through polo.kernels, which picks them per device"
+
+
+def test_the_cpu_kernel_import_check_finds_one():
+    assert cpu_kernel_imports(ast.parse("from polo.kernels.cpu.attention import x\nimport polo.kernels.cpu.linear\n")) == [1, 2]
+    assert cpu_kernel_imports(ast.parse("from polo.kernels import cpu\nfrom polo.kernels import use_fast_attention\n")) == [1]
+
+
+def precision_string_parameters(tree: ast.AST) -> list[str]:
+    """Return `function(precision: str)` parameters in a module: a precision travels as a Compute."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            for argument in arguments:
+                annotation = ast.unparse(argument.annotation) if argument.annotation is not None else ""
+                if argument.arg == "precision" and annotation in ("str", "'str'", '"str"'):
+                    found.append(f"{node.lineno} {node.name}")
+    return found
+
+
+def test_no_function_takes_a_precision_string():
+    found = [f"{relative}:{where}" for relative, tree in polo_sources_outside(()) for where in precision_string_parameters(tree)]
+    assert found == [], "pass the run's polo.runtime.device.Compute instead of a precision name"
+
+
+def device_strings(tree: ast.AST) -> list[int]:
+    """Return the lines of the string constants "cpu" and "cuda" (or "cuda:N") in a module."""
+    return sorted(
+        node.lineno for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        and (node.value in ("cpu", "cuda") or node.value.startswith("cuda:"))
+    )
+
+
+def test_no_device_named_outside_runtime_and_kernels():
+    found = [f"{relative}:{line}" for relative, tree in polo_sources_outside(DEVICE_LAYERS) for line in device_strings(tree)]
+    assert found == [], "allocate on the run's Compute.device (or an input tensor's device), never a named one"
+
+
+def test_the_device_checks_find_what_they_look_for():
+    assert precision_string_parameters(ast.parse("def f(x, *, precision: str = 'fp32'): pass")) == ["1 f"]
+    assert precision_string_parameters(ast.parse("def f(x, *, compute=None): pass")) == []
+    assert device_strings(ast.parse("a = torch.zeros(3, device='cpu')\nb = 'cuda:1'\nc = 'cpus'")) == [1, 2]

@@ -10,6 +10,8 @@ import random
 
 import pytest
 
+from polo.generation.grouped import Completion
+
 from polo.evaluation.evaluate import answer_key_for, score_problem, summarize
 from polo.cli.eval import gsm8k_data_dir
 from polo.data import gsm8k_task
@@ -31,8 +33,8 @@ def gsm8k_eval(gsm8k_test_path):
     return gsm8k_task(gsm8k_test_path, gsm8k_test_path, num_train=0, num_eval=NUM_PROBLEMS)
 
 
-def as_completions(texts: list[str]) -> list[dict]:
-    return [{"text": text, "length": 0, "truncated": False} for text in texts]
+def as_completions(texts: list[str]) -> list[Completion]:
+    return [Completion(text=text, length=0, truncated=False) for text in texts]
 
 
 def test_reference_solutions_score_100_percent(gsm8k_eval):

@@ -21,11 +21,11 @@ from polo.evaluation.evaluate import (
     math_answer_key,
     number_answer_key,
     pass_at_k,
-    sample_completions,
     score_problem,
     summarize,
     text_answer_key,
 )
+from polo.generation.grouped import Completion, sample_groups
 from polo.rewards.answers import exact_number, exact_string, math_verify_answer
 
 
@@ -221,7 +221,7 @@ def test_cons_at_k_votes_for_the_corrected_answer():
 
 
 def fake_completions(texts: list[str]) -> list[dict]:
-    return [{"text": text, "length": len(text.split()), "truncated": False} for text in texts]
+    return [Completion(text, len(text.split()), False) for text in texts]
 
 
 def test_score_problem_on_hand_made_samples():
@@ -299,15 +299,35 @@ def tiny_policy(tiny_model_dir):
 PROMPTS = ["What is 1 + 1?", "Hi", "A much longer prompt than the others, to force padding."]
 
 
-def test_sample_completions_returns_k_per_prompt_in_prompt_order(tiny_policy):
+def test_sample_groups_returns_k_per_prompt_in_prompt_order(tiny_policy):
     model, tokenizer = tiny_policy
-    batched = sample_completions(model, tokenizer, PROMPTS, 3, max_new_tokens=6, temperature=0.0, batch_size=4)
+    batched = sample_groups(model, tokenizer, PROMPTS, 3, max_new_tokens=6, temperature=0.0, batch_size=4)
     assert [len(samples) for samples in batched] == [3, 3, 3]
     for prompt, samples in zip(PROMPTS, batched):
-        alone = sample_completions(model, tokenizer, [prompt], 1, max_new_tokens=6, temperature=0.0)[0][0]
+        alone = sample_groups(model, tokenizer, [prompt], 1, max_new_tokens=6, temperature=0.0)[0][0]
         # greedy: every sample of a prompt equals that prompt decoded on its own
         assert all(sample == alone for sample in samples)
-        assert all(1 <= sample["length"] <= 6 for sample in samples)
+        assert all(1 <= sample.length <= 6 for sample in samples)
+
+
+def test_evaluate_policy_samples_each_problem_as_one_group(tiny_policy):
+    """A problem's K samples go to the sampler as one group (one prefill), whole groups per batch."""
+    from polo.generation.cpu_sampler import rollout
+
+    model, tokenizer = tiny_policy
+    calls = []
+
+    def recording(model, tokenizer, prompts, group_size, **settings):
+        calls.append((len(prompts), group_size))
+        return rollout(model, tokenizer, prompts, group_size, **settings)
+
+    rows = [{"question": prompt, "answer": "2"} for prompt in PROMPTS]
+    result = evaluate_policy(
+        model, tokenizer, PROMPTS, rows, exact_number, samples=4, max_new_tokens=3, temperature=1.0, batch_size=8,
+        sampler=recording,
+    )
+    assert calls == [(2, 4), (1, 4)]
+    assert [problem["prompt"] for problem in result["problems"]] == PROMPTS
 
 
 def test_evaluate_policy_scores_every_sample(tiny_policy):

@@ -16,6 +16,7 @@ from polo.finetune.fit import collate, sequence_logprobs
 from polo.models.loading import load_policy
 from polo.data.preferences import Ranking
 from polo.finetune.reward_model import encode_rankings
+from polo.runtime.device import CPU
 
 PROMPT = ({"role": "user", "content": "Say 1."},)
 
@@ -36,7 +37,7 @@ def test_sequence_logprobs_sum_the_response_tokens_only(tiny_model_dir):
 def test_dpo_starts_at_log_2_with_zero_implicit_rewards(tiny_model_dir):
     model, tokenizer = load_policy(str(tiny_model_dir))
     examples = encode_rankings(tokenizer, [Ranking(PROMPT, ("1", "2", "3")), Ranking(PROMPT, ("a", "b"))], None, 64)
-    examples = with_reference_logps(model, examples, tokenizer.pad_token_id, micro_batch_size=2, precision="fp32")
+    examples = with_reference_logps(model, examples, tokenizer.pad_token_id, micro_batch_size=2, compute=CPU)
     assert all(len(example.reference_logps) == len(example.sequences) for example in examples)
     objective = DPOObjective(tokenizer.pad_token_id, beta=0.1)
     assert [objective.units(example) for example in examples] == [3, 1]

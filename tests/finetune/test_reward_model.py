@@ -18,6 +18,7 @@ from polo.data.preferences import Ranking
 from polo.rewards import RewardFunctionError, RewardSet, exact_number
 from polo.data import Task
 from polo.data.base import PLAIN_INSTRUCTION
+from polo.runtime.device import CPU
 
 ROW = {"question": "What is 2 + 3?", "answer": "5"}
 
@@ -46,7 +47,7 @@ def rl_rows(tokenizer, count: int) -> list[dict]:
 
 def test_scores_are_the_same_batched_padded_or_alone(reward_model_dir):
     """The head reads the last real token whatever the padding: batch scores equal one-at-a-time scores."""
-    reward = RewardModelReward(reward_model_dir, batch_size=8, precision="fp32")
+    reward = RewardModelReward(reward_model_dir, batch_size=8, compute=CPU)
     completions = ["5", "2 + 3 = 5", "The answer is 6, I think, after a long while."]
     rows = rl_rows(reward.tokenizer, len(completions))
     batched = reward(completions, rows)
@@ -61,7 +62,7 @@ def test_scores_are_the_same_batched_padded_or_alone(reward_model_dir):
 
 def test_training_and_scoring_see_the_same_tokens(reward_model_dir):
     """A completion scored in RL gets the score its (prompt, response) pair gets in reward-model training."""
-    reward = RewardModelReward(reward_model_dir, precision="fp32")
+    reward = RewardModelReward(reward_model_dir, compute=CPU)
     (example,) = encode_rankings(reward.tokenizer, [Ranking(({"role": "user", "content": PLAIN_INSTRUCTION.replace("{question}", ROW["question"])},), ("5", "6"))], None, 512)
     trained_view = sequence_rewards(reward.model, collate(example.sequences, reward.pad_id)).tolist()
     assert reward(["5", "6"], rl_rows(reward.tokenizer, 2)) == pytest.approx(trained_view, abs=1e-5)
@@ -190,7 +191,7 @@ def test_rm_end_to_end_learns_saves_and_reloads(tiny_model_dir, tmp_path, capsys
     stats = json.loads((result.model_dir / "reward_stats.json").read_text())
     assert stats["num_responses"] == 12 and stats["std"] > 0
     # the saved model ranks held-out responses as it did at the end of training
-    reward = RewardModelReward(result.model_dir, precision="fp32")
+    reward = RewardModelReward(result.model_dir, compute=CPU)
     tokenizer = reward.tokenizer
     prompt = toy_task().prompts(tokenizer, [{"question": "Say 1."}], "{question}")[0]
     scores = reward(["1", "1 1", "1!!!!!!"], [{"prompt_text": prompt}] * 3)
@@ -232,7 +233,7 @@ def test_rl_trains_against_a_reward_model(tiny_model_dir, reward_model_dir, tmp_
 def test_running_each_prompt_once_gives_the_same_rewards(reward_model_dir):
     from polo.finetune.fit import collate_rankings, ranking_rewards
 
-    reward = RewardModelReward(reward_model_dir, precision="fp32")
+    reward = RewardModelReward(reward_model_dir, compute=CPU)
     rankings = [Ranking(({"role": "user", "content": "q"},), ("a", "bb b", "c")), Ranking(({"role": "user", "content": "a longer prompt"},), ("x", "yy"))]
     batch = collate_rankings(encode_rankings(reward.tokenizer, rankings, None, 128), reward.pad_id)
     torch.testing.assert_close(ranking_rewards(reward.model, batch), sequence_rewards(reward.model, batch.expanded()), rtol=1e-5, atol=1e-5)
@@ -278,7 +279,7 @@ def test_polo_eval_refuses_a_missing_reward_model_before_sampling(tiny_model_dir
 
 def test_rm_continues_from_a_saved_reward_model_with_its_head(reward_model_dir, tiny_model_dir, tmp_path):
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    saved = RewardModelReward(reward_model_dir, precision="fp32")
+    saved = RewardModelReward(reward_model_dir, compute=CPU)
     continued = new_reward_model(str(reward_model_dir), tokenizer)
     for name, tensor in saved.model.state_dict().items():  # trunk and head as saved, nothing re-initialised
         assert torch.equal(continued.state_dict()[name], tensor), name

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polo.kernels.cpu.logprobs import (
+from polo.kernels.logprobs import (
     ChunkedTokenLogprobs,
     completion_logprobs_fused,
     supports_fused_logprobs,

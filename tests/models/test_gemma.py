@@ -22,7 +22,7 @@ from polo.finetune.sft import encode_demonstrations
 from polo.generation.cpu_sampler import generate, rollout
 from polo.generation.prompts import format_prompt, stop_token_ids, tokenize_prompts
 from polo.kernels.cpu.attention import use_polo_attention
-from polo.kernels.cpu.logprobs import supports_fused_logprobs
+from polo.kernels.logprobs import supports_fused_logprobs
 from polo.models import loading, scoring
 from polo.models.family import attention_window, encode_prompts, fits_attention_window, prompt_prefix_ids
 from polo.models.loading import BUILTIN_MODELS, BuiltinModel, ModelLoadError, load_policy

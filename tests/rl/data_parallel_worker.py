@@ -34,6 +34,7 @@ def one_update(batch, config_dict: dict, model_dir: str):
     from polo.rl.update import update_modules
     from polo.runtime import distributed as parallel
     from polo.models.loading import frozen_copy, load_policy
+    from polo.runtime.device import CPU
 
     config = load_config(config_dict)
     torch.manual_seed(0)
@@ -46,7 +47,7 @@ def one_update(batch, config_dict: dict, model_dir: str):
     critic = build_critic(config, model, optimizer, lr_lambda(config))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     modules = update_modules(model, critic)
-    run = Run(config, "fp32", None, None, "", model, tokenizer, reference, optimizer, scheduler, critic, modules, None, None, None)
+    run = Run(config, CPU, None, None, "", model, tokenizer, reference, optimizer, scheduler, critic, modules, None, None, None)
     share = rank_share_batch(batch, config.algorithm.group_size)
     original = rl_step_module.collect_batch
     rl_step_module.collect_batch = lambda *args, **kwargs: (share, {"reward/mean": float(share.rewards.mean())}, [])

@@ -13,6 +13,7 @@ from polo.models.loading import load_policy
 from polo.generation.cpu_sampler import rollout
 from polo.rl.train import train
 from polo.rl.update import policy_update
+from polo.runtime.device import CPU
 
 from test_trainer import final_weights, tiny_config, without_times
 
@@ -82,7 +83,7 @@ def test_dapo_masks_truncated_completions_out_of_the_loss(tiny_model_dir):
         probe, _ = load_policy(str(tiny_model_dir))
         optimizer = torch.optim.SGD(probe.parameters(), lr=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        return policy_update(probe, optimizer, scheduler, batch, advantages, None, None, config, "fp32")["grad_norm"]
+        return policy_update(probe, optimizer, scheduler, batch, advantages, None, None, config, CPU)["grad_norm"]
 
     assert grad_norm(truncated=True) == 0.0  # every completion was cut by max_new_tokens: nothing to learn from
     assert grad_norm(truncated=False) > 0.0

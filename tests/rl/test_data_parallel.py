@@ -36,8 +36,15 @@ CONFIGS = {
 }
 
 
+def with_pythonpath(directory: Path) -> dict[str, str]:
+    """Return this process's environment with `directory` put first on PYTHONPATH (what was there stays:
+    some machines find installed packages through it)."""
+    paths = [str(directory), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
 def torchrun(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
+    env = {**with_pythonpath(WORKER.parent), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", str(WORKER), *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
 
@@ -134,3 +141,10 @@ def test_prompts_per_step_must_split_into_whole_groups(tiny_model_dir, tmp_path)
     result = torchrun("train", str(tmp_path / "odd.json"))
     assert result.returncode != 0
     assert "train.prompts_per_step=3 is not divisible by the 2 processes" in result.stderr
+
+
+def test_the_torchrun_helper_puts_the_worker_first_and_keeps_the_pythonpath(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", f"/tmp/site{os.pathsep}/opt/more")
+    assert with_pythonpath(Path("/work/tests"))["PYTHONPATH"] == os.pathsep.join(["/work/tests", "/tmp/site", "/opt/more"])
+    monkeypatch.delenv("PYTHONPATH")
+    assert with_pythonpath(Path("/work/tests"))["PYTHONPATH"] == "/work/tests"

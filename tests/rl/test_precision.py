@@ -14,7 +14,9 @@ from polo.models.loading import load_policy
 from polo.kernels.cpu.attention import POLO_ATTENTION
 from polo.models.precision import MasterWeights
 from polo.rl.train import train
-from polo.runtime.device import resolve_train_precision
+from polo.runtime import rates as rates_module
+from polo.runtime.device import autocast_compute, inference_compute, train_compute
+from polo.runtime.rates import MatmulRates
 
 from test_trainer import interrupted_then_resumed, final_weights, tiny_config, without_times
 
@@ -78,15 +80,58 @@ def test_updates_below_bf16_resolution_accumulate_in_the_masters(tiny_model_dir)
     torch.testing.assert_close(master.detach(), start + 1e-2 * start.abs().clamp(min=1e-3), rtol=1e-5, atol=1e-7)
 
 
-def test_auto_precision_picks_master_weights_unless_a_critic_is_trained(monkeypatch):
+def measured(fp32: float, bf16: float, monkeypatch) -> None:
+    """Make this CPU report native bf16 and the given matmul rates (GFLOP/s): nothing is timed."""
     monkeypatch.setattr(trainer_module, "cpu_supports_bf16", lambda: True)
-    assert resolve_train_precision(load_config({"train": {"precision": "auto"}})) == "bf16_master"
-    ppo = load_config({"algorithm": {"name": "ppo"}, "train": {"precision": "auto"}})
-    assert resolve_train_precision(ppo) == "bf16"
+    monkeypatch.setattr(trainer_module, "cached_rates", lambda: MatmulRates(fp32=fp32, bf16=bf16, cached=True))
+
+
+def test_auto_precision_picks_master_weights_unless_a_critic_is_trained(monkeypatch):
+    measured(300.0, 860.0, monkeypatch)  # an EPYC with AVX-512 BF16: bf16 about 3x fp32
+    on_cpu = {"precision": "auto", "device": "cpu"}
+    compute = train_compute(load_config({"train": on_cpu}))
+    assert (compute.precision, compute.param_dtype, compute.master_weights) == ("bf16_master", torch.bfloat16, True)
+    assert str(compute) == "bf16_master on cpu (auto: fp32 300 / bf16 860 GFLOP/s (cached))"
+    ppo = load_config({"algorithm": {"name": "ppo"}, "train": on_cpu})
+    assert train_compute(ppo).precision == "bf16" and train_compute(ppo).autocast_dtype == torch.bfloat16
     with pytest.raises(ConfigError, match="bf16_master.*critic"):
-        resolve_train_precision(load_config({"algorithm": {"name": "ppo"}, "train": {"precision": "bf16_master"}}))
+        train_compute(load_config({"algorithm": {"name": "ppo"}, "train": {"precision": "bf16_master", "device": "cpu"}}))
     monkeypatch.setattr(trainer_module, "cpu_supports_bf16", lambda: False)
-    assert resolve_train_precision(load_config({"train": {"precision": "auto"}})) == "fp32"
+    assert train_compute(load_config({"train": on_cpu})).precision == "fp32"
+
+
+def test_auto_precision_follows_the_measured_rates_not_the_flags(monkeypatch):
+    """A CPU that lists avx512_bf16 but multiplies bf16 at half its fp32 rate (issue 28's Intel VM) trains in fp32."""
+    measured(320.0, 167.0, monkeypatch)
+    for section in ({"train": {"precision": "auto", "device": "cpu"}}, {"algorithm": {"name": "ppo"}, "train": {"device": "cpu"}}):
+        compute = train_compute(load_config(section))
+        assert compute.precision == "fp32" and "fp32 320 / bf16 167" in compute.basis
+    assert autocast_compute("auto", "cpu").precision == "fp32"  # polo sft / rm / dpo
+    assert inference_compute("auto", "cpu").precision == "fp32"  # polo eval, the pipeline's sampling
+    explicit = train_compute(load_config({"train": {"precision": "bf16_master", "device": "cpu"}}))
+    assert (explicit.precision, explicit.basis) == ("bf16_master", "explicit")  # an explicit precision always wins
+    measured(300.0, 2200.0, monkeypatch)  # an Intel with AMX
+    assert autocast_compute("auto", "cpu").precision == "bf16"
+    assert inference_compute("auto", "cpu").precision == "bf16_weights"
+
+
+def test_matmul_rates_are_cached_per_machine_key(tmp_path, monkeypatch):
+    """The first call measures and writes the cache; the next reads it; another key (threads) measures again."""
+    monkeypatch.setenv("POLO_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_measure():
+        calls.append(1)
+        return MatmulRates(fp32=100.0, bf16=50.0 * len(calls))
+
+    first = rates_module.cached_rates(fake_measure)
+    second = rates_module.cached_rates(fake_measure)
+    assert (first.cached, second.cached, len(calls)) == (False, True, 1)
+    assert (second.fp32, second.bf16) == (100.0, 50.0)
+    monkeypatch.setattr(rates_module, "cache_key", lambda: "another machine")
+    assert rates_module.cached_rates(fake_measure).bf16 == 100.0 and len(calls) == 2
+    (tmp_path / "matmul_rates.json").write_text("{not json")
+    assert rates_module.cached_rates(fake_measure).cached is False  # a broken cache costs a measurement, not a failure
 
 
 def test_bf16_master_run_saves_fp32_weights_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):

@@ -266,7 +266,8 @@ def test_polo_train_stops_on_a_missing_tracker_before_the_model_loads(tmp_path):
     (site / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(json.dumps({"model": {"name": str(tmp_path / "no-model-here")}, "output": {"dir": str(tmp_path / "run")}}))
-    environment = {**os.environ, "PYTHONPATH": str(site)}
+    # Prepended: some machines (the GPU one) find installed packages through PYTHONPATH.
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH", "")]))}
     result = subprocess.run([str(POLO), "train", str(recipe), "output.report_to=[tensorboard,wandb]"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300, env=environment)
     assert result.returncode != 0

@@ -55,6 +55,7 @@ def add_parsers(subcommands) -> None:
                              help="also score every sample with this reward model (polo rm); reports its mean over all, correct and wrong samples")
     eval_parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     eval_parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"), help="auto: bf16 autocast where the CPU supports it")
+    eval_parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA when available)")
     eval_parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     eval_parser.add_argument("--output", "-o", default="eval.json", help="where to write the per-problem results (default eval.json)")
     eval_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -193,8 +194,8 @@ def run_eval(args: argparse.Namespace) -> int:
     import torch
 
     from polo.evaluation.evaluate import evaluate_policy
-    from polo.models.loading import load_policy
-    from polo.runtime.device import resolve_precision
+    from polo.generation.grouped import load_for_sampling
+    from polo.runtime.device import inference_compute
 
     samples = check_numbers(args)
     task, task_label, instruction, system_prompt, model_name, default_tokens = build_eval_task(args)
@@ -207,7 +208,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise EvalArgumentError(f"{task_label} has no held-out problems to evaluate")
     max_new_tokens = args.max_new_tokens or default_tokens
     temperature, top_p = (0.0, 1.0) if args.greedy else (args.temperature, args.top_p)
-    precision = resolve_precision(args.precision)
+    compute = inference_compute(args.precision, args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -217,23 +218,23 @@ def run_eval(args: argparse.Namespace) -> int:
         from polo.rewards.reward_model import REWARD_PREFIX, reward_model_reward
 
         reward_model = reward_model_reward(REWARD_PREFIX + args.reward_model, task)
-    model, tokenizer = load_policy(model_name)
+    model, tokenizer = load_for_sampling(model_name, compute)
     prompts = task.prompts(tokenizer, rows, instruction, system_prompt)
     settings = {
         "model": model_name, "task": task_label, "num_problems": len(rows), "samples": samples,
         "greedy": args.greedy, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
-        "precision": precision, "seed": args.seed, "batch_size": args.batch_size, "reward_model": args.reward_model,
+        "precision": compute.precision, "device": str(compute.device), "seed": args.seed, "batch_size": args.batch_size, "reward_model": args.reward_model,
     }
     print(
         f"polo eval: {model_name} on {task_label}: {len(rows)} problems x {samples} "
         f"{'greedy answer' if args.greedy else f'samples (T={temperature}, top_p={top_p})'}, "
-        f"max {max_new_tokens} new tokens, {precision}",
+        f"max {max_new_tokens} new tokens, {compute}",
         flush=True,
     )
     started = time.perf_counter()
     result = evaluate_policy(
         model, tokenizer, prompts, rows, task.correctness, samples=samples, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, batch_size=args.batch_size, precision=precision,
+        temperature=temperature, top_p=top_p, batch_size=args.batch_size, compute=compute,
         progress=not args.no_progress,
     )
     if reward_model is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from polo.runtime.device import DEVICE_HELP
+
 
 def add_parser(subcommands) -> None:
     """Add the `pipeline` subcommand to an argparse subparsers object."""
@@ -18,13 +20,15 @@ def add_parser(subcommands) -> None:
     )
     parser.add_argument("recipe", help="path to a pipeline recipe (e.g. recipes/r1_arith.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. pipeline.dir=runs/r1 stages.reason.train.steps=10")
+    parser.add_argument("--device", default=None, help=f"{DEVICE_HELP}; the same as pipeline.device=... (default: the recipe's)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the pipeline the arguments name; return the exit status."""
     from polo.pipeline import run_pipeline
 
-    result = run_pipeline(args.recipe, args.overrides)
+    overrides = [*args.overrides, f"pipeline.device={args.device}"] if args.device is not None else args.overrides
+    result = run_pipeline(args.recipe, overrides)
     if result.report is not None:
         print(f"report: {result.report}")
     return 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from polo.runtime.device import DEVICE_HELP
+
 COMMANDS = ("sft", "rm", "dpo", "make-preferences")
 
 
@@ -34,6 +36,7 @@ def add_parsers(subcommands) -> None:
         parser = subcommands.add_parser(name, help=help_text, description=help_text)
         parser.add_argument("recipe", help=f"path to a YAML recipe (e.g. recipes/rlhf_{name}.yaml)")
         parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=10")
+        parser.add_argument("--device", default=None, help=f"{DEVICE_HELP}; the same as train.device=... (default: the recipe's)")
         parser.set_defaults(rlhf_command=name)
 
     data_parser = subcommands.add_parser(
@@ -66,12 +69,15 @@ def add_parsers(subcommands) -> None:
     sampled.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0, as in RL)")
     sampled.add_argument("--num-prompts", type=int, default=1500, help="training prompts to sample (default 1500)")
     sampled.add_argument("--num-prompts-eval", type=int, default=200, help="held-out prompts to sample (default 200)")
+    sampled.add_argument("--device", default="auto", help=f"where the model samples: {DEVICE_HELP}")
     sampled.add_argument("--max-pairs", type=int, default=4, help="comparisons per prompt at most (default 4)")
     data_parser.set_defaults(rlhf_command="make-preferences")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand the arguments were parsed for; return the exit status."""
+    if getattr(args, "device", None) is not None and args.rlhf_command != "make-preferences":
+        args.overrides = [*args.overrides, f"train.device={args.device}"]
     if args.rlhf_command == "sft":
         from polo.finetune.sft import sft
 
@@ -131,11 +137,11 @@ def sampled_preferences(args: argparse.Namespace, config) -> int:
     from pathlib import Path
 
     from polo.config import ConfigError
-    from polo.models.loading import load_policy
     from polo.data.preferences import write_jsonl
     from polo.finetune.sampled_preferences import check_sampling_request, sampled_preference_data
     from polo.data import instruction_for, make_task
-    from polo.runtime.device import resolve_precision
+    from polo.generation.grouped import load_for_sampling
+    from polo.runtime.device import inference_compute
 
     task = make_task(config)
     if not 0 < args.temperature < float("inf"):  # NaN fails this too
@@ -144,12 +150,13 @@ def sampled_preferences(args: argparse.Namespace, config) -> int:
         check_sampling_request(task, args.num_prompts, args.num_prompts_eval, args.samples, args.max_pairs)
     except ValueError as error:
         raise ConfigError(f"make-preferences --from-model: {error}") from None
-    model, tokenizer = load_policy(args.from_model)
+    compute = inference_compute("auto", args.device)
+    model, tokenizer = load_for_sampling(args.from_model, compute)
     splits, stats = sampled_preference_data(
         model, tokenizer, task, instruction=instruction_for(config, task), system_prompt=config.task.system_prompt,
         num_prompts=args.num_prompts, num_prompts_eval=args.num_prompts_eval, samples=args.samples,
         temperature=args.temperature, max_new_tokens=config.sampling.max_new_tokens, max_pairs=args.max_pairs,
-        seed=args.seed, precision=resolve_precision("auto"), progress=True,
+        seed=args.seed, compute=compute, progress=True,
     )
     out_dir = Path(args.out_dir)
     for name, rows in splits.items():

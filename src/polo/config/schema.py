@@ -79,6 +79,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
+    sampler: str = "auto"  # auto | kv_cache | static: auto is the static-cache sampler on CUDA, the KV-cache one on the CPU
 
 
 @dataclass

@@ -24,6 +24,7 @@ _CHOICES = {
     "train.data_parallel": ("ddp", "fsdp"),
     "algorithm.name": tuple(PRESETS),
     "algorithm.critic": ("separate", "head"),
+    "sampling.sampler": ("auto", "kv_cache", "static"),  # polo.generation.grouped.SAMPLERS
 }
 
 # Fields that name a registered function (a built-in name, or module:name for a user's own).
@@ -160,6 +161,12 @@ def check_lora(lora: LoraSettings) -> None:
         raise ConfigError("model.lora.target_modules is empty; name modules (e.g. [q_proj, v_proj]) or use [all-linear]")
 
 
+def check_device(key: str, device: str) -> None:
+    """Raise `ConfigError` when `device` is not auto | cpu | cuda | cuda:N (whether it can be had is asked at set-up)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", str(device).strip().lower()):
+        raise ConfigError(f"{key}: {device!r} is not one of auto, cpu, cuda, cuda:N (auto: CUDA when available)")
+
+
 def check_choices(config: Any, choices: dict[str, tuple]) -> None:
     """Raise `ConfigError` for the first `section.field` whose value is not among its allowed choices."""
     for dotted, allowed in choices.items():
@@ -212,6 +219,7 @@ def validate(config: Config) -> None:
     check_sizes(config)
     check_floats(config, _FLOAT_RANGES)
     check_output_dir("output.dir", config.output.dir)
+    check_device("train.device", config.train.device)
     check_trackers(config.output.report_to)
     check_hub_repo("output.push_to_hub", config.output.push_to_hub)
     check_lora(config.model.lora)

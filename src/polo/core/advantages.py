@@ -228,7 +228,7 @@ def token_level_rewards(
     lengths = is_valid.sum(-1)
     last = (lengths - 1).clamp(min=0)
     rewards = torch.zeros(mask.shape, dtype=sequence_rewards.dtype, device=mask.device)
-    rewards[torch.arange(mask.shape[0]), last] = torch.where(lengths > 0, sequence_rewards, 0.0)
+    rewards[torch.arange(mask.shape[0], device=mask.device), last] = torch.where(lengths > 0, sequence_rewards, 0.0)
     if kl is not None and beta:
         rewards = rewards - beta * kl.to(rewards.dtype)
     return torch.where(is_valid, rewards, 0.0)

@@ -35,9 +35,10 @@ def global_count(value: float | int | torch.Tensor) -> float:
         if value.numel() != 1:
             raise ValueError(f"global_count expects a scalar, got a tensor of shape {tuple(value.shape)}")
         count = value.detach().to(torch.float64).reshape(())
+    elif not _distributed():
+        return float(value)  # nothing to reduce: no tensor at all
     else:
-        # NCCL only reduces tensors that live on the GPU; gloo takes CPU tensors.
-        on_gpu = _distributed() and dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        count = torch.tensor(float(value), dtype=torch.float64, device=device)
+        # A host number: polo's process groups reduce tensors on the default (host) device with
+        # gloo, also on GPUs (`cpu:gloo,cuda:nccl`, polo.runtime.distributed), so core never names a device.
+        count = torch.tensor(float(value), dtype=torch.float64)
     return float(all_reduce_sum(count).item())

@@ -18,7 +18,7 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: floa
     Shapes: lengths (batch,) → (batch,) float32.
     """
     if buffer_length <= 0:
-        return torch.zeros(lengths.shape, dtype=torch.float32)
+        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
     start = max_length - buffer_length
     ramp = (start - lengths.float()) / buffer_length
     return penalty * ramp.clamp(min=-1.0, max=0.0)

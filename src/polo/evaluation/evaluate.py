@@ -38,8 +38,9 @@ from polo.rewards.answers import (
     math_verify_answer,
 )
 from polo.rewards.format import r1_format
-from polo.generation.cpu_sampler import rollout
-from polo.models.family import encode_prompts
+from polo.generation.grouped import Completion, sample_groups
+from polo.generation.rollouts import Sampler
+from polo.runtime.device import CPU, Compute
 
 AnswerKey = Callable[[str], "str | None"]
 
@@ -168,78 +169,31 @@ def answer_key_for(correctness: Callable[[str, dict], float]) -> AnswerKey:
     return functools.partial(key, answer_in_tags=bool(keywords.get("answer_in_tags", False)))
 
 
-# ---------------------------------------------------------------- sampling
-
-
-@torch.no_grad()
-def sample_completions(
-    model,
-    tokenizer,
-    prompts: list[str],
-    samples_per_prompt: int,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float = 1.0,
-    batch_size: int = 64,
-    precision: str = "fp32",
-    progress: bool = False,
-) -> list[list[dict]]:
-    """Return, per prompt, `samples_per_prompt` dicts `{"text", "length", "truncated"}`.
-
-    Sequences go through `polo.generation.cpu_sampler.rollout` `batch_size` at a time; prompts are visited
-    shortest first so a batch holds prompts of similar length (less left padding), and each
-    prompt's samples stay together. "length" counts generated tokens, the end token included.
-    """
-    if samples_per_prompt < 1:
-        raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    from tqdm.auto import tqdm
-
-    prompt_lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts)]  # as the sampler tokenizes them (BOS included)
-    order = sorted(range(len(prompts)), key=lambda index: prompt_lengths[index])
-    jobs = [index for index in order for _ in range(samples_per_prompt)]
-    results: list[list[dict]] = [[] for _ in prompts]
-    with tqdm(total=len(jobs), desc="polo eval", unit="sample", disable=not progress, dynamic_ncols=True) as bar:
-        for start in range(0, len(jobs), batch_size):
-            batch = jobs[start : start + batch_size]
-            sampled = rollout(
-                model, tokenizer, [prompts[index] for index in batch], 1,
-                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, precision=precision,
-            )
-            texts, completion_mask, truncated = sampled.texts, sampled.completion_mask, sampled.truncated
-            for index, text, length, cut in zip(batch, texts, completion_mask.sum(-1).tolist(), truncated.tolist()):
-                results[index].append({"text": text, "length": int(length), "truncated": bool(cut)})
-            bar.update(len(batch))
-    return results
-
-
 # ---------------------------------------------------------------- scoring
 
 
 def score_problem(
     row: dict,
-    completions: Sequence[dict],
+    completions: Sequence[Completion],
     correctness: Callable[[str, dict], float],
     answer_key: AnswerKey,
     ks: Sequence[int],
 ) -> dict:
     """Return one problem's per-sample results and its pass@k / cons@k for every k in `ks`.
 
-    `completions` are `sample_completions` dicts. Each sample gets "correct" (the checker),
-    "format" (`r1_format`) and "answer" (its vote key).
+    `completions` are one prompt's `polo.generation.grouped.sample_groups` results. Each sample
+    gets "correct" (the checker), "format" (`r1_format`) and "answer" (its vote key).
     """
     samples = []
     for completion in completions:
-        text = completion["text"]
+        text = completion.text
         samples.append({
             "completion": text,
             "correct": float(correctness(text, row)),
             "format": r1_format(text, row),
             "answer": answer_key(text),
-            "length": completion["length"],
-            "truncated": completion["truncated"],
+            "length": completion.length,
+            "truncated": completion.truncated,
         })
     correct = [sample["correct"] for sample in samples]
     answers = [sample["answer"] for sample in samples]
@@ -294,15 +248,18 @@ def evaluate_policy(
     temperature: float,
     top_p: float = 1.0,
     batch_size: int = 64,
-    precision: str = "fp32",
+    compute: Compute = CPU,
     ks: Sequence[int] | None = None,
     answer_key: AnswerKey | None = None,
     progress: bool = False,
+    sampler: Sampler | None = None,
 ) -> dict:
     """Return `{"summary", "problems"}`: `samples` completions per prompt, scored (see module doc).
 
-    `ks` defaults to `default_ks(samples)`; `answer_key` to the one matching `correctness`.
-    Temperature 0 is greedy decoding (then ask for one sample: the others would be copies).
+    A prompt's samples are one group of the sampler (`polo.generation.grouped.sample_groups`; one
+    prefill shared by them), `batch_size` sequences a batch. `ks` defaults to `default_ks(samples)`;
+    `answer_key` to the one matching `correctness`. Temperature 0 is greedy decoding (then ask for
+    one sample: the others would be copies).
     """
     if len(prompts) != len(rows):
         raise ValueError(f"got {len(prompts)} prompts for {len(rows)} rows")
@@ -311,9 +268,10 @@ def evaluate_policy(
     if bad:
         raise ValueError(f"every k must be in [1, samples={samples}], got {bad}")
     answer_key = answer_key_for(correctness) if answer_key is None else answer_key
-    completions = sample_completions(
+    completions = sample_groups(
         model, tokenizer, prompts, samples, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_p=top_p, batch_size=batch_size, precision=precision, progress=progress,
+        top_p=top_p, batch_size=batch_size, compute=compute, sampler=sampler, progress=progress,
+        description="polo eval",
     )
     problems = [score_problem(row, done, correctness, answer_key, ks) for row, done in zip(rows, completions)]
     for prompt, problem in zip(prompts, problems):
@@ -361,7 +319,8 @@ def greedy_accuracy(
     *,
     max_new_tokens: int,
     batch_size: int = 64,
-    precision: str = "fp32",
+    compute: Compute = CPU,
+    sampler: Sampler | None = None,
 ) -> dict:
     """Return `{"accuracy", "completion_length", "truncated", "samples"}` for greedy decoding.
 
@@ -370,20 +329,22 @@ def greedy_accuracy(
     """
     if len(prompts) != len(rows):
         raise ValueError(f"got {len(prompts)} prompts for {len(rows)} rows")
-    completions = sample_completions(
+    completions = sample_groups(
         model, tokenizer, prompts, 1, max_new_tokens=max_new_tokens, temperature=0.0,
-        batch_size=batch_size, precision=precision,
+        batch_size=batch_size, compute=compute, sampler=sampler,
     )
     scores, samples = [], []
     for row, (completion,) in zip(rows, completions):
-        score = float(correctness(completion["text"], row))
+        score = float(correctness(completion.text, row))
         scores.append(score)
         if len(samples) < 8:
-            samples.append({"question": row.get("question"), "answer": row.get("answer"), "completion": completion["text"], "score": score})
+            samples.append({
+                "question": row.get("question"), "answer": row.get("answer"), "completion": completion.text, "score": score,
+            })
     count = max(len(scores), 1)
     return {
         "accuracy": sum(scores) / count,
-        "completion_length": sum(done[0]["length"] for done in completions) / count,
-        "truncated": sum(done[0]["truncated"] for done in completions) / count,
+        "completion_length": sum(done[0].length for done in completions) / count,
+        "truncated": sum(done[0].truncated for done in completions) / count,
         "samples": samples,
     }

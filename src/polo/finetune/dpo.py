@@ -50,6 +50,7 @@ from polo.finetune.fit import (
 from polo.models.loading import enable_activation_checkpointing
 from polo.data.preferences import read_rankings
 from polo.finetune.reward_model import encode_rankings, num_pairs
+from polo.runtime.device import CPU, Compute
 
 
 @dataclass
@@ -87,8 +88,8 @@ class DPOObjective:
     Examples carry their reference log-probs.
     """
 
-    def __init__(self, pad_id: int, beta: float, nll_weight: float = 0.0):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, beta: float, nll_weight: float = 0.0, device: torch.device = CPU.device):
+        self.pad_id, self.device = pad_id, device  # batches are built on the model's device
         self.beta = beta
         self.nll_weight = nll_weight
 
@@ -97,10 +98,10 @@ class DPOObjective:
 
     def loss(self, model, examples: Sequence[Example]) -> tuple[torch.Tensor, dict[str, float]]:
         """Return (Σ loss over the pairs, summed statistics with TRL's names)."""
-        batch = collate_rankings(examples, self.pad_id)
+        batch = collate_rankings(examples, self.pad_id, self.device)
         logps = ranking_logprobs(model, batch)
-        reference = torch.tensor([value for example in examples for value in example.reference_logps], dtype=logps.dtype)
-        better, worse = pair_indices(examples)
+        reference = torch.tensor([value for example in examples for value in example.reference_logps], dtype=logps.dtype, device=logps.device)
+        better, worse = pair_indices(examples, logps.device)
         losses, chosen_rewards, rejected_rewards = core.dpo_loss(logps[better], logps[worse], reference[better], reference[worse], self.beta)
         chosen_nll = -logps[better] / batch.response_mask.sum(-1)[better].clamp(min=1)  # per token
         if self.nll_weight:
@@ -119,9 +120,9 @@ class DPOObjective:
         return losses.sum(), stats
 
 
-def with_reference_logps(model, examples: Sequence[Example], pad_id: int, micro_batch_size: int, precision: str) -> list[Example]:
+def with_reference_logps(model, examples: Sequence[Example], pad_id: int, micro_batch_size: int, compute: Compute) -> list[Example]:
     """Return the examples with `reference_logps` = log π_ref(y|x) of each response under `model` (no gradient)."""
-    scores = score_sequences(ranking_logprobs, model, examples, pad_id, micro_batch_size, precision)
+    scores = score_sequences(ranking_logprobs, model, examples, pad_id, micro_batch_size, compute)
     return [replace(example, reference_logps=tuple(values)) for example, values in zip(examples, scores)]
 
 
@@ -131,22 +132,23 @@ def dpo(config: DPOConfig | str | Path | dict | None = None, overrides: list[str
 
     config = load_dpo_config(config, overrides)
     started = time.perf_counter()
-    precision = prepare_run(config, config_to_dict(config))
+    compute = prepare_run(config, config_to_dict(config))
     model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
+    model = model.to(compute.device)
     data, micro, pad_id = config.data, config.train.micro_batch_size, tokenizer.pad_token_id
     train_examples = encode_rankings(tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length)
     eval_examples = (
         encode_rankings(tokenizer, read_rankings(data.eval_path, data.num_eval), data.system_prompt, data.max_length) if data.eval_path else []
     )
     # The reference is the starting model: score every response with it before the first update.
-    train_examples = with_reference_logps(model, train_examples, pad_id, micro, precision)
-    eval_examples = with_reference_logps(model, eval_examples, pad_id, micro, precision) if eval_examples else []
+    train_examples = with_reference_logps(model, train_examples, pad_id, micro, compute)
+    eval_examples = with_reference_logps(model, eval_examples, pad_id, micro, compute) if eval_examples else []
     if config.train.gradient_checkpointing:
         enable_activation_checkpointing(model)
-    objective = DPOObjective(pad_id, config.dpo.beta, config.dpo.nll_weight)
-    evaluate = (lambda: evaluate_objective(model, eval_examples, objective, micro, precision)) if eval_examples else None
+    objective = DPOObjective(pad_id, config.dpo.beta, config.dpo.nll_weight, compute.device)
+    evaluate = (lambda: evaluate_objective(model, eval_examples, objective, micro, compute)) if eval_examples else None
     rows, before, after = fit(
-        model, train_examples, objective, config, precision=precision, evaluate=evaluate, name="polo dpo",
+        model, train_examples, objective, config, compute=compute, evaluate=evaluate, name="polo dpo",
         headline=("loss", "rewards/accuracies", "rewards/margins"),
     )
     output_dir = Path(config.output.dir)

@@ -35,10 +35,11 @@ from polo import core
 from polo.core.schedules import lr_multiplier
 from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
 from polo.config import ConfigError, build_dataclass, check_at_least_one, check_choices, config_to_dict, read_recipe
-from polo.config.validation import check_counts, check_floats, check_output_dir
+from polo.config.validation import check_counts, check_device, check_floats, check_output_dir
+from polo.kernels import supports_fused_logprobs, token_logprobs
 from polo.runtime.checkpoint import claim_output_dir, staged_directory
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
-from polo.runtime.device import autocast_context
+from polo.runtime.device import CPU, Compute, autocast_compute
 from polo.runtime.distributed import is_main_process
 from polo.runtime.metrics import MetricsLogger, read_metrics
 
@@ -75,6 +76,7 @@ class FinetuneTrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     precision: str = "auto"  # auto | fp32 | bf16 (autocast; fp32 master weights)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N; auto is CUDA when available (polo.runtime.device)
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     gradient_checkpointing: bool = False
     eval_every: int = 0  # also evaluate every N steps (0: only before and after)
@@ -141,6 +143,7 @@ def validate_finetune(config: Any) -> None:
             raise ConfigError(f"{key} must be at least 1 (or null for all rows), got {value}")
     check_floats(config, _FLOAT_RANGES)
     check_output_dir("output.dir", config.output.dir)
+    check_device("train.device", train.device)
 
 
 # ---------------------------------------------------------------- tokens
@@ -184,19 +187,19 @@ class RankingBatch:
         return TokenBatch(self.prompt_ids[self.owner], self.prompt_mask[self.owner], self.response_ids, self.response_mask)
 
 
-def collate_rankings(examples: Sequence[Example], pad_id: int) -> RankingBatch:
-    """Return the examples (rankings whose sequences share one prompt) as a `RankingBatch` padded with `pad_id`."""
+def collate_rankings(examples: Sequence[Example], pad_id: int, device: torch.device = CPU.device) -> RankingBatch:
+    """Return the examples (rankings whose sequences share one prompt) as a `RankingBatch` on `device`, padded with `pad_id`."""
     prompts, owner = [], []
     for index, example in enumerate(examples):
         if any(sequence.prompt_ids != example.sequences[0].prompt_ids for sequence in example.sequences):
             raise ValueError("the responses of a ranking must follow the same prompt tokens")
         prompts.append(Encoded(example.sequences[0].prompt_ids, (pad_id,)))
         owner.extend([index] * len(example.sequences))
-    prompt_part = collate(prompts, pad_id)
-    response_part = collate([sequence for example in examples for sequence in example.sequences], pad_id)
+    prompt_part = collate(prompts, pad_id, device)
+    response_part = collate([sequence for example in examples for sequence in example.sequences], pad_id, device)
     return RankingBatch(
         prompt_part.prompt_ids, prompt_part.prompt_mask, response_part.response_ids, response_part.response_mask,
-        torch.tensor(owner, dtype=torch.long),
+        torch.tensor(owner, dtype=torch.long, device=device),
     )
 
 
@@ -232,10 +235,8 @@ def ranking_logprobs(model, batch: RankingBatch) -> torch.Tensor:
     The hidden state that predicts response token t sits one position earlier: the prompt's last
     position for t = 0, the response's own position t − 1 after that. Falls back to
     `sequence_logprobs` on the expanded batch when the lm_head cannot be applied directly (see
-    `polo.kernels.cpu.logprobs.supports_fused_logprobs`) or activations are recomputed.
+    `polo.kernels.supports_fused_logprobs`) or activations are recomputed.
     """
-    from polo.kernels.cpu.logprobs import supports_fused_logprobs, token_logprobs
-
     if not supports_fused_logprobs(model) or uses_gradient_checkpointing(model):
         return sequence_logprobs(model, batch.expanded())
     prompt_hidden, response_hidden = shared_prompt_hidden(model.get_decoder(), batch)
@@ -257,14 +258,14 @@ def ranking_rewards(reward_model, batch: RankingBatch) -> torch.Tensor:
     prompt_hidden, response_hidden = shared_prompt_hidden(reward_model.base_model, batch)
     hidden = torch.cat([prompt_hidden, response_hidden], dim=1)
     input_ids = batch.expanded().input_ids
-    positions = torch.arange(input_ids.shape[1])
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last_real = (positions * (input_ids != reward_model.config.pad_token_id)).argmax(-1)  # Hugging Face's own rule
-    pooled = hidden[torch.arange(len(last_real)), last_real]
+    pooled = hidden[torch.arange(len(last_real), device=input_ids.device), last_real]
     return score(pooled).squeeze(-1).float()
 
 
-def pair_indices(examples: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (better, worse) indices into the flattened sequences of `examples`, each (pairs,).
+def pair_indices(examples: Sequence[Example], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (better, worse) indices into the flattened sequences of `examples`, each (pairs,) on `device`.
 
     Every example is a ranking, best first, standing for all its K(K−1)/2 (better, worse) pairs.
     """
@@ -276,7 +277,7 @@ def pair_indices(examples: Sequence[Example]) -> tuple[torch.Tensor, torch.Tenso
             better.append(offset + first)
             worse.append(offset + second)
         offset += len(example.sequences)
-    return torch.tensor(better, dtype=torch.long), torch.tensor(worse, dtype=torch.long)
+    return torch.tensor(better, dtype=torch.long, device=device), torch.tensor(worse, dtype=torch.long, device=device)
 
 
 def micro_batches(examples: Sequence[Example], max_sequences: int) -> list[list[Example]]:
@@ -308,13 +309,13 @@ class Objective(Protocol):
 
 
 @torch.no_grad()
-def evaluate_objective(model, examples: Sequence[Example], objective: Objective, micro_batch_size: int, precision: str) -> dict[str, float]:
+def evaluate_objective(model, examples: Sequence[Example], objective: Objective, micro_batch_size: int, compute: Compute) -> dict[str, float]:
     """Return the objective's statistics on `examples` without gradients, each a mean per unit."""
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
     for group in micro_batches(examples, micro_batch_size):
-        with autocast_context(precision):
+        with compute.autocast():
             _, stats = objective.loss(model, group)
         for name, value in stats.items():
             sums[name] = sums.get(name, 0.0) + value
@@ -325,15 +326,15 @@ def evaluate_objective(model, examples: Sequence[Example], objective: Objective,
 
 @torch.no_grad()
 def score_sequences(
-    score: Callable[[Any, RankingBatch], torch.Tensor], model, examples: Sequence[Example], pad_id: int, micro_batch_size: int, precision: str,
+    score: Callable[[Any, RankingBatch], torch.Tensor], model, examples: Sequence[Example], pad_id: int, micro_batch_size: int, compute: Compute,
 ) -> list[list[float]]:
     """Return `score(model, ranking batch)` (`ranking_rewards`, `ranking_logprobs`) for every sequence, grouped per example, no gradients."""
     was_training = model.training
     model.eval()
     scored: list[list[float]] = []
     for group in micro_batches(examples, micro_batch_size):
-        with autocast_context(precision):
-            values = score(model, collate_rankings(group, pad_id)).float().tolist()
+        with compute.autocast():
+            values = score(model, collate_rankings(group, pad_id, compute.device)).float().tolist()
         for example in group:
             scored.append(values[: len(example.sequences)])
             values = values[len(example.sequences) :]
@@ -368,7 +369,7 @@ def fit(
     objective: Objective,
     config: Any,
     *,
-    precision: str,
+    compute: Compute,
     evaluate: Callable[[], dict[str, float]] | None = None,
     name: str = "polo",
     headline: tuple[str, ...] = ("loss",),
@@ -392,7 +393,7 @@ def fit(
     if is_main_process():
         (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run must not mix with an old run's rows
     logger = MetricsLogger(output_dir, total_steps, 0, output.tensorboard, output.progress)
-    logger.write(f"{name}: {len(train_examples)} examples, {total_steps} steps of {train.batch_size} | precision {precision}")
+    logger.write(f"{name}: {len(train_examples)} examples, {total_steps} steps of {train.batch_size} | {compute}")
 
     eval_before = _held_out(evaluate, logger, 0)
     model.train()
@@ -400,7 +401,7 @@ def fit(
         started = time.perf_counter()
         units = max(sum(objective.units(example) for example in batch), 1)
         optimizer.zero_grad(set_to_none=True)
-        sums = _backpropagate(model, batch, objective, units, train.micro_batch_size, precision, logger, name, step)
+        sums = _backpropagate(model, batch, objective, units, train.micro_batch_size, compute, logger, name, step)
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, train.max_grad_norm)
         optimizer.step()
         scheduler.step()
@@ -452,7 +453,7 @@ def _optimizer_batches(
 
 
 def _backpropagate(
-    model, batch: Sequence[Example], objective: Objective, units: int, micro_batch_size: int, precision: str,
+    model, batch: Sequence[Example], objective: Objective, units: int, micro_batch_size: int, compute: Compute,
     logger: MetricsLogger, name: str, step: int,
 ) -> dict[str, float]:
     """Return the objective's statistics summed over `batch`, after accumulating its gradient micro-batch by micro-batch."""
@@ -460,7 +461,7 @@ def _backpropagate(
 
     sums: dict[str, float] = {}
     for group in micro_batches(batch, micro_batch_size):
-        with autocast_context(precision):
+        with compute.autocast():
             loss_sum, stats = objective.loss(model, group)
         loss = loss_sum / units
         if not torch.isfinite(loss):
@@ -490,12 +491,13 @@ def _step_row(
     }
 
 
-def prepare_run(config: Any, config_dict: dict) -> str:
-    """Set threads and seeds, write `<output.dir>/config.yaml`; return the resolved precision ("bf16" or "fp32")."""
+def prepare_run(config: Any, config_dict: dict) -> Compute:
+    """Set threads and seeds, write `<output.dir>/config.yaml`; return the run's Compute (`train.device`, `train.precision`)."""
     import yaml
 
-    from polo.runtime.device import resolve_precision
     from polo.runtime.seeding import seed_everything
+
+    compute = autocast_compute(config.train.precision, config.train.device)  # first: a device that cannot be had costs nothing
 
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
@@ -505,7 +507,7 @@ def prepare_run(config: Any, config_dict: dict) -> str:
     if is_main_process():
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
-    return resolve_precision(config.train.precision)
+    return compute
 
 
 def write_summary(output_dir: Path, **fields: Any) -> None:

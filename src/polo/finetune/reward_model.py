@@ -49,6 +49,7 @@ from polo.models.loading import enable_activation_checkpointing
 from polo.data.preferences import Ranking, read_rankings, write_jsonl
 from polo.generation.prompts import render_prompt
 from polo.rewards.reward_model import STATS_FILE
+from polo.runtime.device import CPU
 
 @dataclass
 class RewardModelConfig:
@@ -90,16 +91,16 @@ def num_pairs(example: Example) -> int:
 class PairwiseObjective:
     """The reward model's Bradley-Terry loss; the unit is a (better, worse) pair."""
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, device: torch.device = CPU.device):
+        self.pad_id, self.device = pad_id, device  # batches are built on the model's device
 
     def units(self, example: Example) -> int:
         return num_pairs(example)
 
     def loss(self, model, examples: Sequence[Example]) -> tuple[torch.Tensor, dict[str, float]]:
         """Return (Σ −log σ(r_w − r_l) over the pairs, summed statistics: loss, accuracy, margin, chosen and rejected rewards)."""
-        rewards = ranking_rewards(model, collate_rankings(examples, self.pad_id))
-        better, worse = pair_indices(examples)
+        rewards = ranking_rewards(model, collate_rankings(examples, self.pad_id, self.device))
+        better, worse = pair_indices(examples, rewards.device)
         losses = core.pairwise_loss(rewards[better], rewards[worse])
         margins = (rewards[better] - rewards[worse]).detach()
         stats = {
@@ -121,11 +122,12 @@ def ranking_metrics(scores: Sequence[Sequence[float]]) -> dict[str, float]:
 
     margins = [values[better] - values[worse] for values in scores for better, worse in ranking_pairs(len(values))]
     flat = [value for values in scores for value in values]
+    margins_tensor = torch.tensor(margins, dtype=torch.float64, device=CPU.device)  # host statistics of Python floats
     mean = sum(flat) / len(flat)
     std = math.sqrt(sum((value - mean) ** 2 for value in flat) / max(len(flat) - 1, 1))
     return {
         "pair_accuracy": sum(margin > 0 for margin in margins) / len(margins),
-        "loss": float(core.pairwise_loss(torch.tensor(margins, dtype=torch.float64), torch.zeros(len(margins), dtype=torch.float64)).mean()),
+        "loss": float(core.pairwise_loss(margins_tensor, torch.zeros_like(margins_tensor)).mean()),
         "margin": sum(margins) / len(margins),
         "reward_mean": mean,
         "reward_std": std,
@@ -165,9 +167,9 @@ def train_reward_model(config: RewardModelConfig | str | Path | dict | None = No
 
     config = load_reward_model_config(config, overrides)
     started = time.perf_counter()
-    precision = prepare_run(config, config_to_dict(config))
+    compute = prepare_run(config, config_to_dict(config))
     tokenizer = load_tokenizer(config.model.name)
-    model = new_reward_model(config.model.name, tokenizer, config.model.attn_implementation)
+    model = new_reward_model(config.model.name, tokenizer, config.model.attn_implementation).to(compute.device)
     if config.train.gradient_checkpointing:
         enable_activation_checkpointing(model)
     data = config.data
@@ -180,18 +182,18 @@ def train_reward_model(config: RewardModelConfig | str | Path | dict | None = No
     last_scores: list[list[float]] = []
 
     def evaluate() -> dict[str, float]:
-        last_scores[:] = score_sequences(ranking_rewards, model, eval_examples, pad_id, micro, precision)
+        last_scores[:] = score_sequences(ranking_rewards, model, eval_examples, pad_id, micro, compute)
         return ranking_metrics(last_scores)
 
     rows, before, after = fit(
-        model, train_examples, PairwiseObjective(pad_id), config, precision=precision,
+        model, train_examples, PairwiseObjective(pad_id, compute.device), config, compute=compute,
         evaluate=evaluate if eval_examples else None, name="polo rm", headline=("loss", "accuracy"),
     )
     output_dir = Path(config.output.dir)
     if eval_examples:  # per ranking, for analyses such as accuracy by kind of pair
         write_jsonl(output_dir / "heldout_scores.jsonl", [{"scores": values} for values in last_scores])
     else:  # normalisation statistics from the training responses instead
-        last_scores = score_sequences(ranking_rewards, model, train_examples, pad_id, micro, precision)
+        last_scores = score_sequences(ranking_rewards, model, train_examples, pad_id, micro, compute)
     stats = ranking_metrics(last_scores)
     model_dir = save_model(model, tokenizer, output_dir / "final")
     (model_dir / STATS_FILE).write_text(json.dumps({

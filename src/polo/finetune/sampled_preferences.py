@@ -11,7 +11,8 @@ from typing import Any
 
 from polo.data.base import Task
 from polo.data.preferences import comparisons_from_samples, user_prompt
-from polo.evaluation.evaluate import sample_completions
+from polo.generation.grouped import sample_groups
+from polo.runtime.device import CPU, Compute
 
 
 def check_sampling_request(task: Task, num_prompts: int, num_prompts_eval: int, samples: int, max_pairs: int) -> list[dict]:
@@ -44,7 +45,7 @@ def sampled_preference_data(
     max_pairs: int = 4,
     seed: int = 0,
     batch_size: int = 64,
-    precision: str = "fp32",
+    compute: Compute = CPU,
     progress: bool = False,
 ) -> tuple[dict[str, list[dict]], dict]:
     """Sample a model on the task's training problems and rank its answers with the task's checker.
@@ -64,15 +65,15 @@ def sampled_preference_data(
     rows = list(rows)
     rng.shuffle(rows)
     rows = rows[: num_prompts + num_prompts_eval]
-    completions = sample_completions(
+    completions = sample_groups(
         model, tokenizer, task.prompts(tokenizer, rows, template, system_prompt), samples,
-        max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, precision=precision,
-        progress=progress,
+        max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, compute=compute,
+        progress=progress, description="polo make-preferences",
     )
     splits: dict[str, list[dict]] = {"preferences_train": [], "preferences_eval": []}
     correct = mixed = 0
     for index, (row, done) in enumerate(zip(rows, completions)):
-        scored = [(sample["text"], float(task.correctness(sample["text"], row))) for sample in done]
+        scored = [(sample.text, float(task.correctness(sample.text, row))) for sample in done]
         correct += sum(score > 0.5 for _, score in scored)
         prompt = user_prompt(row["question"], template, system_prompt, task.few_shot)  # exactly what was sampled from
         pairs = comparisons_from_samples(prompt, scored, rng, max_pairs)

@@ -39,6 +39,7 @@ from polo.finetune.fit import (
 from polo.models.loading import enable_activation_checkpointing
 from polo.data.preferences import Demonstration, read_demonstrations
 from polo.generation.prompts import render_prompt
+from polo.runtime.device import CPU
 
 
 @dataclass
@@ -66,15 +67,15 @@ def encode_demonstrations(tokenizer, demonstrations: Sequence[Demonstration], sy
 class SFTObjective:
     """Negative log-likelihood of the response tokens; the unit is a response token."""
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, device: torch.device = CPU.device):
+        self.pad_id, self.device = pad_id, device  # batches are built on the model's device
 
     def units(self, example: Example) -> int:
         return len(example.sequences[0].response_ids)
 
     def loss(self, model, examples: Sequence[Example]) -> tuple[torch.Tensor, dict[str, float]]:
         """Return (−Σ log π over the response tokens of `examples`, {"loss": the same as a float})."""
-        batch = collate([example.sequences[0] for example in examples], self.pad_id)
+        batch = collate([example.sequences[0] for example in examples], self.pad_id, self.device)
         logprobs = response_logprobs(model, batch)
         nll = -torch.where(batch.response_mask.bool(), logprobs, 0.0).sum()
         return nll, {"loss": float(nll.detach())}
@@ -86,8 +87,9 @@ def sft(config: SFTConfig | str | Path | dict | None = None, overrides: list[str
 
     config = load_sft_config(config, overrides)
     started = time.perf_counter()
-    precision = prepare_run(config, config_to_dict(config))
+    compute = prepare_run(config, config_to_dict(config))
     model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
+    model = model.to(compute.device)
     if config.train.gradient_checkpointing:
         enable_activation_checkpointing(model)
     data = config.data
@@ -96,11 +98,11 @@ def sft(config: SFTConfig | str | Path | dict | None = None, overrides: list[str
         encode_demonstrations(tokenizer, read_demonstrations(data.eval_path, data.num_eval), data.system_prompt, data.max_length)
         if data.eval_path else []
     )
-    objective = SFTObjective(tokenizer.pad_token_id)
+    objective = SFTObjective(tokenizer.pad_token_id, compute.device)
     evaluate = (
-        (lambda: evaluate_objective(model, eval_examples, objective, config.train.micro_batch_size, precision)) if eval_examples else None
+        (lambda: evaluate_objective(model, eval_examples, objective, config.train.micro_batch_size, compute)) if eval_examples else None
     )
-    rows, before, after = fit(model, train_examples, objective, config, precision=precision, evaluate=evaluate, name="polo sft")
+    rows, before, after = fit(model, train_examples, objective, config, compute=compute, evaluate=evaluate, name="polo sft")
     output_dir = Path(config.output.dir)
     model_dir = save_model(model, tokenizer, output_dir / "final")
     seconds = time.perf_counter() - started

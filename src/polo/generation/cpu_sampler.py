@@ -12,10 +12,9 @@ import torch
 from polo.generation.prompts import stop_token_ids, tokenize_prompts
 from polo.generation.rollouts import Rollouts
 from polo.generation.sampling import sample_next_token
-from polo.kernels.cpu.kv_cache import sampling_cache
-from polo.kernels.cpu.linear import contiguous_head_input, prepacked_linears
+from polo.kernels import contiguous_head_input, prepacked_linears, sampling_cache
 from polo.models.scoring import position_ids_from_mask
-from polo.runtime.device import autocast_context
+from polo.runtime.device import CPU, Compute
 
 
 @torch.no_grad()
@@ -29,8 +28,9 @@ def generate(
     top_p: float,
     stop_ids: list[int],
     pad_id: int,
-    precision: str = "fp32",
+    compute: Compute = CPU,
     samples_per_prompt: int = 1,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return `(completion_ids, completion_mask, truncated)` sampled with a KV cache.
 
@@ -38,14 +38,15 @@ def generate(
     (batch,), with batch = prompts x `samples_per_prompt` and each prompt's samples in
     consecutive rows. Each prompt is run through the model once and its cache and next-token
     logits are repeated for its samples. Rows that have emitted a stop token are dropped from
-    the batch and from the cache, so no work is spent on finished sequences.
+    the batch and from the cache, so no work is spent on finished sequences. Every tensor lives on
+    the prompts' device; the draws come from `generator` (the device's default one when None).
     """
-    batch = prompt_ids.shape[0] * samples_per_prompt
-    completion_ids = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long)
-    completion_mask = torch.zeros((batch, max_new_tokens), dtype=torch.long)
-    truncated = torch.ones(batch, dtype=torch.bool)
-    stop = torch.tensor(stop_ids, dtype=torch.long)
-    active_rows = torch.arange(batch)
+    batch, device = prompt_ids.shape[0] * samples_per_prompt, prompt_ids.device
+    completion_ids = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    completion_mask = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
+    truncated = torch.ones(batch, dtype=torch.bool, device=device)
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    active_rows = torch.arange(batch, device=device)
     attention_mask = prompt_mask.long()
     positions = position_ids_from_mask(attention_mask)
     next_position = positions[:, -1] + 1
@@ -53,7 +54,7 @@ def generate(
     was_training = model.training
     model.eval()
     length = 0
-    with autocast_context(precision), contiguous_head_input(model), prepacked_linears(model, batch):
+    with compute.autocast(), contiguous_head_input(model), prepacked_linears(model, batch, compute):
         logits = model(
             input_ids=prompt_ids,
             attention_mask=attention_mask,
@@ -68,7 +69,7 @@ def generate(
             attention_mask = attention_mask.repeat_interleave(samples_per_prompt, dim=0)
             next_position = next_position.repeat_interleave(samples_per_prompt, dim=0)
         for step in range(max_new_tokens):
-            tokens = sample_next_token(logits, temperature, top_p)
+            tokens = sample_next_token(logits, temperature, top_p, generator)
             completion_ids[active_rows, step] = tokens
             completion_mask[active_rows, step] = 1
             length = step + 1
@@ -103,10 +104,12 @@ def rollout(
     max_new_tokens: int,
     temperature: float,
     top_p: float = 1.0,
-    precision: str = "fp32",
+    compute: Compute = CPU,
+    generator: torch.Generator | None = None,
 ) -> Rollouts:
-    """Return `group_size` sampled completions for each prompt, groups contiguous."""
+    """Return `group_size` sampled completions for each prompt, groups contiguous, on `compute.device`."""
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
+    prompt_ids, prompt_mask = prompt_ids.to(compute.device), prompt_mask.to(compute.device)
     completion_ids, completion_mask, truncated = generate(
         model,
         prompt_ids,
@@ -117,7 +120,8 @@ def rollout(
         top_p=top_p,
         stop_ids=stop_token_ids(tokenizer, model),
         pad_id=tokenizer.pad_token_id,
-        precision=precision,
+        compute=compute,
+        generator=generator,
     )
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)

@@ -12,24 +12,26 @@ from typing import Any
 import torch
 
 from polo.models.family import encode_prompts
+from polo.runtime.device import CPU
 
 
-def tokenize_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return left-padded `(input_ids, attention_mask)` for already-formatted prompt strings.
+def tokenize_prompts(tokenizer, prompts: list[str], device: torch.device = CPU.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return left-padded `(input_ids, attention_mask)`, (prompts, longest), on `device`, for formatted prompt strings.
 
     Each prompt starts with the tokenizer's BOS exactly once when the tokenizer adds one (a chat
     template that already wrote it gets no second one; `polo.models.family.encode_prompts`).
+    The rows are laid out on the host; a sampler moves the batch to its device in one copy.
     """
     rows = encode_prompts(tokenizer, prompts)
     length = max((len(row) for row in rows), default=0)
     pad_id = tokenizer.pad_token_id
     if pad_id is None and any(len(row) != length for row in rows):
         raise ValueError("the tokenizer has no pad token; prompts of different lengths cannot be batched")
-    input_ids = torch.full((len(rows), length), pad_id if pad_id is not None else 0, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+    input_ids = torch.full((len(rows), length), pad_id if pad_id is not None else 0, dtype=torch.long, device=device)
+    attention_mask = torch.zeros((len(rows), length), dtype=torch.long, device=device)
     for index, row in enumerate(rows):
         if row:
-            input_ids[index, length - len(row) :] = torch.tensor(row, dtype=torch.long)
+            input_ids[index, length - len(row) :] = torch.tensor(row, dtype=torch.long, device=device)
             attention_mask[index, length - len(row) :] = 1
     return input_ids, attention_mask
 

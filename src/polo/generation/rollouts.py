@@ -13,6 +13,9 @@ from typing import Protocol
 
 import torch
 
+from polo.runtime.device import CPU, Compute
+
+
 @dataclass
 class Rollouts:
     """A batch of sampled completions; groups of `group_size` rows share a prompt and are contiguous."""
@@ -52,13 +55,15 @@ class Rollouts:
 
 
 class Sampler(Protocol):
-    """What samples a step's completions: `group_size` per prompt, groups contiguous, as `Rollouts`.
+    """What samples completions: `group_size` per prompt, groups contiguous, as `Rollouts` on `compute.device`.
 
-    `polo.generation.cpu_sampler.rollout` (a preallocated KV cache, one prefill per prompt) is
-    the implementation today; a device-specific one plugs in here without the loop changing.
+    Two implementations, one prefill per prompt shared by its samples in both: the CPU KV-cache
+    sampler (`polo.generation.cpu_sampler.rollout`, finished rows dropped) and the static-cache
+    sampler (`polo.generation.static_sampler.rollout`, fixed shapes, captured on CUDA).
+    `polo.generation.grouped.pick_sampler` chooses one for a `Compute`.
     """
 
     def __call__(
         self, model, tokenizer, prompts: list[str], group_size: int, *,
-        max_new_tokens: int, temperature: float, top_p: float = 1.0, precision: str = "fp32",
+        max_new_tokens: int, temperature: float, top_p: float = 1.0, compute: Compute = CPU,
     ) -> Rollouts: ...

@@ -1,0 +1,96 @@
+"""The kernels of a run, picked per device: the only importer of `polo.kernels.cpu`.
+
+Everything above this layer asks for a kernel here, with the run's `Compute` (or the device of
+its inputs), and never names a device itself:
+
+    use_fast_attention(model, compute)     CPU: polo's attention (fp32 backward under bf16, block-wise
+                                           shared prompts, GQA without copies); CUDA: transformers'
+                                           SDPA, which torch dispatches to flash / memory-efficient kernels
+    prepacked_linears(model, rows, compute)  CPU: oneDNN-prepacked bf16 linears; elsewhere nothing
+    contiguous_head_input(model)           any device: the LM head's input made contiguous
+    sharing_pays(..., device)              CPU: the shared-prompt cost model; CUDA: plain rows
+    share_prompts, attends_blockwise       the shared-prompt layout and whether attention skips its blocks
+    supports_fused_logprobs, token_logprobs, completion_logprobs_fused
+                                           chunked lm_head log-probs (polo.kernels.logprobs): plain torch
+                                           on the inputs' device, never full fp32 logits on any device
+    sampling_cache(model, capacity)        the preallocated KV cache of the CPU sampler
+
+Every choice changes speed only; the maths is the same on every path (tests/kernels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from polo.kernels.cpu import attention as _cpu_attention
+from polo.kernels.cpu import linear as _cpu_linear
+from polo.kernels.cpu import shared_prompt as _cpu_shared_prompt
+from polo.kernels.cpu.kv_cache import sampling_cache
+from polo.kernels.cpu.linear import contiguous_head_input
+from polo.kernels.cpu.shared_prompt import SharedPromptBatch, share_prompts
+from polo.kernels.logprobs import completion_logprobs_fused, supports_fused_logprobs, token_logprobs
+from polo.runtime.device import Compute
+
+__all__ = [
+    "SharedPromptBatch",
+    "attends_blockwise",
+    "completion_logprobs_fused",
+    "contiguous_head_input",
+    "prepacked_linears",
+    "sampling_cache",
+    "share_prompts",
+    "sharing_pays",
+    "supports_fused_logprobs",
+    "token_logprobs",
+    "use_fast_attention",
+]
+
+# Attention implementations that are transformers' SDPA underneath (torch picks flash or
+# memory-efficient kernels for it on CUDA).
+_SDPA_FAMILY = ("sdpa", _cpu_attention.POLO_ATTENTION)
+
+
+def use_fast_attention(model: torch.nn.Module, compute: Compute) -> bool:
+    """Return whether `model` attends through SDPA on `compute`'s device, switching it to polo's attention on the CPU.
+
+    On the CPU a model on transformers' "sdpa" gets polo's attention (`polo.kernels.cpu.attention`).
+    On CUDA "sdpa" is already the fast path (flash or memory-efficient attention through
+    `scaled_dot_product_attention`), so the model keeps it. A model configured for another
+    implementation (eager, flash_attention_2, flex, ...) is left as it is on every device.
+    """
+    if compute.device_type == "cpu":
+        return _cpu_attention.use_polo_attention(model) or attends_blockwise(model)
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) in _SDPA_FAMILY
+
+
+def attends_blockwise(model: torch.nn.Module) -> bool:
+    """Return whether `model`'s attention skips the all-masked blocks of the shared-prompt layout (polo's attention)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == _cpu_attention.POLO_ATTENTION
+
+
+def prepacked_linears(model: torch.nn.Module, batch_hint: int, compute: Compute) -> contextlib.AbstractContextManager:
+    """Return the context in which `model`'s linear layers multiply fastest for about `batch_hint` rows.
+
+    On the CPU: bf16 weights packed once for oneDNN (`polo.kernels.cpu.linear.prepacked_linears`).
+    Elsewhere nothing: cuBLAS needs no repacking.
+    """
+    if compute.device_type == "cpu":
+        return _cpu_linear.prepacked_linears(model, batch_hint)
+    return contextlib.nullcontext()
+
+
+def sharing_pays(
+    prompt_len: int, completion_len: int, group_size: int, hidden_size: int, params_per_layer: float, *,
+    blockwise: bool, device: torch.device,
+) -> bool:
+    """Return True when scoring a batch in the shared-prompt layout costs clearly less than plain rows on `device`.
+
+    On the CPU, the cost model of `polo.kernels.cpu.shared_prompt.sharing_pays`. On other devices
+    plain rows: the layout's (P + G·C)² boolean mask sends SDPA to its slow masked kernel, where
+    plain causal rows get flash attention (block masks through flex_attention would be the way to share there).
+    """
+    if torch.device(device).type != "cpu":
+        return False
+    return _cpu_shared_prompt.sharing_pays(prompt_len, completion_len, group_size, hidden_size, params_per_layer, blockwise)

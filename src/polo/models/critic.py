@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from polo.kernels.cpu.logprobs import supports_fused_logprobs, token_logprobs
+from polo.kernels import supports_fused_logprobs, token_logprobs
 from polo.models.scoring import position_ids_from_mask
 
 
@@ -27,8 +27,8 @@ def _hidden_size(model) -> int:
 
 
 def new_value_head(model) -> nn.Linear:
-    """Return a zero-initialised (hidden_size → 1) value head, so every value starts at 0."""
-    head = nn.Linear(_hidden_size(model), 1)
+    """Return a zero-initialised (hidden_size → 1) fp32 value head on `model`'s device, so every value starts at 0."""
+    head = nn.Linear(_hidden_size(model), 1, device=next(model.parameters()).device)
     nn.init.zeros_(head.weight)
     nn.init.zeros_(head.bias)
     return head

@@ -18,7 +18,7 @@
 - **Output head, embeddings, attention scaling.** Tied embeddings, Gemma's √hidden embedding scale,
   its `query_pre_attn_scalar` (passed to attention as `scaling`) all live inside the model's own
   modules, which polo runs as they are. Whether log-probs may take the chunked lm_head path is decided
-  by tracing the model (`polo.kernels.cpu.logprobs.supports_fused_logprobs`): a trunk ending in its
+  by tracing the model (`polo.kernels.logprobs.supports_fused_logprobs`): a trunk ending in its
   final norm, then a bias-free linear head, nothing after it.
 """
 

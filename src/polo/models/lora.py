@@ -12,8 +12,10 @@ and the gradients cover ~1% of the weights instead of all of them. Three things 
 - The base weights never change, so under `train.precision=bf16_master` they are simply kept in
   bf16 (no master copy); the adapters get fp32 masters like every trained weight.
 - Sampling runs on merged weights W + (alpha / r) B A (`merged_for_sampling`): one matmul per
-  layer and no adapter code in the decode loop (the adapter layers step aside for its duration). The base tensors are set aside and put back
-  untouched, so the base (and the reference) stay exact.
+  layer and no adapter code in the decode loop (the adapter layers step aside for its duration).
+  The merge is written into the base weights' own storage and the saved base copied back after,
+  bit for bit: the base (and the reference) stay exact, and every parameter keeps its address
+  (a captured CUDA graph of the decode step stays valid).
 - A checkpoint holds the adapter (`adapter_config.json` + `adapter_model.safetensors`, fp32) and
   the tokenizer. `polo.models.loading.load_policy` on such a directory loads the base model it names
   and merges the adapter in, so `polo eval` and resuming work on it like on a full model.
@@ -101,16 +103,16 @@ def merged_for_sampling(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
     For sampling and evaluation (no gradient): the decode loop then costs what the base model
     costs, with no adapter or peft wrapper code in it. Each adapter layer is replaced in its
-    parent by its base layer carrying a merged copy of the weight (in the base's dtype);
-    afterwards the adapter layers and the original weight tensors are put back, bit for bit. A
-    model without adapters is yielded as it is.
+    parent by its base layer, whose weight holds the merged values (in the base's dtype, written
+    in place); afterwards the saved base values are copied back, bit for bit, and the adapter
+    layers put back. No parameter changes its storage. A model without adapters is yielded as it is.
     """
     if not has_adapters(model):
         yield model
         return
     from peft.tuners.lora import LoraLayer
 
-    swapped = []  # (parent, attribute, adapter layer, base layer, original weight)
+    swapped = []  # (parent, attribute, adapter layer, base layer, saved base weight or None)
     try:
         for name, module in list(model.named_modules()):
             if not isinstance(module, LoraLayer) or module.merged or module.disable_adapters:
@@ -119,28 +121,28 @@ def merged_for_sampling(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             parent_name, _, attribute = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             base = module.get_base_layer()
-            original = base.weight.data
+            saved = base.weight.detach().clone() if adapters else None
+            swapped.append((parent, attribute, module, base, saved))
             if adapters:
-                base.weight.data = merged_weight(module, original, adapters)
-            swapped.append((parent, attribute, module, base, original))
+                merge_into(module, base.weight.detach(), adapters)
             setattr(parent, attribute, base)
         yield model.get_base_model()
     finally:
-        for parent, attribute, module, base, original in reversed(swapped):
-            base.weight.data = original
+        for parent, attribute, module, base, saved in reversed(swapped):
+            if saved is not None:
+                base.weight.detach().copy_(saved)
             setattr(parent, attribute, module)
 
 
-def merged_weight(layer, weight: torch.Tensor, adapters: list[str]) -> torch.Tensor:
-    """Return a new tensor W + Σ scaling · B A over `adapters` of a peft LoRA layer, in W's dtype."""
+def merge_into(layer, weight: torch.Tensor, adapters: list[str]) -> None:
+    """Add Σ scaling · B A over `adapters` of a peft LoRA layer into `weight` (its base weight) in place, in W's dtype."""
     plain = not layer.fan_in_fan_out and not any(layer.use_dora.get(adapter, False) for adapter in adapters)
     if not plain:  # peft's own delta handles transposed and DoRA layers
-        return (weight.float() + sum(layer.get_delta_weight(adapter).float() for adapter in adapters)).to(weight.dtype)
-    merged = weight
+        weight.copy_(weight.float() + sum(layer.get_delta_weight(adapter).float() for adapter in adapters))
+        return
     for adapter in adapters:  # (out, in) + scaling * (out, r) @ (r, in), accumulated in fp32 by the matmul
         up, down = layer.lora_B[adapter].weight, layer.lora_A[adapter].weight
-        merged = torch.addmm(merged, up.to(weight.dtype), down.to(weight.dtype), alpha=layer.scaling[adapter])
-    return merged
+        weight.addmm_(up.to(weight.dtype), down.to(weight.dtype), alpha=layer.scaling[adapter])
 
 
 def freeze_base_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:

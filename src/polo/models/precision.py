@@ -1,4 +1,4 @@
-"""bf16 training on the CPU with fp32 master weights.
+"""bf16 training with fp32 master weights, on the run's device (`Compute.master_weights`).
 
 `train.precision` chooses how the policy's forward and backward are computed:
 
@@ -30,7 +30,8 @@ class MasterWeights:
     Give `parameters` to the optimizer and call `attach(optimizer)`: each bf16 gradient is
     added into its master's fp32 `.grad` as soon as autograd finishes accumulating it (and the
     bf16 gradient is freed), so gradient accumulation over micro-batches sums in fp32; after
-    every `optimizer.step()` the masters are copied back into the model. Tied parameters
+    every `optimizer.step()` the masters are copied back into the model, in place (the weights keep
+    their storage, so a captured CUDA graph that reads them stays valid). Tied parameters
     (one `Parameter` used twice) have one master. Buffers are left alone.
     """
 

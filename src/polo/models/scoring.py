@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from polo.kernels.cpu.attention import POLO_ATTENTION
-from polo.kernels.cpu.linear import contiguous_head_input
-from polo.kernels.cpu.logprobs import completion_logprobs_fused, supports_fused_logprobs, token_logprobs
-from polo.kernels.cpu.shared_prompt import share_prompts, sharing_pays
+from polo.kernels import (
+    attends_blockwise,
+    completion_logprobs_fused,
+    contiguous_head_input,
+    share_prompts,
+    sharing_pays,
+    supports_fused_logprobs,
+    token_logprobs,
+)
 from polo.models.family import fits_attention_window
 
-# Score completions through the chunked lm_head path when the model allows it (see polo.kernels.cpu.logprobs).
+# Score completions through the chunked lm_head path when the model allows it (see polo.kernels.logprobs).
 FUSED_LOGPROBS = True
 
 
@@ -41,7 +46,7 @@ def completion_logprobs(
     """Return per-token log-probs of the completion under `model`, (batch, completion_len).
 
     With `group_size` > 1 and rows in groups of identical prompts, each group's prompt is run
-    once for all its completions when that saves compute (polo.kernels.cpu.shared_prompt).
+    once for all its completions when that saves compute on the inputs' device (polo.kernels.sharing_pays).
 
     log π(y_t | x, y_<t) = z[y_t]/T − logsumexp(z/T): taken with a gather and a logsumexp so
     no full-vocabulary log-softmax tensor is kept for backward. Logits are computed only for
@@ -102,22 +107,24 @@ def shared_completion_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Return (log-probs, entropy or None), each (batch, C), scored in the shared layout; None when it does not apply.
 
-    Applies when the model supports the chunked lm_head path (polo.kernels.cpu.logprobs), the batch is
-    whole groups with identical prompts, `sharing_pays`, and a row fits in every sliding attention
-    window of the model (the shared layout's mask has no window; `polo.models.family`).
+    Applies when the model supports the chunked lm_head path (polo.kernels.logprobs), the batch is
+    whole groups with identical prompts, `sharing_pays` on the inputs' device, and a row fits in
+    every sliding attention window of the model (the shared layout's mask has no window; `polo.models.family`).
     """
     if group_size < 2 or not supports_fused_logprobs(model):
         return None
     if not fits_attention_window(model, prompt_ids.shape[1] + completion_ids.shape[1]):
         return None
     hidden_size, per_layer = _params_per_layer(model)
-    blockwise = getattr(model.config, "_attn_implementation", None) == POLO_ATTENTION
-    if not sharing_pays(prompt_ids.shape[1], completion_ids.shape[1], group_size, hidden_size, per_layer, blockwise):
+    if not sharing_pays(
+        prompt_ids.shape[1], completion_ids.shape[1], group_size, hidden_size, per_layer,
+        blockwise=attends_blockwise(model), device=prompt_ids.device,
+    ):
         return None
     shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
     if shared is None:
         return None
-    # polo's attention (polo.kernels.cpu.attention) reads `shared_layout` and skips the all-masked blocks;
+    # polo's attention (polo.kernels.cpu.attention, picked by polo.kernels) reads `shared_layout` and skips the all-masked blocks;
     # any other attention implementation ignores it and applies the full mask.
     hidden = model.get_decoder()(
         input_ids=shared.input_ids, attention_mask=shared.attention_mask, position_ids=shared.position_ids, use_cache=False,

@@ -14,6 +14,7 @@ import torch
 
 from polo.models.family import encode_prompts
 from polo.models.scoring import position_ids_from_mask
+from polo.runtime.device import CPU
 
 
 @dataclass(frozen=True)
@@ -89,24 +90,23 @@ class TokenBatch:
 
 
 
-def collate(encoded: Sequence[Encoded], pad_id: int) -> TokenBatch:
-    """Return the sequences as one `TokenBatch`, padded with `pad_id` (prompts on the left, responses on the right)."""
+def collate(encoded: Sequence[Encoded], pad_id: int, device: torch.device = CPU.device) -> TokenBatch:
+    """Return the sequences as one `TokenBatch` on `device`, padded with `pad_id` (prompts on the left, responses on the right).
+
+    Padded on the host as lists, so each of the four tensors reaches `device` in one copy.
+    """
     if not encoded:
         raise ValueError("cannot collate an empty list of sequences")
     prompt_len = max(len(item.prompt_ids) for item in encoded)
     response_len = max(len(item.response_ids) for item in encoded)
-    size = (len(encoded),)
-    prompt_ids = torch.full(size + (prompt_len,), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros(size + (prompt_len,), dtype=torch.long)
-    response_ids = torch.full(size + (response_len,), pad_id, dtype=torch.long)
-    response_mask = torch.zeros(size + (response_len,), dtype=torch.long)
-    for row, item in enumerate(encoded):
-        if item.prompt_ids:
-            prompt_ids[row, prompt_len - len(item.prompt_ids) :] = torch.tensor(item.prompt_ids)
-            prompt_mask[row, prompt_len - len(item.prompt_ids) :] = 1
-        response_ids[row, : len(item.response_ids)] = torch.tensor(item.response_ids)
-        response_mask[row, : len(item.response_ids)] = 1
-    return TokenBatch(prompt_ids, prompt_mask, response_ids, response_mask)
+    prompt_ids, prompt_mask, response_ids, response_mask = [], [], [], []
+    for item in encoded:
+        prompt_pad, response_pad = prompt_len - len(item.prompt_ids), response_len - len(item.response_ids)
+        prompt_ids.append([pad_id] * prompt_pad + list(item.prompt_ids))
+        prompt_mask.append([0] * prompt_pad + [1] * len(item.prompt_ids))
+        response_ids.append(list(item.response_ids) + [pad_id] * response_pad)
+        response_mask.append([1] * len(item.response_ids) + [0] * response_pad)
+    return TokenBatch(*(torch.tensor(rows, dtype=torch.long, device=device) for rows in (prompt_ids, prompt_mask, response_ids, response_mask)))
 
 
 

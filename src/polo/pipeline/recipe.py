@@ -48,6 +48,7 @@ class PipelineSettings:
     report: bool = True  # write <dir>/report.html at the end
     progress: bool = True  # progress bars while sampling for rejection and evaluation
     threads: int | None = None  # torch intra-op threads for the pipeline (null: torch's default; a stage's train.threads changes it)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N: every stage's train.device unless it sets one, and the evaluations'
 
 
 @dataclass
@@ -259,6 +260,7 @@ def build_stage(name: str, raw: Any, index: int, settings: PipelineSettings, tas
     label = f"{chr(ord('a') + index)}_{name}" if index < 26 else f"{index:02d}_{name}"
     stage = Stage(str(name), label, kind, Path(settings.dir) / label, body, own_model=own_model)
     body.setdefault("output", {})["dir"] = str(stage.dir)
+    body.setdefault("train", {}).setdefault("device", settings.device)
     if kind == "grpo":
         body["task"] = deep_merge(task_section, body.get("task") or {})
         return stage

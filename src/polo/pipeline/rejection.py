@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from polo.data.base import Task
 from polo.data.preferences import user_prompt
-from polo.pipeline.sampling import grouped_completions
+from polo.generation.grouped import sample_groups
 from polo.rewards.format import r1_format
+from polo.runtime.device import CPU, Compute
 
 
 @dataclass
@@ -111,7 +112,7 @@ def rejection_sample(
     max_new_tokens: int,
     batch_size: int = 64,
     seed: int = 0,
-    precision: str = "fp32",
+    compute: Compute = CPU,
     progress: bool = False,
 ) -> RejectionResult:
     """Sample `samples` completions for each of `num_prompts` training prompts and keep what `select` keeps.
@@ -121,14 +122,14 @@ def rejection_sample(
     """
     rows = training_prompts(task, num_prompts, seed)
     prompts = task.prompts(tokenizer, rows, instruction, system_prompt)
-    completions = grouped_completions(
+    completions = sample_groups(
         model, tokenizer, prompts, samples, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        batch_size=batch_size, precision=precision, progress=progress,
+        batch_size=batch_size, compute=compute, progress=progress, description="polo pipeline",
     )
     kept_rows, per_prompt = [], []
     totals = Selection(kept=[])
     for row, done in zip(rows, completions):
-        selection = select([sample["text"] for sample in done], row, task.correctness, max_per_prompt)
+        selection = select([sample.text for sample in done], row, task.correctness, max_per_prompt)
         per_prompt.append({"question": row["question"], "answer": row["answer"], **selection.counts()})
         for name in ("sampled", "correct", "well_formed", "accepted", "duplicates", "over_cap"):
             setattr(totals, name, getattr(totals, name) + getattr(selection, name))

@@ -163,20 +163,20 @@ def run_reject_sft(plan: Plan, stage: Stage, config: Any, model: str, resumable:
     """
     from polo.data.preferences import write_jsonl
     from polo.finetune.sft import sft
+    from polo.generation.grouped import load_for_sampling
     from polo.pipeline.rejection import rejection_sample
-    from polo.pipeline.sampling import load_sampling_model
-    from polo.runtime.device import resolve_precision
+    from polo.runtime.device import inference_compute
     from polo.runtime.seeding import seed_everything
 
-    settings, precision = stage.rejection, resolve_precision(config.train.precision)
+    settings, compute = stage.rejection, inference_compute(config.train.precision, config.train.device)
     seed_everything(settings.seed)
-    policy, tokenizer = load_sampling_model(model, precision)
+    policy, tokenizer = load_for_sampling(model, compute)
     print(f"polo pipeline: rejection sampling {settings.num_prompts} prompts x {settings.samples} samples from {model}", flush=True)
     sampled = rejection_sample(
         policy, tokenizer, plan.task, instruction=plan.instruction, system_prompt=plan.task_config.task.system_prompt,
         num_prompts=settings.num_prompts, samples=settings.samples, max_per_prompt=settings.max_per_prompt,
         temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=settings.max_new_tokens or plan.max_new_tokens,
-        batch_size=settings.batch_size, seed=settings.seed, precision=precision, progress=plan.settings.progress,
+        batch_size=settings.batch_size, seed=settings.seed, compute=compute, progress=plan.settings.progress,
     )
     del policy
     gc.collect()

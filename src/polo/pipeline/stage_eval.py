@@ -2,9 +2,9 @@
 
 Greedy tagged accuracy (one answer per problem, temperature 0), then K samples per problem at
 the R1 evaluation setting (T 0.6, top-p 0.95) for pass@1 over K, cons@K, the r1_format rate and
-the mean response length, scored by `polo.evaluation.evaluate` (sampled in groups,
-`polo.pipeline.sampling`). The whole result goes to `<stage dir>/stage_eval.json`; a result whose
-settings and model match is reused instead of sampling again.
+the mean response length, scored by `polo.evaluation.evaluate` (a problem's samples are one group
+of polo's one sampler, `polo.generation.grouped`). The whole result goes to `<stage dir>/stage_eval.json`;
+a result whose settings and model match is reused instead of sampling again.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import json
 import time
 from pathlib import Path
 
+from polo.evaluation.evaluate import evaluate_policy
+from polo.generation.grouped import load_for_sampling
 from polo.pipeline.recipe import Plan
-from polo.pipeline.sampling import evaluate_grouped, load_sampling_model
 
 EVAL_FILE = "stage_eval.json"
 
@@ -74,23 +75,26 @@ def evaluate_model(plan: Plan, model: str, directory: Path) -> dict | None:
 
 def run_evaluation(plan: Plan, model_name: str, settings: dict) -> dict:
     """Return greedy and sampled results of `model_name` on the held-out rows (per-problem results under "problems")."""
-    from polo.runtime.device import resolve_precision
+    from polo.runtime.device import inference_compute
     from polo.runtime.seeding import seed_everything
 
     evaluation = plan.eval
     started = time.perf_counter()
     seed_everything(evaluation.seed)
-    precision = resolve_precision(evaluation.precision)
-    model, tokenizer = load_sampling_model(model_name, precision)
+    compute = inference_compute(evaluation.precision, plan.settings.device)
+    model, tokenizer = load_for_sampling(model_name, compute)
     rows = eval_rows(plan)
     prompts = plan.task.prompts(tokenizer, rows, plan.instruction, plan.task_config.task.system_prompt)
-    common = {"max_new_tokens": plan.max_new_tokens, "batch_size": evaluation.batch_size, "precision": precision, "progress": plan.settings.progress}
-    print(f"polo pipeline: evaluating {model_name} on {len(rows)} held-out problems", flush=True)
+    common = {
+        "max_new_tokens": plan.max_new_tokens, "batch_size": evaluation.batch_size, "compute": compute,
+        "progress": plan.settings.progress,
+    }
+    print(f"polo pipeline: evaluating {model_name} on {len(rows)} held-out problems ({compute})", flush=True)
     greedy = (
-        evaluate_grouped(model, tokenizer, prompts, rows, plan.task.correctness, samples=1, temperature=0.0, **common)
+        evaluate_policy(model, tokenizer, prompts, rows, plan.task.correctness, samples=1, temperature=0.0, **common)
         if evaluation.greedy else None
     )
-    sampled = evaluate_grouped(
+    sampled = evaluate_policy(
         model, tokenizer, prompts, rows, plan.task.correctness, samples=evaluation.samples,
         temperature=evaluation.temperature, top_p=evaluation.top_p, **common,
     )

@@ -23,6 +23,7 @@ import torch
 
 from polo.config.plugins import import_user_module
 from polo.config.schema import ConfigError
+from polo.runtime.device import CPU
 from polo.rewards.answers import (
     CHECKERS,
     answer_region,
@@ -159,8 +160,9 @@ def _score_column(
     completions: Sequence[str],
     rows: Sequence[dict],
     errors: list[RewardFunctionError] | None = None,
+    device: torch.device = CPU.device,
 ) -> torch.Tensor:
-    """Return one reward function's values for the batch, shape (batch,) float32.
+    """Return one reward function's values for the batch, shape (batch,) float32 on `device`.
 
     A sample whose function raises (or returns a non-finite or non-number value) stops the
     batch with `RewardFunctionError`, unless `errors` is a list: then it scores 0 and its
@@ -185,7 +187,7 @@ def _score_column(
                 raise
             errors.append(error)
             values.append(0.0)
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def _sample_reward(name: str, function: RewardFn, index: int, completion: str, row: dict) -> float:
@@ -299,9 +301,9 @@ class RewardSet:
         return dict(self._weights)
 
     def score(
-        self, completions: Sequence[str], rows: Sequence[dict]
+        self, completions: Sequence[str], rows: Sequence[dict], device: torch.device = CPU.device,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Return the weighted total (batch,) float32 and each reward's raw values (batch,).
+        """Return the weighted total (batch,) float32 and each reward's raw values (batch,), on `device`.
 
         ``total[i] = sum_k weight_k * reward_k(completions[i], rows[i])``. With
         ``on_error="zero"`` a failing sample scores 0 for that function and the error is kept
@@ -311,10 +313,10 @@ class RewardSet:
         self.last_errors = []
         errors = self.last_errors if self.on_error == "zero" else None
         columns = {
-            name: _score_column(name, function, completions, rows, errors)
+            name: _score_column(name, function, completions, rows, errors, device)
             for name, function in self._functions.items()
         }
-        total = torch.zeros(len(completions), dtype=torch.float32)
+        total = torch.zeros(len(completions), dtype=torch.float32, device=device)
         for name, column in columns.items():
             total += self._weights[name] * column
         return total, columns
@@ -333,8 +335,8 @@ class RewardSet:
             self._correctness_failures.clear()
         return counts
 
-    def correctness(self, completions: Sequence[str], rows: Sequence[dict]) -> torch.Tensor:
-        """Return the task's correctness per completion, (batch,) float32 (the accuracy metric).
+    def correctness(self, completions: Sequence[str], rows: Sequence[dict], device: torch.device = CPU.device) -> torch.Tensor:
+        """Return the task's correctness per completion, (batch,) float32 on `device` (the accuracy metric).
 
         Never raises because of a completion, whatever ``on_error`` says: the accuracy metric is
         not a reward the user chose, so a checker failing on one completion scores it 0 and is
@@ -342,7 +344,7 @@ class RewardSet:
         """
         _check_batch(completions, rows)
         errors: list[RewardFunctionError] = []
-        column = _score_column("correct", self.task.correctness, completions, rows, errors)
+        column = _score_column("correct", self.task.correctness, completions, rows, errors, device)
         for error in errors:
             self._correctness_failures[error.kind] += 1
         if errors:

@@ -19,7 +19,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from polo.generation.prompts import PLAIN_INSTRUCTION, fill_instruction, render_prompt
 from polo.models.loading import ModelLoadError
 from polo.models.sequences import collate, encode, sequence_rewards
-from polo.runtime.device import autocast_context, resolve_precision
+from polo.runtime.device import Compute, autocast_compute
 
 
 STATS_FILE = "reward_stats.json"
@@ -85,7 +85,8 @@ class RewardModelReward:
     `polo.rewards.RewardSet`). The prompt is `row["prompt_text"]`, the exact text the RL trainer
     gave the policy; rows without one get their `prompt` (a user message) or `question` (filled into
     `instruction`, the task's) rendered through the reward model's chat template. Sequences are
-    scored `batch_size` at a time without gradients, under bf16 autocast where the CPU has it.
+    scored `batch_size` at a time without gradients on `compute` (default: `autocast_compute()`,
+    the GPU when there is one, bf16 autocast where the device has fast bf16).
     """
 
     batched = True
@@ -99,18 +100,19 @@ class RewardModelReward:
         instruction: str | None = None,
         system_prompt: str | None = None,
         max_length: int = 1024,
-        precision: str = "auto",
+        compute: Compute | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.path = Path(path)
+        self.compute = compute if compute is not None else autocast_compute()
         self.model, self.tokenizer = load_reward_model(self.path)
+        self.model.to(self.compute.device)
         self.pad_id = int(self.model.config.pad_token_id)
         self.batch_size = batch_size
         self.instruction = instruction
         self.system_prompt = system_prompt
         self.max_length = max_length
-        self.precision = resolve_precision(precision)
         self.mean, self.std = 0.0, 1.0
         if normalize:
             self.mean, self.std = self._statistics()
@@ -143,8 +145,8 @@ class RewardModelReward:
         encoded = encode(self.tokenizer, [self.prompt_text(row) for row in rows], list(completions), self.max_length)
         scores: list[float] = []
         for start in range(0, len(encoded), self.batch_size):
-            with autocast_context(self.precision):
-                rewards = sequence_rewards(self.model, collate(encoded[start : start + self.batch_size], self.pad_id))
+            with self.compute.autocast():
+                rewards = sequence_rewards(self.model, collate(encoded[start : start + self.batch_size], self.pad_id, self.compute.device))
             scores.extend(((rewards.float() - self.mean) / self.std).tolist())
         return scores
 

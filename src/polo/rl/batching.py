@@ -47,6 +47,16 @@ def trim_padding(rollouts: Rollouts) -> Rollouts:
 
 
 
+def on_device(rollouts: Rollouts, device: torch.device) -> Rollouts:
+    """Return the rollouts with every tensor on `device` (the same object when they are there already)."""
+    tensors = (rollouts.prompt_ids, rollouts.prompt_mask, rollouts.completion_ids, rollouts.completion_mask, rollouts.truncated)
+    if all(tensor.device == device for tensor in tensors):
+        return rollouts
+    moved = [tensor.to(device) for tensor in tensors]
+    return Rollouts(*moved, texts=rollouts.texts, group_size=rollouts.group_size)
+
+
+
 def micro_batches(rows: torch.Tensor, size: int, group_size: int = 1) -> list[torch.Tensor]:
     """Return `rows` (1-D indices) cut into consecutive chunks of at most `size`.
 
@@ -108,6 +118,6 @@ def align_groups(batch: Batch | None, group_size: int) -> Batch | None:
         return None
     if groups * group_size == len(batch.rollouts):
         return batch
-    rows = torch.arange(groups * group_size)
+    rows = torch.arange(groups * group_size, device=batch.rewards.device)
     columns = {name: column[rows] for name, column in batch.columns.items()} if batch.columns is not None else None
     return Batch(batch.rollouts.select(rows), batch.rewards[rows], batch.prompts[:groups], columns)

@@ -22,7 +22,7 @@ from polo.generation.rollouts import Rollouts
 from polo.models.critic import ValueModel, completion_values, logprobs_and_values, new_value_head
 from polo.models.loading import enable_activation_checkpointing
 from polo.rl.batching import micro_batches, trim_padding
-from polo.runtime.device import autocast_context
+from polo.runtime.device import Compute
 
 
 @dataclass
@@ -78,19 +78,20 @@ class Critic:
             self.scheduler.load_state_dict(state["critic_scheduler"])
 
     @torch.no_grad()
-    def score(self, model, rollouts: Rollouts, micro_batch_size: int, precision: str, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def score(self, model, rollouts: Rollouts, micro_batch_size: int, compute: Compute, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (values, log-probs or None) of every completion token before the update, each (batch, completion_len).
 
         The ``head`` critic shares the policy's forward, so its log-probs come for free; the
         ``separate`` critic runs its own trunk and returns None for the log-probs.
         """
-        values = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32)
-        logprobs = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32) if self.layout == "head" else None
-        for rows in micro_batches(torch.arange(len(rollouts)), micro_batch_size):
+        device = rollouts.completion_ids.device
+        values = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32, device=device)
+        logprobs = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32, device=device) if self.layout == "head" else None
+        for rows in micro_batches(torch.arange(len(rollouts), device=device), micro_batch_size):
             part = trim_padding(rollouts.select(rows))
             width = part.completion_ids.shape[1]
             inputs = (part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
-            with autocast_context(precision):
+            with compute.autocast():
                 if self.layout == "head":
                     part_logprobs, _, part_values = logprobs_and_values(model, self.module, *inputs, temperature=temperature)
                     logprobs[rows, :width] = part_logprobs.float()

@@ -16,7 +16,7 @@ from torch import nn
 
 from polo.models.critic import logprobs_and_values
 from polo.models.scoring import completion_logprobs
-from polo.runtime.distributed import is_distributed, is_sharded, world_size
+from polo.runtime.distributed import data_parallel, is_distributed, is_sharded, world_size
 
 class TrainingForward(nn.Module):
     """What an update differentiates, as one module so DDP can wrap it: per-token log-probs and
@@ -85,6 +85,6 @@ def build_update_modules(model: nn.Module, value_head: nn.Module | None = None, 
         return UpdateModules(policy, None, float(world_size()))
 
     def wrap(module: nn.Module) -> nn.Module:
-        return nn.parallel.DistributedDataParallel(module, find_unused_parameters=find_unused_parameters, forward_sync_buffers=False)
+        return data_parallel(module, find_unused_parameters)  # DDP on the module's device (one GPU per rank)
 
     return UpdateModules(wrap(policy), wrap(critic) if critic is not None else None, float(world_size()))

@@ -19,8 +19,9 @@ from polo.data import instruction_for, make_task
 from polo.data.base import Task
 from polo.data.hf import check_same_datasets, passed_datasets_note
 from polo.generation.cpu_sampler import rollout
+from polo.generation.grouped import pick_sampler
 from polo.generation.rollouts import Sampler
-from polo.kernels.cpu.attention import use_polo_attention
+from polo.kernels import use_fast_attention
 from polo.models.hub import check_push
 from polo.models.loading import enable_activation_checkpointing, frozen_copy, load_policy, resolve_model_path
 from polo.models.lora import add_adapters, freeze_base_dtype, load_adapters
@@ -31,8 +32,8 @@ from polo.rl.guard import RollbackState, check_guard_settings
 from polo.rl.modules import UpdateModules
 from polo.rl.update import update_modules
 from polo.runtime import distributed as parallel
-from polo.runtime.checkpoint import Checkpointer, claim_output_dir
-from polo.runtime.device import resolve_train_precision
+from polo.runtime.checkpoint import Checkpointer, claim_output_dir, load_trainer_state
+from polo.runtime.device import Compute, train_compute
 from polo.runtime.distributed import is_main_process
 from polo.runtime.metrics import truncate_metrics
 from polo.runtime.seeding import restore_rng, seed_everything
@@ -43,7 +44,7 @@ class Run:
     """The state of one RL run: its config, data, models, optimizer and where it writes."""
 
     config: Config
-    precision: str  # fp32 | bf16 | bf16_master, resolved once (polo.runtime.device)
+    compute: Compute  # device and precision, resolved once (polo.runtime.device.train_compute)
     task: Task
     reward_set: RewardSet
     instruction: str
@@ -107,8 +108,8 @@ def find_resume_point(config: Config, checkpointer: Checkpointer) -> Path | None
     return resume_from
 
 
-def load_models(config: Config, precision: str, resume_from: Path | None) -> tuple:
-    """Return (policy, tokenizer, reference or None): LoRA adapters attached, FSDP-sharded under torchrun."""
+def load_models(config: Config, compute: Compute, resume_from: Path | None) -> tuple:
+    """Return (policy, tokenizer, reference or None) on `compute.device`: LoRA adapters attached, FSDP-sharded under torchrun."""
     lora, beta = config.model.lora, config.algorithm.beta
     if parallel.rank() == 0:
         resolve_model_path(config.model.name)  # one process fetches/converts a built-in model, the others wait
@@ -116,25 +117,26 @@ def load_models(config: Config, precision: str, resume_from: Path | None) -> tup
     # A LoRA checkpoint holds only the adapter: the base model comes from model.name again.
     start_from = str(resume_from) if resume_from is not None and not lora.r else config.model.name
     model, tokenizer = load_policy(start_from, attn_implementation=config.model.attn_implementation)
+    model = model.to(compute.device)
     model.train()
     if config.train.gradient_checkpointing:
         enable_activation_checkpointing(model)
     reference = None
     if lora.r:
         model = load_adapters(model, resume_from) if resume_from is not None else add_adapters(model, lora)
-        if precision == "bf16_master":
-            freeze_base_dtype(model, torch.bfloat16)  # the base never changes: no master copy needed
+        if compute.master_weights:
+            freeze_base_dtype(model, compute.param_dtype)  # the base never changes: no master copy needed
         reference = model if beta > 0 else None  # scored with the adapters off (polo.models.lora)
     elif beta > 0:
         # The reference is never trained: under bf16 it is kept in bf16 (half the memory, no casts).
         source = model if resume_from is None else load_policy(config.model.name, attn_implementation=config.model.attn_implementation)[0]
-        reference = frozen_copy(source, dtype=torch.bfloat16 if precision != "fp32" else None)
+        reference = frozen_copy(source, dtype=compute.frozen_dtype).to(compute.device)
     if config.train.data_parallel == "fsdp" and parallel.is_distributed():
         if core.ADVANTAGE_ESTIMATORS.entry(config.algorithm.advantage_estimator).needs_critic:
             raise ConfigError("train.data_parallel=fsdp does not support PPO's critic yet; use train.data_parallel=ddp")
         parallel.shard_model(model)  # after the reference copy, which stays whole (it is never trained)
-    for module in {id(m): m for m in (model, reference) if m is not None}.values():  # faster attention, same maths (polo.kernels.cpu.attention)
-        use_polo_attention(module)
+    for module in {id(m): m for m in (model, reference) if m is not None}.values():  # faster attention, same maths (polo.kernels)
+        use_fast_attention(module, compute)
     return model, tokenizer, reference
 
 
@@ -155,7 +157,7 @@ def build_optimizer(config: Config, model, masters: MasterWeights | None) -> tor
 
 def resume(run: Run, checkpoint: Path) -> None:
     """Restore optimizer, schedule, random streams, critic and step from `checkpoint` into `run`."""
-    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    state = load_trainer_state(checkpoint)  # onto the CPU: the optimizer and critic place it on the run's device
     parallel.load_optimizer_state(run.model, run.optimizer, state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     rng_per_rank = state.get("rng_per_rank", [state["rng"]])
@@ -190,7 +192,7 @@ def set_up(
     """
     config = checked_config(config, overrides)
     output_dir = Path(config.output.dir)
-    precision = resolve_train_precision(config)
+    compute = train_compute(config)
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     task = make_task(config, train_dataset, eval_dataset)
@@ -204,14 +206,14 @@ def set_up(
         check_same_datasets(output_dir / "config.yaml", task)
     # Ranks sample different completions (seed + rank); they all start from the same weights.
     seed_everything(config.train.seed + parallel.rank())
-    model, tokenizer, reference = load_models(config, precision, resume_from)
-    masters = MasterWeights(model, torch.bfloat16) if precision == "bf16_master" else None  # after the reference copy
+    model, tokenizer, reference = load_models(config, compute, resume_from)
+    masters = MasterWeights(model, compute.param_dtype) if compute.master_weights else None  # after the reference copy
     optimizer = build_optimizer(config, model, masters)
     critic = build_critic(config, model, optimizer, lr_lambda(config))  # before the scheduler: a value head joins the optimizer
     run = Run(
-        config, precision, task, reward_set, instruction_for(config, task), model, tokenizer, reference, optimizer,
+        config, compute, task, reward_set, instruction_for(config, task), model, tokenizer, reference, optimizer,
         torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config)), critic, update_modules(model, critic), masters,
-        checkpointer, output_dir,
+        checkpointer, output_dir, sampler=pick_sampler(config.sampling.sampler, compute),
     )
     if resume_from is not None:
         resume(run, resume_from)

@@ -18,11 +18,11 @@ from polo.config import Config
 from polo.generation.rollouts import Rollouts
 from polo.models.lora import merged_for_sampling, reference_scope
 from polo.models.scoring import completion_logprobs
-from polo.rl.batching import Batch, align_groups, batch_rows, concat_rollouts, micro_batches, trim_padding
+from polo.rl.batching import Batch, align_groups, batch_rows, concat_rollouts, micro_batches, on_device, trim_padding
 from polo.rl.setup import Run
 from polo.rl.update import policy_update
 from polo.runtime import distributed as parallel
-from polo.runtime.device import autocast_context
+from polo.runtime.device import Compute, memory_metrics
 from polo.runtime.trackers import logs_tables
 
 
@@ -34,12 +34,13 @@ def sampling_weights(model) -> Iterator[torch.nn.Module]:
 
 
 @torch.no_grad()
-def score_completions(model, rollouts: Rollouts, micro_batch_size: int, precision: str, temperature: float) -> torch.Tensor:
-    """Return per-token log-probs of every completion under `model` (no gradient), (batch, completion_len)."""
-    scored = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32)
-    for rows in micro_batches(torch.arange(len(rollouts)), micro_batch_size, rollouts.group_size):
+def score_completions(model, rollouts: Rollouts, micro_batch_size: int, compute: Compute, temperature: float) -> torch.Tensor:
+    """Return per-token log-probs of every completion under `model` (no gradient), (batch, completion_len) on the rollouts' device."""
+    device = rollouts.completion_ids.device
+    scored = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32, device=device)
+    for rows in micro_batches(torch.arange(len(rollouts), device=device), micro_batch_size, rollouts.group_size):
         part = trim_padding(rollouts.select(rows))
-        with autocast_context(precision):
+        with compute.autocast():
             logprobs, _ = completion_logprobs(
                 model, part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask, temperature=temperature,
                 group_size=rollouts.group_size,
@@ -63,20 +64,21 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> di
     with sampling_weights(run.model) as sampler:
         rollouts = run.sampler(
             sampler, run.tokenizer, prompts, alg.group_size,
-            max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p, precision=run.precision,
+            max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p, compute=run.compute,
         )
+    rollouts = on_device(rollouts, run.compute.device)  # the one place a step's data is put on the run's device
     timings["generation"] += time.perf_counter() - started
     started = time.perf_counter()
     # Each row also carries the exact prompt text the policy saw, for rewards that read it (a learned reward model).
     rows = [{"prompt_text": prompt, **row} for row, prompt in zip(row_batch, prompts) for _ in range(alg.group_size)]
-    rewards, columns = run.reward_set.score(rollouts.texts, rows)
+    rewards, columns = run.reward_set.score(rollouts.texts, rows, run.compute.device)
     errors = list(run.reward_set.last_errors)
     if alg.overlong_buffer > 0:
         shaping = core.overlong_penalty(
             rollouts.completion_lengths, sampling.max_new_tokens, alg.overlong_buffer * sampling.max_new_tokens, alg.overlong_penalty
         )
         rewards, columns = rewards + shaping, {**columns, "overlong": shaping}
-    correct = run.reward_set.correctness(rollouts.texts, rows)
+    correct = run.reward_set.correctness(rollouts.texts, rows, run.compute.device)
     timings["reward"] += time.perf_counter() - started
     return {"rollouts": rollouts, "prompts": prompts, "rewards": rewards, "columns": columns, "correct": correct, "errors": errors}
 
@@ -100,7 +102,7 @@ def collect_batch(run: Run, step: int, timings: dict) -> tuple[Batch | None, dic
         scored = sample_and_score(run, step, round_index, timings)
         seen.append(scored)
         rollouts, rewards = scored["rollouts"], scored["rewards"]
-        keep = core.informative_rows(rewards, group_size) if alg.dynamic_sampling else torch.arange(len(rollouts))
+        keep = core.informative_rows(rewards, group_size) if alg.dynamic_sampling else torch.arange(len(rollouts), device=rewards.device)
         keep = keep[: (wanted - kept_groups) * group_size]
         if len(keep):
             prompts = [scored["prompts"][int(i)] for i in keep[::group_size] // group_size]
@@ -202,12 +204,12 @@ def reference_and_old(run: Run, rollouts: Rollouts) -> tuple[torch.Tensor | None
     ref_logprobs = old_logprobs = old_values = None
     if alg.beta > 0:
         with reference_scope(run.model, run.reference):  # the LoRA policy itself, adapters off
-            ref_logprobs = score_completions(run.reference, rollouts, micro_batch_size, run.precision, temperature)
+            ref_logprobs = score_completions(run.reference, rollouts, micro_batch_size, run.compute, temperature)
     if run.critic is not None:
-        old_values, old_logprobs = run.critic.score(run.model, rollouts, micro_batch_size, run.precision, temperature)
+        old_values, old_logprobs = run.critic.score(run.model, rollouts, micro_batch_size, run.compute, temperature)
     if old_logprobs is None and (alg.update_epochs > 1 or alg.kl_in_reward):
         with parallel.gathered_weights(run.model):
-            old_logprobs = score_completions(run.model, rollouts, micro_batch_size, run.precision, temperature)
+            old_logprobs = score_completions(run.model, rollouts, micro_batch_size, run.compute, temperature)
     return ref_logprobs, old_logprobs, old_values
 
 
@@ -242,7 +244,7 @@ def rl_step(run: Run, step: int) -> tuple[dict, list[dict]]:
 
     started = time.perf_counter()
     update_metrics = policy_update(
-        run.model, run.optimizer, run.scheduler, rollouts, advantages, old_logprobs, ref_logprobs, run.config, run.precision,
+        run.model, run.optimizer, run.scheduler, rollouts, advantages, old_logprobs, ref_logprobs, run.config, run.compute,
         critic=run.critic, value_targets=(old_values, returns) if run.critic is not None else None,
         train_policy=run.critic is None or run.critic.trains_policy(step), modules=run.modules,
     )
@@ -256,6 +258,7 @@ def rl_step(run: Run, step: int) -> tuple[dict, list[dict]]:
         **{f"time/{name}": seconds for name, seconds in timings.items()},
         "time/step": total_time,
         "tokens_per_second": float(rollouts.completion_mask.sum() + rollouts.prompt_mask.sum()) / max(total_time, 1e-9),
+        **memory_metrics(run.compute),  # the device's peak since the last step (CUDA only)
     })
     if returns is not None:
         metrics["value/explained_variance"] = core.explained_variance(old_values, returns, rollouts.completion_mask)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from polo.config import Config
+from polo.config import Config, config_to_dict, load_config
 from polo.evaluation.evaluate import greedy_accuracy
 from polo.evaluation.plots import plot_run
 from polo.models.lora import trainable_summary
@@ -24,6 +24,7 @@ from polo.rl.publish import publish_model
 from polo.rl.setup import Run, set_up
 from polo.rl.step import rl_step, sampling_weights
 from polo.runtime import distributed as parallel
+from polo.runtime.device import resolve_device
 from polo.runtime.distributed import is_main_process
 from polo.runtime.errors import NonFiniteLossError
 from polo.runtime.interrupt import StopRequest
@@ -59,7 +60,9 @@ def train(
     Launched by `torchrun`, every process calls it and the run is data-parallel (see
     `polo.runtime.distributed`); the process group is joined and left here.
     """
-    joined = parallel.init_from_environment()
+    if not isinstance(config, Config) or overrides:  # read once, here: the process group's backend follows train.device
+        config, overrides = load_config(config_to_dict(config) if isinstance(config, Config) else config, overrides), None
+    joined = parallel.init_from_environment(resolve_device(config.train.device))
     try:
         rollback = None
         while True:  # once, unless the divergence guard rolls the run back (polo.rl.guard)
@@ -125,12 +128,12 @@ def train_loop(run: Run) -> TrainResult:
 
 
 def banner(run: Run) -> str:
-    """Return the run's first log line: algorithm, task, model, precision, batch shape and steps."""
+    """Return the run's first log line: algorithm, task, model, compute (precision on device), batch shape and steps."""
     config, alg = run.config, run.config.algorithm
     lora = config.model.lora
     adapters = f" | LoRA r={lora.r}: {trainable_summary(run.model)}" if lora.r else ""
     return (
-        f"polo: {alg.name} on {run.task.name} | model {config.model.name} | precision {run.precision} | "
+        f"polo: {alg.name} on {run.task.name} | model {config.model.name} | {run.compute} | "
         f"{config.train.prompts_per_step} prompts x {alg.group_size} completions | steps {run.start_step}->{config.train.steps}"
         + adapters
     )
@@ -180,7 +183,7 @@ class HeldOutEvaluation:
         with sampling_weights(run.model) as sampler:
             result = greedy_accuracy(
                 sampler, run.tokenizer, self.prompts, self.rows, run.task.correctness,
-                max_new_tokens=self.max_new_tokens, batch_size=run.config.eval.batch_size, precision=run.precision,
+                max_new_tokens=self.max_new_tokens, batch_size=run.config.eval.batch_size, compute=run.compute, sampler=run.sampler,
             ) if self.rows else None
         result = combine_eval(parallel.gather_objects((len(self.rows), result)))
         self.logger.log({"step": step, "eval/accuracy": result["accuracy"], "eval/completion_length": result["completion_length"], "eval/truncated": result["truncated"]})

@@ -21,7 +21,7 @@ from polo.rl.batching import micro_batches, trim_padding
 from polo.rl.critic import Critic, value_loss
 from polo.rl.modules import UpdateModules, build_update_modules
 from polo.runtime import distributed as parallel
-from polo.runtime.device import autocast_context
+from polo.runtime.device import Compute
 from polo.runtime.errors import NonFiniteLossError
 
 SUM_KEYS = ("kl", "entropy", "clip_low", "clip_high", "tokens", "loss", "grad_norm", "value_loss", "critic_grad_norm")
@@ -52,10 +52,10 @@ def backward_checked(loss: torch.Tensor, optimizer, scheduler, loss_scale: float
 class UpdateContext:
     """What every micro-batch of one `policy_update` call shares: the batch, its targets and running sums."""
 
-    def __init__(self, rollouts: Rollouts, advantages, old_logprobs, ref_logprobs, config: Config, precision: str,
+    def __init__(self, rollouts: Rollouts, advantages, old_logprobs, ref_logprobs, config: Config, compute: Compute,
                  critic: Critic | None, value_targets, train_policy: bool, modules: UpdateModules):
         self.rollouts, self.advantages, self.old_logprobs, self.ref_logprobs = rollouts, advantages, old_logprobs, ref_logprobs
-        self.config, self.alg, self.precision = config, config.algorithm, precision
+        self.config, self.alg, self.compute = config, config.algorithm, compute
         self.critic, self.value_targets, self.train_policy, self.modules = critic, value_targets, train_policy, modules
         self.loss_mask = rollouts.completion_mask.float()
         if self.alg.mask_truncated:  # DAPO's overlong filtering: truncated completions teach nothing
@@ -86,9 +86,9 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: dict,
     part = trim_padding(ctx.rollouts.select(micro))
     mask = ctx.loss_mask[micro, : part.completion_ids.shape[1]]
     inputs = (part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
-    loss, values = torch.zeros(()), None
+    loss, values = torch.zeros((), device=mask.device), None
     if ctx.train_policy or (critic is not None and critic.value_head is not None):
-        with autocast_context(ctx.precision):
+        with ctx.compute.autocast():
             logprobs, entropy, values = modules.policy(
                 *inputs, temperature=ctx.config.sampling.temperature, detach_trunk_for_values=not ctx.train_policy,
                 group_size=ctx.rollouts.group_size,
@@ -104,7 +104,7 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: dict,
     total = loss.item()
     if critic is not None and critic.value_model is not None:
         # The critic's graph is built only after the policy's is freed: half the peak activations.
-        with autocast_context(ctx.precision):
+        with ctx.compute.autocast():
             values = completion_values(modules.critic, *inputs)
         critic_loss = alg.value_coef * value_loss(values, ctx.value_targets, micro, mask, alg, normalisers)
         backward_checked(critic_loss, critic.optimizer, scheduler, modules.loss_scale)
@@ -169,7 +169,7 @@ def update_metrics(ctx: UpdateContext, optimizer_steps: int) -> dict:
 
 
 def policy_update(
-    model, optimizer, scheduler, rollouts: Rollouts, advantages: torch.Tensor, old_logprobs, ref_logprobs, config: Config, precision: str,
+    model, optimizer, scheduler, rollouts: Rollouts, advantages: torch.Tensor, old_logprobs, ref_logprobs, config: Config, compute: Compute,
     *, critic: Critic | None = None, value_targets: tuple[torch.Tensor, torch.Tensor] | None = None, train_policy: bool = True,
     modules: UpdateModules | None = None,
 ) -> dict:
@@ -183,14 +183,16 @@ def policy_update(
     all-reduces them.
     """
     modules = modules if modules is not None else update_modules(model, critic)
-    ctx = UpdateContext(rollouts, advantages, old_logprobs, ref_logprobs, config, precision, critic, value_targets, train_policy, modules)
+    ctx = UpdateContext(rollouts, advantages, old_logprobs, ref_logprobs, config, compute, critic, value_targets, train_policy, modules)
     group_size = rollouts.group_size
     num_groups = len(rollouts) // group_size
     groups_per_minibatch = max(math.ceil(num_groups / config.train.num_minibatches), 1)
     optimizer_steps = 0
     for _ in range(config.algorithm.update_epochs):
         for first_group in range(0, num_groups, groups_per_minibatch):
-            rows = torch.arange(first_group * group_size, min(first_group + groups_per_minibatch, num_groups) * group_size)
+            rows = torch.arange(
+                first_group * group_size, min(first_group + groups_per_minibatch, num_groups) * group_size, device=advantages.device,
+            )
             minibatch_step(ctx, rows, optimizer, scheduler)
             optimizer_steps += 1
     return update_metrics(ctx, optimizer_steps)

@@ -1,4 +1,4 @@
-"""Writing model directories whole or not at all.
+"""Writing model directories whole or not at all, and reading checkpoints back onto any device.
 
 A checkpoint or a final model is written into a hidden staging directory next to its target and
 renamed into place only once every file is there, so a crash never leaves half a model where a
@@ -128,6 +128,17 @@ class Checkpointer:
         for old in checkpoints[: max(len(checkpoints) - max(self.keep, 1), 0)]:
             if old != newest:
                 shutil.rmtree(old)
+
+
+def load_trainer_state(checkpoint: Path) -> dict:
+    """Return a checkpoint's trainer state (step, optimizer, scheduler, RNG and run state) with every tensor on the CPU.
+
+    A checkpoint is device-free: whatever device wrote it, its tensors load onto the CPU, and
+    each consumer places them on this run's device (`Optimizer.load_state_dict` moves a state to
+    its parameter's device, `load_state_dict` copies into the module's own tensors, RNG states
+    are CPU tensors). So a GPU run resumes on a CPU machine and the other way round.
+    """
+    return torch.load(Path(checkpoint) / "trainer_state.pt", map_location="cpu", weights_only=False)
 
 
 def mark_float32(config_path: Path) -> None:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from polo import core
 from polo.config import Config, ConfigError
 from polo.runtime import distributed as parallel
+from polo.runtime.rates import cached_rates
 
 PRECISIONS = ("fp32", "bf16", "bf16_master", "bf16_weights")
 DEVICE_HELP = "auto | cpu | cuda | cuda:N (auto: CUDA when available, one GPU per torchrun rank)"
@@ -42,20 +43,21 @@ class Compute:
     param_dtype: torch.dtype = torch.float32
     autocast_dtype: torch.dtype | None = None
     master_weights: bool = False
+    basis: str = field(default="", compare=False)  # why this precision: the measured rates, or "explicit"
 
     @classmethod
-    def named(cls, precision: str, device: torch.device | str = "cpu") -> "Compute":
+    def named(cls, name: str, device: torch.device | str = "cpu") -> "Compute":
         """Return the Compute for a resolved precision name (see the module doc) on `device`."""
         device = torch.device(device)
-        if precision == "fp32":
+        if name == "fp32":
             return cls(device)
-        if precision == "bf16":
+        if name == "bf16":
             return cls(device, autocast_dtype=torch.bfloat16)
-        if precision == "bf16_master":
+        if name == "bf16_master":
             return cls(device, param_dtype=torch.bfloat16, master_weights=True)
-        if precision == "bf16_weights":
+        if name == "bf16_weights":
             return cls(device, param_dtype=torch.bfloat16)
-        raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+        raise ValueError(f"precision {name!r} is not one of {', '.join(PRECISIONS)}")
 
     @property
     def precision(self) -> str:
@@ -65,6 +67,13 @@ class Compute:
         if self.autocast_dtype is not None:
             return "bf16"
         return "bf16_weights" if self.param_dtype != torch.float32 else "fp32"
+
+    @property
+    def frozen_dtype(self) -> torch.dtype | None:
+        """Return the dtype of a frozen copy that is never trained (the KL reference): bf16 under any bf16 precision, else None (as loaded)."""
+        if self.autocast_dtype is not None:
+            return self.autocast_dtype
+        return self.param_dtype if self.param_dtype != torch.float32 else None
 
     @property
     def device_type(self) -> str:
@@ -90,7 +99,8 @@ class Compute:
         return generator
 
     def __str__(self) -> str:
-        return f"{self.precision} on {self.device}"
+        where = f"{self.precision} on {self.device}"
+        return f"{where} ({self.basis})" if self.basis else where
 
 
 CPU = Compute(torch.device("cpu"))  # fp32 on the CPU: the default of library functions called without a run
@@ -135,35 +145,60 @@ def cpu_supports_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
-def bf16_pays(device: torch.device) -> bool:
-    """Return True when bf16 is the faster choice on `device` (a GPU with bf16, or a CPU with native bf16)."""
+def bf16_choice(device: torch.device) -> tuple[bool, str]:
+    """Return (whether bf16 is the faster choice on `device`, the reason in a few words).
+
+    A GPU: bf16 where it supports it. A CPU: only where it has native bf16 (AVX-512 BF16 or AMX)
+    *and* bf16 matmuls measured faster than fp32 ones at a language model's shapes
+    (`polo.runtime.rates`, measured once per machine and cached). Under torchrun every rank takes
+    rank 0's measurement, so all ranks train in one precision.
+    """
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return cpu_supports_bf16()
+        return (True, "CUDA bf16") if torch.cuda.is_bf16_supported() else (False, "no bf16 on this GPU")
+    if not cpu_supports_bf16():
+        return False, "no native bf16 on this CPU"
+    rates = parallel.gather_objects(cached_rates())[0]
+    return rates.bf16_faster, rates.describe()
 
 
-def inference_compute(precision: str = "auto", device: str | torch.device = "auto") -> Compute:
+def bf16_pays(device: torch.device) -> bool:
+    """Return True when bf16 is the faster choice on `device` (see `bf16_choice`)."""
+    return bf16_choice(device)[0]
+
+
+def auto_precision(device: torch.device, bf16_name: str, fp32_name: str = "fp32") -> tuple[str, str]:
+    """Return (the precision name `auto` resolves to on `device`, why): `bf16_name` where bf16 pays, else `fp32_name`."""
+    pays, why = bf16_choice(device)
+    return (bf16_name if pays else fp32_name), f"auto: {why}"
+
+
+def inference_compute(name: str = "auto", device: str | torch.device = "auto") -> Compute:
     """Return the Compute of a sampling / evaluation job: `auto | fp32 | bf16` on `auto | cpu | cuda[:N]`.
 
     bf16 (and auto where bf16 pays) holds the weights in bf16 with no autocast: nothing trains, so
     no fp32 master is needed, and every matmul runs in bf16 as RL sampling does under bf16_master.
     """
     torch_device = resolve_device(device)
-    if precision not in ("auto", "fp32", "bf16", *PRECISIONS):
-        raise ConfigError(f"precision {precision!r} is not one of auto, fp32, bf16")
-    if precision == "auto":
-        precision = "bf16" if bf16_pays(torch_device) else "fp32"
-    return Compute.named("fp32" if precision == "fp32" else "bf16_weights", torch_device)
+    if name not in ("auto", "fp32", "bf16", *PRECISIONS):
+        raise ConfigError(f"precision {name!r} is not one of auto, fp32, bf16")
+    basis = "explicit"
+    if name == "auto":
+        name, basis = auto_precision(torch_device, "bf16")
+    return replace(Compute.named("fp32" if name == "fp32" else "bf16_weights", torch_device), basis=basis)
 
 
-def autocast_compute(precision: str = "auto", device: str | torch.device = "auto") -> Compute:
-    """Return the Compute of a supervised job (SFT, reward model, DPO): fp32 weights, bf16 autocast where chosen."""
+def autocast_compute(name: str = "auto", device: str | torch.device = "auto") -> Compute:
+    """Return the Compute of a supervised job (SFT, reward model, DPO): fp32 weights, bf16 autocast where `name` chooses it.
+
+    `name` is auto | fp32 | bf16; auto is bf16 where bf16 pays on the device (`bf16_pays`).
+    """
     torch_device = resolve_device(device)
-    if precision not in ("auto", "fp32", "bf16"):
-        raise ConfigError(f"train.precision {precision!r} is not one of auto, fp32, bf16")
-    if precision == "auto":
-        precision = "bf16" if bf16_pays(torch_device) else "fp32"
-    return Compute.named(precision, torch_device)
+    if name not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"train.precision {name!r} is not one of auto, fp32, bf16")
+    basis = "explicit"
+    if name == "auto":
+        name, basis = auto_precision(torch_device, "bf16")
+    return replace(Compute.named(name, torch_device), basis=basis)
 
 
 def master_weights_unsupported(config: Config) -> str | None:
@@ -181,16 +216,13 @@ def train_compute(config: Config) -> Compute:
     "auto" precision picks bf16_master where bf16 pays on the device and the run allows it (one
     process, no critic), else bf16 autocast where bf16 pays, else fp32. An explicit precision wins.
     """
-    device = resolve_device(getattr(config.train, "device", "auto"))
-    precision = config.train.precision
+    device = resolve_device(config.train.device)
+    precision, basis = config.train.precision, "explicit"
     if precision == "auto":
-        if not bf16_pays(device):
-            precision = "fp32"
-        else:
-            precision = "bf16" if master_weights_unsupported(config) else "bf16_master"
+        precision, basis = auto_precision(device, "bf16" if master_weights_unsupported(config) else "bf16_master")
     elif precision == "bf16_master" and (reason := master_weights_unsupported(config)):
         raise ConfigError(f"train.precision=bf16_master: {reason}")
-    return Compute.named(precision, device)
+    return replace(Compute.named(precision, device), basis=basis)
 
 
 def memory_metrics(compute: Compute) -> dict[str, float]:
@@ -200,21 +232,3 @@ def memory_metrics(compute: Compute) -> dict[str, float]:
     peak = torch.cuda.max_memory_allocated(compute.device) / 2**30
     torch.cuda.reset_peak_memory_stats(compute.device)
     return {"gpu_max_memory_allocated_gib": peak}
-
-
-# TRANSITION (deleted once every caller takes a Compute): the string-precision helpers of before.
-def autocast_context(precision: str) -> contextlib.AbstractContextManager:
-    """Return the CPU autocast context for a precision name (transition shim; use `Compute.autocast`)."""
-    return Compute.named(precision if precision in PRECISIONS else "fp32").autocast()
-
-
-def resolve_precision(precision: str) -> str:
-    """Return "bf16" or "fp32" for a configured precision (transition shim; use `autocast_compute`)."""
-    if precision == "auto":
-        return "bf16" if cpu_supports_bf16() else "fp32"
-    return precision
-
-
-def resolve_train_precision(config: Config) -> str:
-    """Return the trainer's precision name (transition shim; use `train_compute`)."""
-    return train_compute(config).precision

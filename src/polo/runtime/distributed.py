@@ -13,6 +13,11 @@ per decoder layer): each rank keeps 1/N of the parameters, gradients and Adam st
 gathers the whole weights once per rollout (`gathered_weights`), so ranks may decode different
 numbers of tokens without waiting on each other; updates run forward and backward shard by shard.
 
+On GPUs each rank takes the GPU of its LOCAL_RANK (`polo.runtime.device.resolve_device`), the
+group is `cpu:gloo,cuda:nccl` (tensors on the GPU go through NCCL, polo's host-side flags and
+counts through gloo), DDP is given the rank's one device, and FSDP shards onto it. On the CPU
+the group is plain gloo.
+
 In one process every function here is a pass-through, so the single-process loop and the
 data-parallel loop are the same code.
 """
@@ -45,16 +50,49 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def init_from_environment() -> bool:
+# NCCL reduces only GPU tensors, but polo's flags, counts and object gathers are CPU scalars: on
+# GPUs the group routes CPU tensors to gloo and CUDA tensors to NCCL (as verl does).
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def backend_for(device: torch.device) -> str:
+    """Return the process-group backend for ranks computing on `device`: gloo on the CPU, gloo + NCCL on CUDA."""
+    return GPU_BACKEND if device.type == "cuda" else "gloo"
+
+
+def init_from_environment(device: torch.device | None = None) -> bool:
     """Join the process group `torchrun` describes in the environment; return True if this call created it.
 
+    `device` is where this rank computes, as `polo.runtime.device.resolve_device` gives it (under
+    torchrun, the GPU of the process's LOCAL_RANK: one GPU per rank); None is the CPU. The backend
+    follows it (`backend_for`).
+
     Nothing happens in a plain single process (no `WORLD_SIZE`, or `WORLD_SIZE=1`) or when the
-    caller already initialised a group. The LM loop computes on the CPU, so the backend is gloo.
+    caller already initialised a group; such a group must reduce CPU tensors (gloo, or a
+    `cpu:gloo,...` backend), since polo's collective flags and counts live on the host.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available() or dist.is_initialized():
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available():
         return False
-    dist.init_process_group("gloo")
+    if dist.is_initialized():
+        check_host_collectives()
+        return False
+    device = device if device is not None else torch.device("cpu")
+    if device.type == "cuda":  # bind this rank to its GPU before NCCL creates its communicator
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend_for(device), device_id=device)
+    else:
+        dist.init_process_group(backend_for(device))
     return True
+
+
+def check_host_collectives() -> None:
+    """Raise ValueError when the initialised process group cannot reduce CPU tensors (a plain NCCL group)."""
+    backend = str(dist.get_backend())
+    if backend != "gloo" and "cpu:" not in backend and backend not in ("mpi", "ucc"):
+        raise ValueError(
+            f"the process group's backend is {backend!r}, which cannot reduce the CPU tensors polo's collectives use; "
+            f"initialise it with backend {GPU_BACKEND!r} (or let polo do it: runtime.distributed.init_from_environment)"
+        )
 
 
 def barrier() -> None:
@@ -74,14 +112,14 @@ def gather_objects(value: object) -> list:
 
 def any_rank(flag: bool) -> bool:
     """Return True on every rank when `flag` is True on at least one rank (a collective decision)."""
-    return bool(all_reduce_sum(torch.tensor(float(flag))).item() > 0)
+    return bool(all_reduce_sum(torch.tensor(float(flag), device="cpu")).item() > 0)  # host scalar: gloo reduces it
 
 
 def min_over_ranks(value: int) -> int:
     """Return the smallest `value` over all ranks."""
     if not is_distributed():
         return value
-    tensor = torch.tensor(value, dtype=torch.int64)
+    tensor = torch.tensor(value, dtype=torch.int64, device="cpu")
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return int(tensor.item())
 
@@ -108,7 +146,7 @@ def sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
     if not is_distributed() or not values:
         return dict(values)
     keys = sorted(values)
-    summed = all_reduce_sum(torch.tensor([float(values[key]) for key in keys], dtype=torch.float64))
+    summed = all_reduce_sum(torch.tensor([float(values[key]) for key in keys], dtype=torch.float64, device="cpu"))
     return dict(zip(keys, summed.tolist()))
 
 
@@ -138,17 +176,43 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Return the device of `model`'s first parameter (the CPU for a model without parameters)."""
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
 def shard_model(model: nn.Module) -> nn.Module:
-    """Shard `model` across the ranks in place with FSDP: one unit per decoder layer, plus the rest at the root."""
+    """Shard `model` across the ranks in place with FSDP: one unit per decoder layer, plus the rest at the root.
+
+    The shards stay on the device the model is on (this rank's GPU, or the CPU): the mesh is
+    built for that device type, since FSDP's default mesh would take a GPU whenever one is visible.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     layers = getattr(model.get_decoder(), "layers", None)
     if layers is None:
         raise ValueError(f"train.data_parallel=fsdp needs a decoder with a `layers` list; {type(model).__name__} has none")
+    mesh = init_device_mesh(model_device(model).type, (world_size(),))
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
+
+
+def data_parallel(module: nn.Module, find_unused_parameters: bool = False) -> nn.Module:
+    """Return `module` wrapped in DistributedDataParallel on the device its parameters are on.
+
+    On a GPU DDP is given that one device (`device_ids`, this rank's LOCAL_RANK GPU); on the CPU
+    it takes none. Buffers are not re-broadcast before each forward (the models have no running
+    statistics).
+    """
+    device = model_device(module)
+    device_ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(
+        module, device_ids=device_ids, find_unused_parameters=find_unused_parameters, forward_sync_buffers=False,
+    )
 
 
 @contextlib.contextmanager

@@ -101,24 +101,25 @@ def share_prompts(
     input_ids = torch.cat([grouped_ids[:, 0], completion_ids.reshape(groups, g * completion_len)], dim=1)
     key_is_real = torch.cat([group_prompt_mask, completion_mask.bool().reshape(groups, g * completion_len)], dim=1)  # (groups, L)
 
-    block = torch.cat([torch.full((prompt_len,), -1), torch.arange(g).repeat_interleave(completion_len)])  # -1: prompt
-    position = torch.arange(length)
+    device = prompt_ids.device  # every index and mask is built beside the batch
+    block = torch.cat([torch.full((prompt_len,), -1, device=device), torch.arange(g, device=device).repeat_interleave(completion_len)])  # -1: prompt
+    position = torch.arange(length, device=device)
     earlier = position[None, :] <= position[:, None]  # (L, L): key at or before query
     same_block = block[None, :] == block[:, None]
     key_in_prompt = (block == -1)[None, :].expand(length, length)
     structure = earlier & (key_in_prompt | same_block)  # prompt keys for everyone (causally), own block causally
     mask = structure[None] & key_is_real[:, None, :]
-    mask |= torch.eye(length, dtype=torch.bool)[None]  # every query sees itself: padding rows are never empty
+    mask |= torch.eye(length, dtype=torch.bool, device=device)[None]  # every query sees itself: padding rows are never empty
     real_prompt = group_prompt_mask.long().sum(1)  # (groups,)
     prompt_positions = (group_prompt_mask.long().cumsum(1) - 1).clamp(min=0)
-    completion_positions = (real_prompt[:, None] + torch.arange(completion_len)[None, :]).repeat(1, g)
+    completion_positions = (real_prompt[:, None] + torch.arange(completion_len, device=device)[None, :]).repeat(1, g)
     position_ids = torch.cat([prompt_positions, completion_positions], dim=1)
 
     # Token t of completion k in group j is predicted by the hidden state before it: the last prompt
     # position for t = 0, else position P + k·C + t − 1 of the group's row.
-    k, t = torch.arange(g)[:, None], torch.arange(completion_len)[None, :]
+    k, t = torch.arange(g, device=device)[:, None], torch.arange(completion_len, device=device)[None, :]
     within = torch.where(t == 0, prompt_len - 1, prompt_len + k * completion_len + t - 1)  # (G, C)
-    predictor_index = (torch.arange(groups)[:, None, None] * length + within[None]).reshape(batch, completion_len)
+    predictor_index = (torch.arange(groups, device=device)[:, None, None] * length + within[None]).reshape(batch, completion_len)
 
     # The same mask, block by block: the prompt's (P, P) corner, and for every completion its rows
     # restricted to [prompt keys | its own keys] (every other block of its rows is all False).

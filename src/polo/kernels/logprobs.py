@@ -1,4 +1,4 @@
-"""Per-token log-probs and entropy from the lm_head without materialising the full logits.
+"""Per-token log-probs and entropy from the lm_head without materialising the full logits, on any device.
 
 For a completion token y_t with trunk hidden state h_t (d,) and output matrix W (V, d),
 
@@ -21,6 +21,9 @@ models whose logits are exactly `lm_head(last_hidden_state)`. `supports_fused_lo
 that from what the model is, whatever its family is called: a bias-free linear head, and one traced
 forward showing that the head reads the trunk's output (after its final norm) and that nothing
 changes its logits afterwards.
+
+Plain torch on the tensors' own device (tiles, buffers and statistics are allocated where
+`hidden` lives), so the CPU and CUDA run the same code; only the tile sizes were tuned on the CPU.
 """
 
 from __future__ import annotations

@@ -1,0 +1,95 @@
+"""The one way polo samples many completions per prompt outside an RL step: `polo eval`, the pipeline's stage
+evaluations, rejection sampling and sampled preference data all call `sample_groups`.
+
+A prompt's K samples are one group of a `Sampler` (one prefill shared by the K rows, as GRPO samples
+a group); prompts go shortest first, so a batch holds prompts of similar length (little left
+padding), and a batch always holds whole groups. `pick_sampler` is the one place that chooses the
+sampler for a `Compute`; `load_for_sampling` loads a model the way these jobs sample it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from polo.generation import cpu_sampler, static_sampler
+from polo.generation.rollouts import Sampler
+from polo.models.family import encode_prompts
+from polo.runtime.device import CPU, Compute
+
+SAMPLERS = ("auto", "kv_cache", "static")  # the choices of `sampling.sampler`
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion: its text (special tokens removed), its generated tokens (the end token included), and
+    whether max_new_tokens cut it."""
+
+    text: str
+    length: int
+    truncated: bool
+
+
+def pick_sampler(name: str, compute: Compute) -> Sampler:
+    """Return the sampler `name` (auto | kv_cache | static) names for `compute`.
+
+    auto is the static-cache sampler on CUDA (a captured decode step) and the KV-cache sampler elsewhere
+    (on the CPU it drops finished rows, which a fixed-shape decode cannot).
+    """
+    if name not in SAMPLERS:
+        raise ValueError(f"sampler {name!r} is not one of {', '.join(SAMPLERS)}")
+    if name == "static" or (name == "auto" and compute.is_cuda):
+        return static_sampler.rollout
+    return cpu_sampler.rollout
+
+
+def load_for_sampling(name: str, compute: Compute) -> tuple:
+    """Return `(model, tokenizer)` ready to sample: weights in `compute.param_dtype` on `compute.device`, eval mode,
+    the device's fast attention (`polo.kernels.use_fast_attention`)."""
+    from polo.kernels import use_fast_attention
+    from polo.models.loading import load_policy
+
+    model, tokenizer = load_policy(name, dtype=compute.param_dtype)
+    model.to(compute.device).eval()
+    use_fast_attention(model, compute)
+    return model, tokenizer
+
+
+def group_batches(lengths: list[int], samples_per_prompt: int, batch_size: int) -> list[list[int]]:
+    """Return the prompt indices of each batch: shortest first, `batch_size // samples_per_prompt` (>= 1) a batch."""
+    if samples_per_prompt < 1 or batch_size < 1:
+        raise ValueError(f"samples_per_prompt and batch_size must be >= 1, got {samples_per_prompt} and {batch_size}")
+    order = sorted(range(len(lengths)), key=lambda index: lengths[index])
+    per_batch = max(1, batch_size // samples_per_prompt)
+    return [order[start : start + per_batch] for start in range(0, len(order), per_batch)]
+
+
+@torch.no_grad()
+def sample_groups(
+    model, tokenizer, prompts: list[str], samples_per_prompt: int, *, max_new_tokens: int, temperature: float,
+    top_p: float = 1.0, batch_size: int = 64, compute: Compute = CPU, sampler: Sampler | None = None,
+    progress: bool = False, description: str = "polo sample",
+) -> list[list[Completion]]:
+    """Return, per prompt in the given order, its `samples_per_prompt` completions, each prompt sampled as one group.
+
+    `batch_size` counts sequences: a batch holds `batch_size // samples_per_prompt` prompts (at
+    least one). `sampler` defaults to `pick_sampler("auto", compute)`. Temperature 0 is greedy.
+    """
+    from tqdm.auto import tqdm
+
+    sampler = pick_sampler("auto", compute) if sampler is None else sampler
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts)]  # as the sampler tokenizes them (BOS included)
+    results: list[list[Completion]] = [[] for _ in prompts]
+    total = len(prompts) * samples_per_prompt
+    with tqdm(total=total, desc=description, unit="sample", disable=not progress, dynamic_ncols=True) as bar:
+        for chunk in group_batches(lengths, samples_per_prompt, batch_size):
+            sampled = sampler(
+                model, tokenizer, [prompts[index] for index in chunk], samples_per_prompt,
+                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, compute=compute,
+            )
+            counts, cut = sampled.completion_lengths.tolist(), sampled.truncated.tolist()
+            for row, text in enumerate(sampled.texts):
+                results[chunk[row // samples_per_prompt]].append(Completion(text, int(counts[row]), bool(cut[row])))
+            bar.update(len(sampled.texts))
+    return results

@@ -1,0 +1,249 @@
+"""The static-cache sampler: G completions per prompt, shapes fixed for the whole decode, so its step can be captured.
+
+The same `Sampler` as `polo.generation.cpu_sampler` (one prefill per prompt, shared by its G
+samples), laid out for a GPU:
+
+- **Fixed shapes.** The decode batch is B = prompts x G rows and the cache holds L = P + T positions
+  (P the left-padded prompt length, T = max_new_tokens) in every layer. Rows that finish are
+  masked, not dropped: they keep decoding pad tokens that nothing reads, so every tensor keeps its
+  shape and its address and one captured graph serves every step.
+- **Sliding windows by the mask.** Sliding-window layers (Gemma 3) get a full-length cache like
+  the others; transformers builds their mask from the model config, and a key is inside the
+  window when q - k < window, which holds in cache indices as in positions (left padding shifts
+  both). transformers' rolling window layer branches on a Python counter that changes every
+  step, which would re-trace a captured step.
+- **Sampling on the device** (`polo.generation.sampling.sample_on_device`), and the only host
+  synchronisation is the check whether every row has finished, every `CHECK_EVERY` tokens.
+- **Captured on CUDA.** The decode step is compiled with `torch.compile(mode="reduce-overhead",
+  fullgraph=True, dynamic=False)` (CUDA graphs); on the CPU it runs eager, which is how its logic
+  is tested against the CPU sampler and `transformers.generate`. Prompts are left-padded to a
+  multiple of `LENGTH_BUCKET` when captured, so a few graphs serve batches of any prompt length.
+  A decoder (cache, buffers, compiled step) is kept per model and shape and reused by later calls.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from polo.generation.prompts import stop_token_ids, tokenize_prompts
+from polo.generation.rollouts import Rollouts
+from polo.generation.sampling import sample_on_device
+from polo.models.scoring import position_ids_from_mask
+from polo.runtime.device import CPU, Compute
+
+CHECK_EVERY = 8  # tokens between two "has every row finished?" checks (the only host synchronisation)
+LENGTH_BUCKET = 64  # captured decoders pad prompts to a multiple of this, so few shapes (graphs) are ever built
+KEPT_DECODERS = 8  # decoders (cache + graph) kept per model, the least recently used dropped first
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """What fixes a decoder's graph: batch rows, prompt and completion lengths, the sampling settings, capture."""
+
+    batch: int
+    prompt_len: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    captured: bool
+
+    @property
+    def cache_len(self) -> int:
+        """Return the positions the cache holds: the prompt and every completion token."""
+        return self.prompt_len + self.max_new_tokens
+
+
+def full_length_cache(model, cache_len: int, device: torch.device):
+    """Return a transformers `StaticCache` for `model`, every layer (sliding ones too) `cache_len` long.
+
+    Raise ValueError for a model with layers of another kind (linear attention, shared key/values),
+    which this sampler does not lay out. transformers' layers make their position counters without a
+    device: they are made on `device`.
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    with torch.device(device):
+        cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        layers = [
+            StaticLayer(max_cache_len=cache_len) if isinstance(layer, StaticSlidingWindowLayer) else layer
+            for layer in cache.layers
+        ]
+    odd = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
+    if odd:
+        raise ValueError(f"the static sampler lays out full and sliding-window attention only; this model has {odd}")
+    cache.layers = layers
+    return cache
+
+
+class StaticDecoder:
+    """The fixed-address state of one decode shape (cache, token and mask buffers) and its decode step.
+
+    `start` runs the prefill and the first draw for a batch of prompts; `step` decodes one token for
+    every row (the captured part); `finish` reads the result. Reused across calls of the same shape.
+    """
+
+    def __init__(self, model, shape: DecodeShape, compute: Compute):
+        device, rows = compute.device, shape.batch
+        self.model, self.shape, self.compute = model, shape, compute
+        self.cache = full_length_cache(model, shape.cache_len, device)
+        self.tokens = torch.full((rows,), shape.pad_id, dtype=torch.long, device=device)  # each row's last token
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)  # the position of `tokens`
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)  # where the next drawn token is written
+        self.completion_ids = torch.full((rows, shape.max_new_tokens), shape.pad_id, dtype=torch.long, device=device)
+        self.completion_mask = torch.zeros((rows, shape.max_new_tokens), dtype=torch.long, device=device)
+        # The whole decode attends through one (rows, L) mask: prompt padding 0, everything after 1;
+        # causality (and any sliding window) hides the positions not yet written.
+        self.attention_mask = torch.ones((rows, shape.cache_len), dtype=torch.long, device=device)
+        self.stop = torch.tensor(shape.stop_ids, dtype=torch.long, device=device)
+        self.generator: torch.Generator | None = None
+        buffers = (self.tokens, self.positions, self.finished, self.column, self.completion_ids, self.completion_mask)
+        for buffer in (*buffers, self.attention_mask):
+            torch._dynamo.mark_static_address(buffer)  # mutated in place by the graph: CUDA graphs need fixed addresses
+        self.step = self._decode_step
+        if shape.captured:
+            mode = "reduce-overhead" if compute.is_cuda else None
+            self.step = torch.compile(self._decode_step, fullgraph=True, dynamic=False, mode=mode)
+
+    @torch.no_grad()
+    def start(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, generator: torch.Generator | None,
+    ) -> None:
+        """Return nothing: prefill each prompt (prompts, P) once, copy it to its G rows, draw the first tokens."""
+        prompts, prompt_len = prompt_ids.shape
+        positions = position_ids_from_mask(prompt_mask.long())
+        prefill_cache = full_length_cache(self.model, prompt_len, self.compute.device)
+        logits = self.model(
+            input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=prefill_cache,
+            use_cache=True, logits_to_keep=1,
+        ).logits[:, -1]
+        for layer, prefilled in zip(self.cache.layers, prefill_cache.layers):
+            if not layer.is_initialized:  # allocated once, at the decode batch's size
+                rows = (self.shape.batch, -1, -1, -1)
+                layer.lazy_initialization(prefilled.keys[:1].expand(rows), prefilled.values[:1].expand(rows))
+            layer.keys.unflatten(0, (prompts, group_size))[:, :, :, :prompt_len].copy_(prefilled.keys.unsqueeze(1))
+            layer.values.unflatten(0, (prompts, group_size))[:, :, :, :prompt_len].copy_(prefilled.values.unsqueeze(1))
+            layer.cumulative_length.fill_(prompt_len)
+        self.attention_mask[:, :prompt_len].copy_(prompt_mask.repeat_interleave(group_size, dim=0))
+        self.positions.copy_((positions[:, -1] + 1).repeat_interleave(group_size, dim=0))
+        self.finished.zero_()
+        self.column.zero_()
+        self.completion_ids.fill_(self.shape.pad_id)
+        self.completion_mask.zero_()
+        self.generator = generator
+        self._take(logits.repeat_interleave(group_size, dim=0))
+
+    def _decode_step(self) -> None:
+        """Return nothing: run the model on each row's last token, draw the next (fixed shapes, in place, no sync)."""
+        logits = self.model(
+            input_ids=self.tokens[:, None], attention_mask=self.attention_mask, position_ids=self.positions[:, None],
+            cache=self.cache, use_cache=True,
+        ).logits[:, -1]
+        self.positions.add_(1)
+        self._take(logits)
+
+    def _take(self, logits: torch.Tensor) -> None:
+        """Return nothing: draw a token per row from `logits` (rows, vocab); finished rows write pad, masked."""
+        drawn = sample_on_device(logits, self.shape.temperature, self.shape.top_p, self.generator)
+        tokens = drawn.masked_fill(self.finished, self.shape.pad_id)
+        self.completion_ids.index_copy_(1, self.column, tokens[:, None])
+        self.completion_mask.index_copy_(1, self.column, (~self.finished).long()[:, None])
+        self.finished.logical_or_(torch.isin(tokens, self.stop))
+        self.tokens.copy_(tokens)
+        self.column.add_(1)
+
+    @torch.no_grad()
+    def decode(self) -> None:
+        """Return nothing: decode until every row has finished (checked every `CHECK_EVERY` tokens) or T are drawn."""
+        for step in range(1, self.shape.max_new_tokens):
+            if step % CHECK_EVERY == 0 and bool(self.finished.all()):
+                break
+            self.step()
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return copies of `(completion_ids, completion_mask, truncated)`: (rows, longest) twice, then (rows,)."""
+        length = int(self.completion_mask.sum(-1).max()) if self.shape.batch else 0
+        return self.completion_ids[:, :length].clone(), self.completion_mask[:, :length].clone(), ~self.finished
+
+
+def decoder_for(model, shape: DecodeShape, compute: Compute) -> StaticDecoder:
+    """Return the model's decoder of `shape`, built on first use; the least recently used beyond `KEPT_DECODERS` go.
+
+    Kept on the model itself, so they live and die with it (a captured graph is tied to its weights).
+    """
+    decoders = model.__dict__.setdefault("_polo_static_decoders", OrderedDict())
+    key = (shape, compute)
+    if key not in decoders:
+        decoders[key] = StaticDecoder(model, shape, compute)
+        while len(decoders) > KEPT_DECODERS:
+            decoders.popitem(last=False)
+    decoders.move_to_end(key)
+    return decoders[key]
+
+
+def left_pad(ids: torch.Tensor, mask: torch.Tensor, length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return `(ids, mask)` (rows, seq) left-padded to (rows, `length`) with `pad_id` and mask 0."""
+    extra = length - ids.shape[1]
+    if extra <= 0:
+        return ids, mask
+    return torch.nn.functional.pad(ids, (extra, 0), value=pad_id), torch.nn.functional.pad(mask, (extra, 0), value=0)
+
+
+@torch.no_grad()
+def generate(
+    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int, temperature: float,
+    top_p: float, stop_ids: list[int], pad_id: int, compute: Compute = CPU, samples_per_prompt: int = 1,
+    generator: torch.Generator | None = None, capture: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return `(completion_ids, completion_mask, truncated)` as `cpu_sampler.generate` does, with fixed shapes.
+
+    Shapes: prompt (prompts, prompt_len) -> completion (batch, longest completion), truncated (batch,),
+    batch = prompts x `samples_per_prompt`, a prompt's samples in consecutive rows. `capture` (default:
+    on CUDA) compiles the decode step; `generator` is used only when it is not captured (a compiled
+    step draws from the device's default generator).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    capture = compute.is_cuda if capture is None else capture
+    if capture:
+        bucket = -(-prompt_ids.shape[1] // LENGTH_BUCKET) * LENGTH_BUCKET
+        prompt_ids, prompt_mask = left_pad(prompt_ids, prompt_mask, bucket, pad_id)
+    shape = DecodeShape(
+        prompt_ids.shape[0] * samples_per_prompt, prompt_ids.shape[1], max_new_tokens, float(temperature), float(top_p),
+        tuple(stop_ids), pad_id, capture,
+    )
+    decoder = decoder_for(model, shape, compute)
+    was_training = model.training
+    model.eval()
+    try:
+        with compute.autocast():
+            decoder.start(prompt_ids, prompt_mask, samples_per_prompt, None if capture else generator)
+            decoder.decode()
+    finally:
+        model.train(was_training)
+    return decoder.finish()
+
+
+def rollout(
+    model, tokenizer, prompts: list[str], group_size: int, *, max_new_tokens: int, temperature: float,
+    top_p: float = 1.0, compute: Compute = CPU, generator: torch.Generator | None = None, capture: bool | None = None,
+) -> Rollouts:
+    """Return `group_size` sampled completions for each prompt, groups contiguous, on `compute.device` (a `Sampler`)."""
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
+    prompt_ids, prompt_mask = prompt_ids.to(compute.device), prompt_mask.to(compute.device)
+    completion_ids, completion_mask, truncated = generate(
+        model, prompt_ids, prompt_mask, samples_per_prompt=group_size, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, stop_ids=stop_token_ids(tokenizer, model), pad_id=tokenizer.pad_token_id,
+        compute=compute, generator=generator, capture=capture,
+    )
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    padded = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(padded, skip_special_tokens=True)
+    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, group_size)
