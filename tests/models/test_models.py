@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -92,3 +93,18 @@ def test_damaged_tokenizer_names_the_directory(tiny_model_dir, tmp_path):
     (model_dir / "tokenizer.json").write_text("not json")
     with pytest.raises(ModelLoadError, match=r"could not load the tokenizer of .*badtokenizer"):
         load_policy(str(model_dir))
+
+
+def test_the_cache_keyword_follows_the_model_forward_signature(tiny_model_dir):
+    """transformers 5.24 takes `cache=`; an older forward that knows only `past_key_values=` gets that name."""
+    from polo.models.family import cache_keyword
+
+    model, _ = load_policy(str(tiny_model_dir))
+    expected = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    assert cache_keyword(model) == expected
+
+    class OlderForward(torch.nn.Module):
+        def forward(self, input_ids=None, attention_mask=None, past_key_values=None, use_cache=None):
+            return None
+
+    assert cache_keyword(OlderForward()) == "past_key_values"

@@ -13,6 +13,7 @@ from polo.generation.prompts import stop_token_ids, tokenize_prompts
 from polo.generation.rollouts import Rollouts
 from polo.generation.sampling import sample_next_token
 from polo.kernels import contiguous_head_input, prepacked_linears, sampling_cache
+from polo.models.family import cache_keyword
 from polo.models.scoring import position_ids_from_mask
 from polo.runtime.device import CPU, Compute
 
@@ -51,6 +52,7 @@ def generate(
     positions = position_ids_from_mask(attention_mask)
     next_position = positions[:, -1] + 1
     cache = sampling_cache(model, prompt_ids.shape[1] + max_new_tokens)
+    with_cache = {cache_keyword(model): cache}  # the name this transformers takes it under (polo.models.family)
     was_training = model.training
     model.eval()
     length = 0
@@ -59,7 +61,7 @@ def generate(
             input_ids=prompt_ids,
             attention_mask=attention_mask,
             position_ids=positions,
-            past_key_values=cache,
+            **with_cache,
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
@@ -87,7 +89,7 @@ def generate(
                 input_ids=tokens[:, None],
                 attention_mask=attention_mask,
                 position_ids=next_position[:, None],
-                past_key_values=cache,
+                **with_cache,
                 use_cache=True,
             ).logits[:, -1]
             next_position = next_position + 1

@@ -31,6 +31,7 @@ import torch
 from polo.generation.prompts import stop_token_ids, tokenize_prompts
 from polo.generation.rollouts import Rollouts
 from polo.generation.sampling import sample_on_device
+from polo.models.family import cache_keyword
 from polo.models.scoring import position_ids_from_mask
 from polo.runtime.device import CPU, Compute
 
@@ -92,6 +93,7 @@ class StaticDecoder:
         device, rows = compute.device, shape.batch
         self.model, self.shape, self.compute = model, shape, compute
         self.cache = full_length_cache(model, shape.cache_len, device)
+        self.cache_keyword = cache_keyword(model)  # "cache" or "past_key_values", by the transformers version
         self.tokens = torch.full((rows,), shape.pad_id, dtype=torch.long, device=device)  # each row's last token
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)  # the position of `tokens`
         self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -120,7 +122,7 @@ class StaticDecoder:
         positions = position_ids_from_mask(prompt_mask.long())
         prefill_cache = full_length_cache(self.model, prompt_len, self.compute.device)
         logits = self.model(
-            input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=prefill_cache,
+            input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, **{cache_keyword(self.model): prefill_cache},
             use_cache=True, logits_to_keep=1,
         ).logits[:, -1]
         for layer, prefilled in zip(self.cache.layers, prefill_cache.layers):
@@ -143,7 +145,7 @@ class StaticDecoder:
         """Return nothing: run the model on each row's last token, draw the next (fixed shapes, in place, no sync)."""
         logits = self.model(
             input_ids=self.tokens[:, None], attention_mask=self.attention_mask, position_ids=self.positions[:, None],
-            cache=self.cache, use_cache=True,
+            use_cache=True, **{self.cache_keyword: self.cache},
         ).logits[:, -1]
         self.positions.add_(1)
         self._take(logits)

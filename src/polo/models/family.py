@@ -15,6 +15,10 @@
   scoring, and the cached shared-prompt pass of SFT/DPO/reward models. The one exception is polo's
   shared-prompt scoring layout (`polo.kernels.cpu.shared_prompt`), whose hand-built mask has no
   window: `fits_attention_window` keeps a batch out of it when a row is longer than the window.
+- **The cache keyword.** transformers 5.24 takes a KV cache as `cache=` and warns that
+  `past_key_values=` goes away in 5.40; 5.17 (the GPU machine's) knows only `past_key_values=` and
+  would silently ignore `cache=`. `cache_keyword` reads the model's own forward signature, so the
+  samplers pass their cache under the name this model takes.
 - **Output head, embeddings, attention scaling.** Tied embeddings, Gemma's √hidden embedding scale,
   its `query_pre_attn_scalar` (passed to attention as `scaling`) all live inside the model's own
   modules, which polo runs as they are. Whether log-probs may take the chunked lm_head path is decided
@@ -27,9 +31,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import inspect
+
 import torch
 
 _PROBE_TEXT = "a"
+
+
+def cache_keyword(model: Any) -> str:
+    """Return the keyword `model`'s forward takes its KV cache under: "cache" (transformers >= 5.24) or "past_key_values"."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes kwargs through
+    parameters = inspect.signature(type(base).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def prompt_prefix_ids(tokenizer: Any) -> tuple[int, ...]:
