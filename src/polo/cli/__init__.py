@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from polo.config import ConfigError
+from polo.runtime.interrupt import RunStopped, StopNow
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _run(args)
+    except RunStopped as stop:  # SIGTERM, SIGHUP or Ctrl-C, after the step in progress was saved
+        if os.environ.get("RANK", "0") == "0":
+            print(f"polo: {stop}; {continue_command(args, stop)}", file=sys.stderr, flush=True)
+        return stop.exit_status
+    except StopNow as stop:
+        print(f"polo: {stop}", file=sys.stderr)
+        return stop.exit_status
     except KeyboardInterrupt:
         print("polo: interrupted", file=sys.stderr)
         return 130
@@ -104,6 +113,20 @@ def _run(args: argparse.Namespace) -> int:
         for path in plot_run(args.run_dir):
             print(path)
     return 0
+
+
+def continue_command(args: argparse.Namespace, stop: RunStopped) -> str:
+    """Return the second half of the stop line: the command that continues the stopped run, or starts it again."""
+    torchrun = " (in the same torchrun command)" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    if args.command == "pipeline":  # finished stages are skipped and an interrupted grpo stage continues
+        device = ["--device", args.device] if args.device is not None else []
+        return f"resume with: {shlex.join(['polo', 'pipeline', args.recipe, *args.overrides, *device])}{torchrun}"
+    kept = [item for item in args.overrides if not item.startswith(("output.resume=", "output.overwrite="))]
+    words = ["polo", args.command, args.recipe, *kept]
+    if stop.resumable and stop.checkpoint is not None:
+        return f"resume with: {shlex.join([*words, 'output.resume=true'])}{torchrun}"
+    why = f"polo {args.command} cannot resume" if not stop.resumable else "no checkpoint was written yet"
+    return f"{why}; start it again with: {shlex.join([*words, 'output.overwrite=true'])}{torchrun}"
 
 
 def one_line(error: BaseException) -> str:

@@ -191,6 +191,18 @@ def check_numbers(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    """Run `polo eval`; return the exit status. Writing into a run directory, it holds that run's lock first (`polo.runtime.run_lock`)."""
+    from polo.runtime.run_lock import is_run_dir, owned_run_dir
+
+    run_dir = Path(args.output).parent
+    if not is_run_dir(run_dir):  # eval.json in a plain folder: no run to guard
+        return evaluate_to_file(args)
+    with owned_run_dir(run_dir, "the run directory of --output", "write --output elsewhere"):
+        return evaluate_to_file(args)
+
+
+def evaluate_to_file(args: argparse.Namespace) -> int:
+    """Evaluate the model the arguments name, print the summary and write `--output`; return the exit status."""
     import torch
 
     from polo.evaluation.evaluate import evaluate_policy

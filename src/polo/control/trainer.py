@@ -28,6 +28,7 @@ from polo.control.rollout import EpisodeCollector, EpisodeTracker, StepCollector
 from polo.control.trpo import TRPO
 from polo.runtime.checkpoint import claim_output_dir
 from polo.runtime.metrics import MetricsLogger
+from polo.runtime.run_lock import owned_run_dir
 
 ALGORITHMS: dict[str, type[OnPolicyAlgorithm]] = {
     "reinforce": Reinforce,
@@ -73,9 +74,18 @@ def train(
 
     `config` is a `ControlConfig`, or a recipe (YAML path or mapping) to which `overrides`
     (`dotted.key=value`) are applied. With `write_files=False` nothing is written to disk
-    (no metrics, plots or TensorBoard): for benchmarks and tests.
+    (no metrics, plots or TensorBoard): for benchmarks and tests. A run that writes holds its
+    `output.dir` against a second run from the start (`polo.runtime.run_lock`).
     """
     config = _resolve_config(config, overrides)
+    if not write_files:
+        return _run(config, write_files)
+    with owned_run_dir(config.output.dir):
+        return _run(config, write_files)
+
+
+def _run(config: ControlConfig, write_files: bool) -> ControlResult:
+    """Return the `ControlResult` of one run of a loaded config (the caller holds its output.dir when it writes)."""
     started = time.perf_counter()  # "seconds to solve" include building the envs and networks
     train_config, output = config.train, config.output
     torch.set_num_threads(train_config.threads)

@@ -41,6 +41,7 @@ from polo.finetune.fit import (
     fit,
     load_finetune_config,
     pair_indices,
+    finetune_run,
     prepare_run,
     ranking_logprobs,
     save_model,
@@ -131,28 +132,29 @@ def dpo(config: DPOConfig | str | Path | dict | None = None, overrides: list[str
     from polo.models.loading import load_policy
 
     config = load_dpo_config(config, overrides)
-    started = time.perf_counter()
-    compute = prepare_run(config, config_to_dict(config))
-    model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
-    model = model.to(compute.device)
-    data, micro, pad_id = config.data, config.train.micro_batch_size, tokenizer.pad_token_id
-    train_examples = encode_rankings(tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length)
-    eval_examples = (
-        encode_rankings(tokenizer, read_rankings(data.eval_path, data.num_eval), data.system_prompt, data.max_length) if data.eval_path else []
-    )
-    # The reference is the starting model: score every response with it before the first update.
-    train_examples = with_reference_logps(model, train_examples, pad_id, micro, compute)
-    eval_examples = with_reference_logps(model, eval_examples, pad_id, micro, compute) if eval_examples else []
-    if config.train.gradient_checkpointing:
-        enable_activation_checkpointing(model)
-    objective = DPOObjective(pad_id, config.dpo.beta, config.dpo.nll_weight, compute.device)
-    evaluate = (lambda: evaluate_objective(model, eval_examples, objective, micro, compute)) if eval_examples else None
-    rows, before, after = fit(
-        model, train_examples, objective, config, compute=compute, evaluate=evaluate, name="polo dpo",
-        headline=("loss", "rewards/accuracies", "rewards/margins"),
-    )
-    output_dir = Path(config.output.dir)
-    model_dir = save_model(model, tokenizer, output_dir / "final")
-    seconds = time.perf_counter() - started
-    write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
-    return FinetuneResult(output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds)
+    with finetune_run(config):
+        started = time.perf_counter()
+        compute = prepare_run(config, config_to_dict(config))
+        model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
+        model = model.to(compute.device)
+        data, micro, pad_id = config.data, config.train.micro_batch_size, tokenizer.pad_token_id
+        train_examples = encode_rankings(tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length)
+        eval_examples = (
+            encode_rankings(tokenizer, read_rankings(data.eval_path, data.num_eval), data.system_prompt, data.max_length) if data.eval_path else []
+        )
+        # The reference is the starting model: score every response with it before the first update.
+        train_examples = with_reference_logps(model, train_examples, pad_id, micro, compute)
+        eval_examples = with_reference_logps(model, eval_examples, pad_id, micro, compute) if eval_examples else []
+        if config.train.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        objective = DPOObjective(pad_id, config.dpo.beta, config.dpo.nll_weight, compute.device)
+        evaluate = (lambda: evaluate_objective(model, eval_examples, objective, micro, compute)) if eval_examples else None
+        rows, before, after = fit(
+            model, train_examples, objective, config, compute=compute, evaluate=evaluate, name="polo dpo",
+            headline=("loss", "rewards/accuracies", "rewards/margins"),
+        )
+        output_dir = Path(config.output.dir)
+        model_dir = save_model(model, tokenizer, output_dir / "final")
+        seconds = time.perf_counter() - started
+        write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
+        return FinetuneResult(output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds)

@@ -25,6 +25,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,7 +42,9 @@ from polo.runtime.checkpoint import claim_output_dir, staged_directory
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
 from polo.runtime.device import CPU, Compute, autocast_compute
 from polo.runtime.distributed import is_main_process
+from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
+from polo.runtime.run_lock import owned_run_dir
 
 
 # ---------------------------------------------------------------- recipe sections
@@ -397,19 +400,23 @@ def fit(
 
     eval_before = _held_out(evaluate, logger, 0)
     model.train()
-    for step, batch in _optimizer_batches(train_examples, train.batch_size, total_steps, train.seed):
-        started = time.perf_counter()
-        units = max(sum(objective.units(example) for example in batch), 1)
-        optimizer.zero_grad(set_to_none=True)
-        sums = _backpropagate(model, batch, objective, units, train.micro_batch_size, compute, logger, name, step)
-        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, train.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        row = _step_row(step, steps_per_epoch, batch, units, sums, grad_norm, scheduler.get_last_lr()[0], started)
-        logger.log(row)
-        logger.advance(step, {key: row[key] for key in headline if key in row})
-        if train.eval_every and step % train.eval_every == 0 and step != total_steps:
-            _held_out(evaluate, logger, step)
+    with StopRequest(logger.write, FIT_STOP_PLAN) as stop:
+        for step, batch in _optimizer_batches(train_examples, train.batch_size, total_steps, train.seed):
+            if stop.requested:  # one process, no ranks to agree with; a fine-tuning run keeps no checkpoints to resume from
+                logger.close()
+                raise RunStopped(stop.signum, step - 1, None, resumable=False)
+            started = time.perf_counter()
+            units = max(sum(objective.units(example) for example in batch), 1)
+            optimizer.zero_grad(set_to_none=True)
+            sums = _backpropagate(model, batch, objective, units, train.micro_batch_size, compute, logger, name, step)
+            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, train.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            row = _step_row(step, steps_per_epoch, batch, units, sums, grad_norm, scheduler.get_last_lr()[0], started)
+            logger.log(row)
+            logger.advance(step, {key: row[key] for key in headline if key in row})
+            if train.eval_every and step % train.eval_every == 0 and step != total_steps:
+                _held_out(evaluate, logger, step)
     eval_after = _held_out(evaluate, logger, total_steps)
     logger.close()
     return read_metrics(output_dir / "metrics.jsonl"), eval_before, eval_after
@@ -489,6 +496,20 @@ def _step_row(
         "time/step": seconds,
         "sequences_per_second": sequences / max(seconds, 1e-9),
     }
+
+
+FIT_STOP_PLAN = "stopping after this step (polo sft, rm and dpo keep no checkpoint: the run starts again)"
+
+
+@contextmanager
+def finetune_run(config: Any) -> Iterator[None]:
+    """Yield while holding `output.dir` (`polo.runtime.run_lock`) with stop signals turned into requests (`polo.runtime.interrupt`).
+
+    Entered before anything looks at the directory; a signal that arrives before the first
+    step stops the run there.
+    """
+    with owned_run_dir(config.output.dir), StopRequest(plan=FIT_STOP_PLAN):
+        yield
 
 
 def prepare_run(config: Any, config_dict: dict) -> Compute:

@@ -39,6 +39,7 @@ from polo.finetune.fit import (
     fit,
     load_finetune_config,
     pair_indices,
+    finetune_run,
     prepare_run,
     ranking_rewards,
     save_model,
@@ -166,42 +167,43 @@ def train_reward_model(config: RewardModelConfig | str | Path | dict | None = No
     from polo.models.loading import load_tokenizer
 
     config = load_reward_model_config(config, overrides)
-    started = time.perf_counter()
-    compute = prepare_run(config, config_to_dict(config))
-    tokenizer = load_tokenizer(config.model.name)
-    model = new_reward_model(config.model.name, tokenizer, config.model.attn_implementation).to(compute.device)
-    if config.train.gradient_checkpointing:
-        enable_activation_checkpointing(model)
-    data = config.data
-    train_examples = encode_rankings(tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length)
-    eval_examples = (
-        encode_rankings(tokenizer, read_rankings(data.eval_path, data.num_eval), data.system_prompt, data.max_length) if data.eval_path else []
-    )
-    pad_id = tokenizer.pad_token_id
-    micro = config.train.micro_batch_size
-    last_scores: list[list[float]] = []
+    with finetune_run(config):
+        started = time.perf_counter()
+        compute = prepare_run(config, config_to_dict(config))
+        tokenizer = load_tokenizer(config.model.name)
+        model = new_reward_model(config.model.name, tokenizer, config.model.attn_implementation).to(compute.device)
+        if config.train.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        data = config.data
+        train_examples = encode_rankings(tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length)
+        eval_examples = (
+            encode_rankings(tokenizer, read_rankings(data.eval_path, data.num_eval), data.system_prompt, data.max_length) if data.eval_path else []
+        )
+        pad_id = tokenizer.pad_token_id
+        micro = config.train.micro_batch_size
+        last_scores: list[list[float]] = []
 
-    def evaluate() -> dict[str, float]:
-        last_scores[:] = score_sequences(ranking_rewards, model, eval_examples, pad_id, micro, compute)
-        return ranking_metrics(last_scores)
+        def evaluate() -> dict[str, float]:
+            last_scores[:] = score_sequences(ranking_rewards, model, eval_examples, pad_id, micro, compute)
+            return ranking_metrics(last_scores)
 
-    rows, before, after = fit(
-        model, train_examples, PairwiseObjective(pad_id, compute.device), config, compute=compute,
-        evaluate=evaluate if eval_examples else None, name="polo rm", headline=("loss", "accuracy"),
-    )
-    output_dir = Path(config.output.dir)
-    if eval_examples:  # per ranking, for analyses such as accuracy by kind of pair
-        write_jsonl(output_dir / "heldout_scores.jsonl", [{"scores": values} for values in last_scores])
-    else:  # normalisation statistics from the training responses instead
-        last_scores = score_sequences(ranking_rewards, model, train_examples, pad_id, micro, compute)
-    stats = ranking_metrics(last_scores)
-    model_dir = save_model(model, tokenizer, output_dir / "final")
-    (model_dir / STATS_FILE).write_text(json.dumps({
-        "mean": stats["reward_mean"], "std": stats["reward_std"], "num_responses": sum(len(values) for values in last_scores),
-        "source": data.eval_path or data.train_path,
-    }, indent=1) + "\n")
-    seconds = time.perf_counter() - started
-    write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
-    return FinetuneResult(output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds)
+        rows, before, after = fit(
+            model, train_examples, PairwiseObjective(pad_id, compute.device), config, compute=compute,
+            evaluate=evaluate if eval_examples else None, name="polo rm", headline=("loss", "accuracy"),
+        )
+        output_dir = Path(config.output.dir)
+        if eval_examples:  # per ranking, for analyses such as accuracy by kind of pair
+            write_jsonl(output_dir / "heldout_scores.jsonl", [{"scores": values} for values in last_scores])
+        else:  # normalisation statistics from the training responses instead
+            last_scores = score_sequences(ranking_rewards, model, train_examples, pad_id, micro, compute)
+        stats = ranking_metrics(last_scores)
+        model_dir = save_model(model, tokenizer, output_dir / "final")
+        (model_dir / STATS_FILE).write_text(json.dumps({
+            "mean": stats["reward_mean"], "std": stats["reward_std"], "num_responses": sum(len(values) for values in last_scores),
+            "source": data.eval_path or data.train_path,
+        }, indent=1) + "\n")
+        seconds = time.perf_counter() - started
+        write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
+        return FinetuneResult(output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds)
 
 

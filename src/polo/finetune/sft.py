@@ -31,6 +31,7 @@ from polo.finetune.fit import (
     evaluate_objective,
     fit,
     load_finetune_config,
+    finetune_run,
     prepare_run,
     response_logprobs,
     save_model,
@@ -86,25 +87,26 @@ def sft(config: SFTConfig | str | Path | dict | None = None, overrides: list[str
     from polo.models.loading import load_policy
 
     config = load_sft_config(config, overrides)
-    started = time.perf_counter()
-    compute = prepare_run(config, config_to_dict(config))
-    model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
-    model = model.to(compute.device)
-    if config.train.gradient_checkpointing:
-        enable_activation_checkpointing(model)
-    data = config.data
-    train_examples = encode_demonstrations(tokenizer, read_demonstrations(data.train_path, data.num_train), data.system_prompt, data.max_length)
-    eval_examples = (
-        encode_demonstrations(tokenizer, read_demonstrations(data.eval_path, data.num_eval), data.system_prompt, data.max_length)
-        if data.eval_path else []
-    )
-    objective = SFTObjective(tokenizer.pad_token_id, compute.device)
-    evaluate = (
-        (lambda: evaluate_objective(model, eval_examples, objective, config.train.micro_batch_size, compute)) if eval_examples else None
-    )
-    rows, before, after = fit(model, train_examples, objective, config, compute=compute, evaluate=evaluate, name="polo sft")
-    output_dir = Path(config.output.dir)
-    model_dir = save_model(model, tokenizer, output_dir / "final")
-    seconds = time.perf_counter() - started
-    write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
-    return FinetuneResult(output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds)
+    with finetune_run(config):
+        started = time.perf_counter()
+        compute = prepare_run(config, config_to_dict(config))
+        model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
+        model = model.to(compute.device)
+        if config.train.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        data = config.data
+        train_examples = encode_demonstrations(tokenizer, read_demonstrations(data.train_path, data.num_train), data.system_prompt, data.max_length)
+        eval_examples = (
+            encode_demonstrations(tokenizer, read_demonstrations(data.eval_path, data.num_eval), data.system_prompt, data.max_length)
+            if data.eval_path else []
+        )
+        objective = SFTObjective(tokenizer.pad_token_id, compute.device)
+        evaluate = (
+            (lambda: evaluate_objective(model, eval_examples, objective, config.train.micro_batch_size, compute)) if eval_examples else None
+        )
+        rows, before, after = fit(model, train_examples, objective, config, compute=compute, evaluate=evaluate, name="polo sft")
+        output_dir = Path(config.output.dir)
+        model_dir = save_model(model, tokenizer, output_dir / "final")
+        seconds = time.perf_counter() - started
+        write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
+        return FinetuneResult(output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds)

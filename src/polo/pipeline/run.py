@@ -20,6 +20,8 @@ import yaml
 
 from polo.pipeline.recipe import Plan, Stage, load_pipeline, stage_record
 from polo.pipeline.stage_eval import EVAL_FILE, evaluate_model, headline, read_json, write_json
+from polo.runtime.interrupt import RunStopped, StopRequest
+from polo.runtime.run_lock import owned_run_dir
 
 DONE_FILE = "stage_done.json"
 STARTED_FILE = "stage_started.json"
@@ -55,9 +57,20 @@ def run_pipeline(recipe: str | Path | dict, overrides: list[str] | None = None) 
     """Run a pipeline recipe (path or mapping) with dotted overrides; return every stage's result.
 
     Everything is checked before the first stage starts: unknown keys, each stage's own recipe,
-    the task and the counts it must supply.
+    the task and the counts it must supply. The pipeline holds `pipeline.dir` (and each stage its
+    own directory) against a second run; a stop signal (Ctrl-C, SIGTERM, SIGHUP) stops it after
+    the step in progress with `RunStopped`, and running the same command again continues it.
     """
     plan = load_pipeline(recipe, overrides)
+    with owned_run_dir(plan.settings.dir, "pipeline.dir"), StopRequest() as stop:
+        return run_plan(plan, stop)
+
+
+def run_plan(plan: Plan, stop: StopRequest) -> PipelineResult:
+    """Run a loaded pipeline's stages in order and return every stage's result; the caller holds `pipeline.dir`.
+
+    Raises `RunStopped` once `stop` is requested, between stages at the latest.
+    """
     if plan.settings.threads:
         import torch
 
@@ -68,10 +81,13 @@ def run_pipeline(recipe: str | Path | dict, overrides: list[str] | None = None) 
     base = evaluate_model(plan, plan.start_model, root / BASE_DIR) if plan.eval.base else None
     results, model, upstream_ran, previous_dir = [], plan.start_model, False, root / BASE_DIR
     for stage in plan.stages:
-        result = run_stage(plan, stage, model, upstream_ran, previous_dir)
+        with owned_run_dir(stage.dir, "the stage directory", "pick another pipeline.dir"):  # its data, its run and its evaluation
+            result = run_stage(plan, stage, model, upstream_ran, previous_dir)
         upstream_ran = upstream_ran or result.ran
         model, previous_dir = result.model_dir, stage.dir
         results.append(result)
+        if stop.requested and stage is not plan.stages[-1]:  # a signal during the stage's evaluation: the stage is done
+            raise RunStopped(stop.signum, None, None, where=stage.label)
     report = None
     if plan.settings.report:
         from polo.pipeline.report import write_pipeline_report
@@ -106,7 +122,10 @@ def run_stage(plan: Plan, stage: Stage, model: str, upstream_ran: bool, previous
         flush=True,
     )
     began = time.perf_counter()
-    model_dir, details = RUNNERS[stage.kind](plan, stage, config, model, resumable)
+    try:
+        model_dir, details = RUNNERS[stage.kind](plan, stage, config, model, resumable)
+    except RunStopped as stopped:
+        raise stopped.in_stage(stage.label) from None
     seconds = time.perf_counter() - began
     gc.collect()
     if model_dir == model and previous_dir is not None and (previous_dir / EVAL_FILE).exists():

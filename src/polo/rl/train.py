@@ -27,8 +27,9 @@ from polo.runtime import distributed as parallel
 from polo.runtime.device import resolve_device
 from polo.runtime.distributed import is_main_process
 from polo.runtime.errors import NonFiniteLossError
-from polo.runtime.interrupt import StopRequest
+from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
+from polo.runtime.run_lock import owned_run_dir
 from polo.runtime.trackers import Trackers
 
 
@@ -64,16 +65,18 @@ def train(
         config, overrides = load_config(config_to_dict(config) if isinstance(config, Config) else config, overrides), None
     joined = parallel.init_from_environment(resolve_device(config.train.device))
     try:
-        rollback = None
-        while True:  # once, unless the divergence guard rolls the run back (polo.rl.guard)
-            try:
-                return train_loop(set_up(
-                    config, overrides, reward_functions, rollback=rollback, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                ))
-            except Rollback as request:
-                rollback = request.state  # the failed run's frames go with the exception, before the rebuild
-            if is_main_process():
-                print(rollback.message, flush=True)
+        # The lock comes before anything looks at output.dir; a stop signal during set-up is held until the loop can stop cleanly.
+        with owned_run_dir(config.output.dir), StopRequest(say_on_main):
+            rollback = None
+            while True:  # once, unless the divergence guard rolls the run back (polo.rl.guard)
+                try:
+                    return train_loop(set_up(
+                        config, overrides, reward_functions, rollback=rollback, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                    ))
+                except Rollback as request:
+                    rollback = request.state  # the failed run's frames go with the exception, before the rebuild
+                if is_main_process():
+                    print(rollback.message, flush=True)
     finally:
         if joined:
             torch.distributed.destroy_process_group()
@@ -93,6 +96,9 @@ def train_loop(run: Run) -> TrainResult:
     saved_step, nonfinite_streak = run.start_step, 0
     guard = DivergenceGuard(run.model, config, run.checkpointer)
     with StopRequest(logger.write) as stop:
+        if parallel.any_rank(stop.requested):  # a signal during set-up: nothing was trained since the last checkpoint
+            logger.close()
+            raise RunStopped(stop.signum, run.start_step, run.checkpointer.latest())
         for step in range(run.start_step + 1, config.train.steps + 1):
             try:
                 metrics, samples = rl_step(run, step)
@@ -112,10 +118,10 @@ def train_loop(run: Run) -> TrainResult:
             stopping = parallel.any_rank(stop.requested)  # every rank stops after the same step
             if (config.output.save_every and step % config.output.save_every == 0) or stopping:
                 path, saved_step = run.save(step), step
+                stopping = stopping or parallel.any_rank(stop.requested)  # a signal during the save: stop on the checkpoint just written
             if stopping:
-                logger.write(f"polo: stopped after step {step}; saved {path}; continue with output.resume=true")
                 logger.close()
-                raise KeyboardInterrupt
+                raise RunStopped(stop.signum, step, path)
 
     eval_after = evaluate(config.train.steps) if config.eval.after and run.task.eval_rows else None
     if config.train.steps > saved_step or parallel.any_rank(run.checkpointer.latest() is None):
@@ -125,6 +131,12 @@ def train_loop(run: Run) -> TrainResult:
         plot_run(run.output_dir)
     publish_model(run, eval_after)  # README.md into the final checkpoint; the upload of output.push_to_hub (main process)
     return TrainResult(run.output_dir, config.train.steps, run.eval_before, eval_after, read_metrics(run.output_dir / "metrics.jsonl"))
+
+
+def say_on_main(line: str) -> None:
+    """Print `line` on the main process only (every rank of a torchrun job gets the scheduler's signal)."""
+    if is_main_process():
+        print(line, flush=True)
 
 
 def banner(run: Run) -> str:

@@ -1,0 +1,91 @@
+"""Test-only hooks for polo commands run as subprocesses: prepend this folder to PYTHONPATH and set
+
+- POLO_TEST_SIGTERM=PHASE:N   send this process SIGTERM once, in the middle of PHASE of step N:
+                              sampling (its first sampling round), update (the policy update),
+                              checkpoint (while writing checkpoint N);
+- POLO_TEST_HOLD_UNTIL=PATH   once the run has taken its directory's lock, before it checks or writes
+                              anything there, wait until PATH exists (at most two minutes).
+
+Python imports `sitecustomize` at start-up; the library itself carries no test hooks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def _sigterm_once(fired: list) -> None:
+    """Send this process SIGTERM, the first time only (a second one would abort the run at once)."""
+    if not fired:
+        fired.append(True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm(spec: str) -> None:
+    """Wrap the polo function of the phase `spec` names so that it signals in step N."""
+    phase, _, number = spec.partition(":")
+    target, fired, calls = int(number), [], []
+    if phase == "sampling":
+        from polo.rl import step as module
+
+        real_sample = module.sample_and_score
+
+        def sample_and_score(run, step, *args, **kwargs):
+            """Return the real sampling's result, after sending SIGTERM when it samples step N."""
+            if step == target:
+                _sigterm_once(fired)
+            return real_sample(run, step, *args, **kwargs)
+
+        module.sample_and_score = sample_and_score
+    elif phase == "update":
+        from polo.rl import step as module
+
+        real_update = module.policy_update
+
+        def policy_update(*args, **kwargs):
+            """Return the real update's result, after sending SIGTERM in this process's N-th update."""
+            calls.append(1)  # one update per step: the N-th call is step N of this process (counted from its start)
+            if len(calls) == target:
+                _sigterm_once(fired)
+            return real_update(*args, **kwargs)
+
+        module.policy_update = policy_update
+    elif phase == "checkpoint":
+        from polo.runtime.checkpoint import Checkpointer
+
+        real_write = Checkpointer._write
+
+        def _write(self, step, *args, **kwargs):
+            """Return the real checkpoint write's result, after sending SIGTERM as checkpoint N is written."""
+            if step == target:
+                _sigterm_once(fired)
+            return real_write(self, step, *args, **kwargs)
+
+        Checkpointer._write = _write
+    else:
+        raise ValueError(f"POLO_TEST_SIGTERM={spec!r}: the phase must be sampling, update or checkpoint")
+
+
+def _install_hold(path: str) -> None:
+    """Make `polo train` wait for `path` to exist once it holds its lock, before set-up."""
+    from polo.rl import train as module
+
+    real_set_up = module.set_up
+
+    def set_up(*args, **kwargs):
+        """Return the real set-up's result, once PATH exists."""
+        deadline = time.time() + 120
+        while not Path(path).exists() and time.time() < deadline:
+            time.sleep(0.05)
+        return real_set_up(*args, **kwargs)
+
+    module.set_up = set_up
+
+
+if os.environ.get("POLO_TEST_SIGTERM"):
+    _install_sigterm(os.environ["POLO_TEST_SIGTERM"])
+if os.environ.get("POLO_TEST_HOLD_UNTIL"):
+    _install_hold(os.environ["POLO_TEST_HOLD_UNTIL"])
