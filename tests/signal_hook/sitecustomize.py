@@ -24,47 +24,34 @@ def _sigterm_once(fired: list) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _signal_before(owner, name: str, fires) -> None:
+    """Replace `owner.name` with a wrapper that sends SIGTERM (once) when `fires(args)` is true, then calls the real one."""
+    real, fired = getattr(owner, name), []
+
+    def wrapper(*args, **kwargs):
+        if fires(args):
+            _sigterm_once(fired)
+        return real(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+
+
 def _install_sigterm(spec: str) -> None:
     """Wrap the polo function of the phase `spec` names so that it signals in step N."""
     phase, _, number = spec.partition(":")
-    target, fired, calls = int(number), [], []
-    if phase == "sampling":
+    target, calls = int(number), []
+    if phase == "sampling":  # sample_and_score(run, step, ...)
         from polo.rl import step as module
 
-        real_sample = module.sample_and_score
-
-        def sample_and_score(run, step, *args, **kwargs):
-            """Return the real sampling's result, after sending SIGTERM when it samples step N."""
-            if step == target:
-                _sigterm_once(fired)
-            return real_sample(run, step, *args, **kwargs)
-
-        module.sample_and_score = sample_and_score
-    elif phase == "update":
+        _signal_before(module, "sample_and_score", lambda args: args[1] == target)
+    elif phase == "update":  # one update per step: the N-th call is step N of this process (counted from its start)
         from polo.rl import step as module
 
-        real_update = module.policy_update
-
-        def policy_update(*args, **kwargs):
-            """Return the real update's result, after sending SIGTERM in this process's N-th update."""
-            calls.append(1)  # one update per step: the N-th call is step N of this process (counted from its start)
-            if len(calls) == target:
-                _sigterm_once(fired)
-            return real_update(*args, **kwargs)
-
-        module.policy_update = policy_update
-    elif phase == "checkpoint":
+        _signal_before(module, "policy_update", lambda args: calls.append(1) or len(calls) == target)
+    elif phase == "checkpoint":  # Checkpointer._write(self, step, ...)
         from polo.runtime.checkpoint import Checkpointer
 
-        real_write = Checkpointer._write
-
-        def _write(self, step, *args, **kwargs):
-            """Return the real checkpoint write's result, after sending SIGTERM as checkpoint N is written."""
-            if step == target:
-                _sigterm_once(fired)
-            return real_write(self, step, *args, **kwargs)
-
-        Checkpointer._write = _write
+        _signal_before(Checkpointer, "_write", lambda args: args[1] == target)
     else:
         raise ValueError(f"POLO_TEST_SIGTERM={spec!r}: the phase must be sampling, update or checkpoint")
 
