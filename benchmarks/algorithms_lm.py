@@ -37,13 +37,26 @@ polo.train(recipe, [f"train.steps={steps}", f"output.dir={out}", "output.save_ev
 """
 
 
-def run_recipe(recipe: Path, run_dir: Path, log_path: Path, steps: int, eval_before: bool, overrides: list[str] = ()) -> dict:
+def run_recipe(
+    recipe: Path, run_dir: Path, log_path: Path, steps: int, eval_before: bool, overrides: list[str] = ()
+) -> dict:
     """Train `recipe` (plus `overrides`) in a child process; return its figures (peak RSS from the child's own rusage)."""
     log = log_path.open("w")
     started = time.perf_counter()
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(recipe), str(run_dir), str(steps), "true" if eval_before else "false", *overrides],
-        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(recipe),
+            str(run_dir),
+            str(steps),
+            "true" if eval_before else "false",
+            *overrides,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
     )
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - started
@@ -69,7 +82,9 @@ def run_recipe(recipe: Path, run_dir: Path, log_path: Path, steps: int, eval_bef
 
 def run_preset(name: str, out_dir: Path, steps: int, eval_before: bool) -> dict:
     """Train one preset's recipe (`recipes/<name>_arith.yaml`) in a child process; return its figures."""
-    return run_recipe(ROOT / "recipes" / f"{name}_arith.yaml", out_dir / name, out_dir / f"{name}.log", steps, eval_before)
+    return run_recipe(
+        ROOT / "recipes" / f"{name}_arith.yaml", out_dir / name, out_dir / f"{name}.log", steps, eval_before
+    )
 
 
 def moving_average(values: list[float], window: int = 5) -> list[float]:
@@ -87,8 +102,14 @@ def plot(results: list[dict], path: Path) -> None:
     for result in results:
         axes[0].plot(result["steps"], moving_average(result["reward"]), label=result["name"], linewidth=2)
         axes[1].plot(result["steps"], moving_average(result["accuracy"]), label=result["name"], linewidth=2)
-    axes[0].set(xlabel="step", ylabel="training reward (moving average of 5)", title="Reward (DAPO's includes its length penalty)")
-    axes[1].set(xlabel="step", ylabel="sampled accuracy (moving average of 5)", title="Training accuracy, same sampling budget")
+    axes[0].set(
+        xlabel="step",
+        ylabel="training reward (moving average of 5)",
+        title="Reward (DAPO's includes its length penalty)",
+    )
+    axes[1].set(
+        xlabel="step", ylabel="sampled accuracy (moving average of 5)", title="Training accuracy, same sampling budget"
+    )
     for axis in axes:
         axis.grid(alpha=0.3)
     axes[1].legend(ncol=2)

@@ -92,8 +92,19 @@ def run_sb3(seed: int, budget: int) -> dict:
 
     env = make_vec_env("CartPole-v1", n_envs=8, seed=seed)
     model = PPO(
-        "MlpPolicy", env, n_steps=32, batch_size=256, n_epochs=20, gamma=0.98, gae_lambda=0.8,
-        learning_rate=linear(1e-3), clip_range=linear(0.2), ent_coef=0.0, seed=seed, device="cpu", verbose=0,
+        "MlpPolicy",
+        env,
+        n_steps=32,
+        batch_size=256,
+        n_epochs=20,
+        gamma=0.98,
+        gae_lambda=0.8,
+        learning_rate=linear(1e-3),
+        clip_range=linear(0.2),
+        ent_coef=0.0,
+        seed=seed,
+        device="cpu",
+        verbose=0,
     )
     callback = StopWhenSolved()
     model.learn(total_timesteps=budget, callback=callback)
@@ -118,17 +129,22 @@ def ratio(numerator: float | None, denominator: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--budget", type=int, default=100_000, help="environment steps per run (also the schedules' horizon)")
+    parser.add_argument(
+        "--budget", type=int, default=100_000, help="environment steps per run (also the schedules' horizon)"
+    )
     args = parser.parse_args(argv)
 
     import stable_baselines3
     import torch
 
-    import polo.control  # noqa: F401 - imported before any clock starts, like SB3
+    import polo.control
 
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, stable-baselines3 {stable_baselines3.__version__}; torch threads 1; "
-          f"target: mean of the last {WINDOW} episodes >= {TARGET:g}; budget {args.budget:,} steps", flush=True)
+    print(
+        f"torch {torch.__version__}, stable-baselines3 {stable_baselines3.__version__}; torch threads 1; "
+        f"target: mean of the last {WINDOW} episodes >= {TARGET:g}; budget {args.budget:,} steps",
+        flush=True,
+    )
     runners = {"polo": run_polo, "sb3": run_sb3}
     results: dict[str, list[dict]] = {name: [] for name in runners}
     # One throwaway short run each, so one-off lazy initialisation is not billed to seed 0.
@@ -141,8 +157,11 @@ def main(argv: list[str] | None = None) -> int:
             result = runner(seed, args.budget)
             result["foreign_cores"] = load.cores()
             results[name].append(result)
-            print(f"{name:<6} {seed:>4} {fmt(result['steps'], ',d'):>8} {fmt(result['seconds'], '.2f'):>7} "
-                  f"{fmt(result['cpu'], '.2f'):>6} {result['foreign_cores']:>20.2f}", flush=True)
+            print(
+                f"{name:<6} {seed:>4} {fmt(result['steps'], ',d'):>8} {fmt(result['seconds'], '.2f'):>7} "
+                f"{fmt(result['cpu'], '.2f'):>6} {result['foreign_cores']:>20.2f}",
+                flush=True,
+            )
     summary = {}
     for name, runs in results.items():
         summary[name] = {
@@ -152,10 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             "solved": sum(r["steps"] is not None for r in runs),
         }
         s = summary[name]
-        print(f"{name}: solved {s['solved']}/{len(runs)}; median {fmt(s['steps'], ',.0f')} steps, "
-              f"{fmt(s['seconds'], '.2f')} s wall, {fmt(s['cpu'], '.2f')} s CPU")
+        print(
+            f"{name}: solved {s['solved']}/{len(runs)}; median {fmt(s['steps'], ',.0f')} steps, "
+            f"{fmt(s['seconds'], '.2f')} s wall, {fmt(s['cpu'], '.2f')} s CPU"
+        )
     polo, sb3 = summary["polo"], summary["sb3"]
-    print(f"cpu_time_ratio={ratio(polo['cpu'], sb3['cpu'])} (polo median CPU seconds / SB3's; insensitive to other load)")
+    print(
+        f"cpu_time_ratio={ratio(polo['cpu'], sb3['cpu'])} (polo median CPU seconds / SB3's; insensitive to other load)"
+    )
     print(
         f"polo_vs_sb3 steps_ratio={ratio(polo['steps'], sb3['steps'])} time_ratio={ratio(polo['seconds'], sb3['seconds'])} "
         f"polo_solved={polo['solved']}/{args.seeds} sb3_solved={sb3['solved']}/{args.seeds}"

@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,18 +73,28 @@ def plot(results: list[dict], path: Path) -> None:
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for env_index, env in enumerate(envs):
         axis = axes[0, env_index]
-        for recipe_index, recipe in enumerate(r for r in recipes if any(x["recipe"] == r and x["env"] == env for x in results)):
+        for recipe_index, recipe in enumerate(
+            r for r in recipes if any(x["recipe"] == r and x["env"] == env for x in results)
+        ):
             runs = [r for r in results if r["recipe"] == recipe]
             solved = sum(r["solved_at_step"] is not None for r in runs)
             for run_index, run in enumerate(runs):
                 axis.plot(
-                    run["curve_steps"], run["curve"], color=colours[recipe_index % len(colours)], alpha=0.7, linewidth=1.2,
+                    run["curve_steps"],
+                    run["curve"],
+                    color=colours[recipe_index % len(colours)],
+                    alpha=0.7,
+                    linewidth=1.2,
                     label=f"{run['algorithm']} ({solved}/{len(runs)} solved)" if run_index == 0 else None,
                 )
         target = runs[0]["target"]
         if target is not None:
             axis.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:g}")
-        axis.set(xlabel="environment steps", ylabel="mean return of the last 20 episodes", title=f"{env} (one line per seed; runs stop when solved)")
+        axis.set(
+            xlabel="environment steps",
+            ylabel="mean return of the last 20 episodes",
+            title=f"{env} (one line per seed; runs stop when solved)",
+        )
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8, loc="lower right")
     figure.tight_layout()
@@ -121,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, ROOT / args.png)
     print(f"curves: {args.png}; raw results: {args.json}")
     print()
-    print("| algorithm | env | target | budget | " + " | ".join(f"seed {s}" for s in range(args.seeds)) + " | solved | median steps |")
+    print(
+        "| algorithm | env | target | budget | "
+        + " | ".join(f"seed {s}" for s in range(args.seeds))
+        + " | solved | median steps |"
+    )
     print("|---|---|---|---|" + "---|" * args.seeds + "---|---|")
     all_ok = True
     for recipe in args.recipes:
@@ -129,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         steps = [r["solved_at_step"] for r in runs if r["solved_at_step"] is not None]
         cells = [f"{r['solved_at_step']:,}" if r["solved_at_step"] is not None else "not solved" for r in runs]
         median = f"{statistics.median(steps):,.0f}" if steps else "-"
-        print(f"| {runs[0]['algorithm']} | {runs[0]['env']} | {runs[0]['target']:g} | {runs[0]['budget']:,} | "
-              + " | ".join(cells) + f" | {len(steps)}/{len(runs)} | {median} |")
+        print(
+            f"| {runs[0]['algorithm']} | {runs[0]['env']} | {runs[0]['target']:g} | {runs[0]['budget']:,} | "
+            + " | ".join(cells)
+            + f" | {len(steps)}/{len(runs)} | {median} |"
+        )
         all_ok &= len(steps) >= len(runs) - 1
     for recipe in args.recipes:
         runs = [r for r in results if r["recipe"] == recipe]

@@ -33,6 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+
 def recipe_prompts(tokenizer, recipe: str):
     """Return (held-out prompts, task, max_new_tokens) of a recipe, rendered for `tokenizer`."""
     from polo.config import load_config
@@ -53,7 +54,9 @@ def greedy_accuracy(model, tokenizer, recipe: str, with_bos: bool) -> float:
     if not with_bos:
         family.prompt_prefix_ids = lambda tokenizer: ()
     try:
-        samples = sample_groups(model, tokenizer, prompts, 1, max_new_tokens=max_new_tokens, temperature=0.0, batch_size=50)
+        samples = sample_groups(
+            model, tokenizer, prompts, 1, max_new_tokens=max_new_tokens, temperature=0.0, batch_size=50
+        )
     finally:
         family.prompt_prefix_ids = original
     return sum(task.correctness(sample[0].text, row) for sample, row in zip(samples, task.eval_rows)) / len(prompts)
@@ -69,12 +72,23 @@ def greedy_matches(model, tokenizer, prompts: list[str], new_tokens: int) -> tup
     stop = stop_token_ids(tokenizer, model)
     with torch.no_grad():
         reference = model.generate(
-            input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=stop,
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=stop,
         )[:, input_ids.shape[1] :].tolist()
     use_polo_attention(model)
     ids, completion_mask, _ = generate(
-        model, input_ids, mask, max_new_tokens=new_tokens, temperature=0.0, top_p=1.0, stop_ids=stop, pad_id=tokenizer.pad_token_id,
+        model,
+        input_ids,
+        mask,
+        max_new_tokens=new_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        stop_ids=stop,
+        pad_id=tokenizer.pad_token_id,
     )
     equal = 0
     for row, length, expected in zip(ids.tolist(), completion_mask.sum(-1).tolist(), reference):
@@ -134,7 +148,10 @@ def strided_head_forward(model, batch) -> torch.Tensor:
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     return model(
-        input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        use_cache=False,
         logits_to_keep=completion_ids.shape[1] + 1,
     ).logits
 
@@ -148,15 +165,26 @@ def main() -> None:
     accuracy = {}
     for recipe in ("gemma_arith.yaml", "grpo_arith.yaml"):
         accuracy[recipe] = [greedy_accuracy(model, tokenizer, recipe, flag) for flag in (True, False)]
-        print(f"1. {recipe}: held-out greedy accuracy with BOS {accuracy[recipe][0]:.3f}, without {accuracy[recipe][1]:.3f}", flush=True)
+        print(
+            f"1. {recipe}: held-out greedy accuracy with BOS {accuracy[recipe][0]:.3f}, without {accuracy[recipe][1]:.3f}",
+            flush=True,
+        )
     prompts, _, _ = recipe_prompts(tokenizer, "gemma_arith.yaml")
 
-    long_prompt = " ".join(f"Item {index} of the list is the number {index * 7 % 100}." for index in range(60)) + "\nThe next item is"
-    assert len(tokenizer(long_prompt)["input_ids"]) > model.config.sliding_window, "the long prompt must exceed the window"
+    long_prompt = (
+        " ".join(f"Item {index} of the list is the number {index * 7 % 100}." for index in range(60))
+        + "\nThe next item is"
+    )
+    assert len(tokenizer(long_prompt)["input_ids"]) > model.config.sliding_window, (
+        "the long prompt must exceed the window"
+    )
     short_equal, short_rows = greedy_matches(model, tokenizer, prompts[:16], 12)
     long_equal, long_rows = greedy_matches(model, tokenizer, [long_prompt, prompts[0]], 24)
     equal, rows = short_equal + long_equal, short_rows + long_rows
-    print(f"2. greedy polo == transformers generate: {short_equal}/{short_rows} short prompts, {long_equal}/{long_rows} with a prompt past the window", flush=True)
+    print(
+        f"2. greedy polo == transformers generate: {short_equal}/{short_rows} short prompts, {long_equal}/{long_rows} with a prompt past the window",
+        flush=True,
+    )
 
     batch = scoring_batch(model, tokenizer, prompts, 32)
     with torch.no_grad():
@@ -166,7 +194,8 @@ def main() -> None:
     difference = (fused - full).abs()[batch[3].bool()].max().item()
     print(
         f"3. log-probs, 32 rows (no gradient): fused {fused_s:.2f} s +{fused_mem / 2**30:.2f} GiB, "
-        f"full logits {full_s:.2f} s +{full_mem / 2**30:.2f} GiB, max |difference| {difference:.1e}", flush=True,
+        f"full logits {full_s:.2f} s +{full_mem / 2**30:.2f} GiB, max |difference| {difference:.1e}",
+        flush=True,
     )
 
     # A frozen bf16 head: the reference and a LoRA base under train.precision=bf16_master. There the
@@ -179,7 +208,8 @@ def main() -> None:
     speedup = strided_s / contiguous_s
     print(
         f"4. full logits, frozen bf16 head, {ROWS_BEFORE} rows: contiguous head input {contiguous_s:.2f} s +{contiguous_mem / 2**30:.2f} GiB, "
-        f"strided as before {strided_s:.2f} s +{strided_mem / 2**30:.2f} GiB", flush=True,
+        f"strided as before {strided_s:.2f} s +{strided_mem / 2**30:.2f} GiB",
+        flush=True,
     )
     bos, no_bos = accuracy["grpo_arith.yaml"]
     print(

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import matmul_rates, measure_quietly, median, wait_for_quiet  # noqa: E402
+from bench_common import matmul_rates, measure_quietly, median, wait_for_quiet
 
 MODEL = "smollm2-135m-instruct"
 
@@ -77,12 +77,15 @@ def grpo_step_flops(steps: int, out_dir: Path) -> dict:
     """Run polo's GRPO benchmark step `steps` + 2 times; return timed step seconds, executed FLOPs of one step, tokens."""
     import json
 
+    from torch.utils.flop_counter import FlopCounterMode
+
     import polo
     import polo.rl.train as trainer_module
     from grpo_vs_trl import polo_config
-    from torch.utils.flop_counter import FlopCounterMode
 
-    def cpu_attention(query_shape, key_shape, *args, **kwargs) -> int:  # QK^T and PV (grouped K/V heads count as the query's)
+    def cpu_attention(
+        query_shape, key_shape, *args, **kwargs
+    ) -> int:  # QK^T and PV (grouped K/V heads count as the query's)
         batch, heads, queries, dim = query_shape
         return 4 * batch * heads * queries * key_shape[2] * dim
 
@@ -132,15 +135,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
-    parser.add_argument("--grpo-steps", type=int, default=3, help="timed GRPO steps for the FLOP/s measurement (0: skip; default 3)")
-    parser.add_argument("--max-wait", type=float, default=900.0,
-                        help="seconds to wait for other processes to go quiet before measuring (default 900)")
+    parser.add_argument(
+        "--grpo-steps", type=int, default=3, help="timed GRPO steps for the FLOP/s measurement (0: skip; default 3)"
+    )
+    parser.add_argument(
+        "--max-wait",
+        type=float,
+        default=900.0,
+        help="seconds to wait for other processes to go quiet before measuring (default 900)",
+    )
     args = parser.parse_args(argv)
 
     from polo.config import load_config
-    from polo.models.loading import load_policy
-    from polo.generation.prompts import stop_token_ids
     from polo.data import instruction_for, make_task
+    from polo.generation.prompts import stop_token_ids
+    from polo.models.loading import load_policy
     from polo.rl.batching import batch_rows
 
     rate_bf16, rate_fp32 = matmul_rates(args.max_wait)
@@ -171,14 +180,28 @@ def main(argv: list[str] | None = None) -> None:
                 torch.manual_seed(1000 + rep)
                 started = time.perf_counter()
                 if impl == "polo":
-                    count = polo_generate(model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature, precision)
+                    count = polo_generate(
+                        model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature, precision
+                    )
                 else:
-                    count = hf_generate(model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature, precision, stop_ids)
+                    count = hf_generate(
+                        model,
+                        tokenizer,
+                        prompts,
+                        args.group_size,
+                        args.max_new_tokens,
+                        args.temperature,
+                        precision,
+                        stop_ids,
+                    )
                 return count, time.perf_counter() - started
 
             (count, seconds), others = measure_quietly(measure, args.max_wait)
             label = "warm-up" if rep == 0 else f"rep {rep}"
-            print(f"  {label:<7} {impl:<4} {precision}: {count:5d} tokens in {seconds:6.2f} s = {count / seconds:7.1f} tokens/s (other processes {others:.2f} cores)", flush=True)
+            print(
+                f"  {label:<7} {impl:<4} {precision}: {count:5d} tokens in {seconds:6.2f} s = {count / seconds:7.1f} tokens/s (other processes {others:.2f} cores)",
+                flush=True,
+            )
             if rep > 0:
                 rates[(impl, precision)].append(count / seconds)
                 tokens[(impl, precision)].append(count)
@@ -188,7 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'sampler':<16} {'precision':<9} {'median tokens/s':>15} {'median tokens':>13}")
     for impl, precision in cases:
         name = "polo rollout" if impl == "polo" else "HF generate"
-        print(f"{name:<16} {precision:<9} {median(rates[(impl, precision)]):>15.1f} {median(tokens[(impl, precision)]):>13.0f}")
+        print(
+            f"{name:<16} {precision:<9} {median(rates[(impl, precision)]):>15.1f} {median(tokens[(impl, precision)]):>13.0f}"
+        )
     fp32_ratio = median(rates[("polo", "fp32")]) / median(rates[("hf", "fp32")])
     bf16_ratio = median(rates[("polo", "bf16")]) / median(rates[("hf", "bf16")])
     print(f"polo/HF tokens/s: fp32 {fp32_ratio:.3f}, bf16 {bf16_ratio:.3f}")
@@ -209,13 +234,19 @@ def main(argv: list[str] | None = None) -> None:
         nominal_flops = 10 * parameter_count() * step["tokens"]
         matmul_fraction = executed / rate_bf16
         print()
-        print(f"GRPO step (benchmarks/grpo_vs_trl.py's job, polo defaults): timed steps "
-              f"{', '.join(f'{t:.2f}' for t in step['step_times'])} s, median {step_time:.2f} s; "
-              + ", ".join(f"{key} {value:.2f} s" for key, value in step["phases"].items()))
-        print(f"  executed FLOPs of one step (FlopCounterMode: matmuls + attention) {step['executed_flops'] / 1e12:.2f} TFLOP "
-              f"-> {executed / 1e9:,.1f} GFLOP/s = {matmul_fraction:.1%} of the bf16 matmul rate")
-        print(f"  nominal 10*N*T = {nominal_flops / 1e12:.2f} TFLOP (T = {step['tokens']:,.0f} tokens) -> "
-              f"{nominal_flops / step_time / 1e9:,.1f} GFLOP/s = {nominal_flops / step_time / rate_bf16:.1%} of the bf16 matmul rate")
+        print(
+            f"GRPO step (benchmarks/grpo_vs_trl.py's job, polo defaults): timed steps "
+            f"{', '.join(f'{t:.2f}' for t in step['step_times'])} s, median {step_time:.2f} s; "
+            + ", ".join(f"{key} {value:.2f} s" for key, value in step["phases"].items())
+        )
+        print(
+            f"  executed FLOPs of one step (FlopCounterMode: matmuls + attention) {step['executed_flops'] / 1e12:.2f} TFLOP "
+            f"-> {executed / 1e9:,.1f} GFLOP/s = {matmul_fraction:.1%} of the bf16 matmul rate"
+        )
+        print(
+            f"  nominal 10*N*T = {nominal_flops / 1e12:.2f} TFLOP (T = {step['tokens']:,.0f} tokens) -> "
+            f"{nominal_flops / step_time / 1e9:,.1f} GFLOP/s = {nominal_flops / step_time / rate_bf16:.1%} of the bf16 matmul rate"
+        )
     print(f"generation polo_vs_hf tokens_per_s_ratio={bf16_ratio:.3f} grpo_step_matmul_fraction={matmul_fraction:.3f}")
 
 

@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ForeignLoad, matmul_rates, median, mib, peak_rss_bytes, wait_for_quiet  # noqa: E402
+from bench_common import ForeignLoad, matmul_rates, median, mib, peak_rss_bytes, wait_for_quiet
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS_PER_STEP = 4
@@ -104,7 +104,13 @@ def polo_config(steps: int, output_dir: Path, lora: bool = False, device: str = 
         "rewards": {"correct": 1.0, "r1_format": 1.0},
         "sampling": {"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS},
         "algorithm": {"group_size": GROUP_SIZE, "beta": BETA, "update_epochs": 1},
-        "train": {"steps": steps, "prompts_per_step": PROMPTS_PER_STEP, "learning_rate": LEARNING_RATE, "precision": "auto", "device": device},
+        "train": {
+            "steps": steps,
+            "prompts_per_step": PROMPTS_PER_STEP,
+            "learning_rate": LEARNING_RATE,
+            "precision": "auto",
+            "device": device,
+        },
         "eval": {"before": False, "after": False},
         "output": {"dir": str(output_dir), "save_every": 0, "tensorboard": False, "plots": False, "progress": False},
     }
@@ -117,7 +123,13 @@ def demo_config(steps: int, output_dir: Path, device: str) -> dict:
     config = yaml.safe_load(DEMO_RECIPE.read_text())
     config["train"].update(steps=steps, device=device)
     config["eval"] = {**config.get("eval", {}), "before": False, "after": False}
-    config["output"] = {"dir": str(output_dir), "save_every": 0, "tensorboard": False, "plots": False, "progress": False}
+    config["output"] = {
+        "dir": str(output_dir),
+        "save_every": 0,
+        "tensorboard": False,
+        "plots": False,
+        "progress": False,
+    }
     return config
 
 
@@ -155,12 +167,13 @@ def step_prompts(config, tokenizer, steps: int):
 
 
 def run_polo(steps: int, out_dir: Path, lora: bool = False, device: str = "cpu", job: str = "bench") -> dict:
+    from transformers import AutoTokenizer
+
     import polo
     import polo.rl.train as trainer_module
     from polo.config import load_config
     from polo.models.loading import ensure_builtin_model
     from polo.runtime.device import train_compute
-    from transformers import AutoTokenizer
 
     config_dict = job_config(job, steps, out_dir / "run", lora, device)
     config = load_config(config_dict)
@@ -174,7 +187,9 @@ def run_polo(steps: int, out_dir: Path, lora: bool = False, device: str = "cpu",
         group_size * sum(prompt_lengths[s * prompts_per_step : (s + 1) * prompts_per_step]) for s in range(steps)
     ]
     # The least work: each group's prompt once (the shared-prompt layout), then its completions.
-    shared_prompt_tokens = [sum(prompt_lengths[s * prompts_per_step : (s + 1) * prompts_per_step]) for s in range(steps)]
+    shared_prompt_tokens = [
+        sum(prompt_lengths[s * prompts_per_step : (s + 1) * prompts_per_step]) for s in range(steps)
+    ]
     del tokenizer
 
     # Peak RSS as of the end of each step (polo saves a final checkpoint after the last step,
@@ -219,12 +234,15 @@ def run_polo(steps: int, out_dir: Path, lora: bool = False, device: str = "cpu",
         "micro_batch": config.train.micro_batch_size,
         "step_times": times,
         "time_source": time_source,
-        "phase_times": {key: [row.get(f"time/{key}") for row in rows] for key in ("generation", "reward", "reference", "update")},
+        "phase_times": {
+            key: [row.get(f"time/{key}") for row in rows] for key in ("generation", "reward", "reference", "update")
+        },
         "completion_length": [row["completion_length/mean"] for row in rows],
         "tokens": tokens,
         "token_source": token_source,
         "floor_tokens": [
-            row["completion_length/mean"] * prompts_per_step * group_size + shared_prompt_tokens[index] for index, row in enumerate(rows)
+            row["completion_length/mean"] * prompts_per_step * group_size + shared_prompt_tokens[index]
+            for index, row in enumerate(rows)
         ],
         "peak_rss_train": rss_after_step[-1] if rss_after_step else None,
         "peak_gpu_train": gpu_peak(rows),
@@ -232,7 +250,9 @@ def run_polo(steps: int, out_dir: Path, lora: bool = False, device: str = "cpu",
     }
 
 
-def trl_arguments(config, variant: str, micro_batch: int, output_dir: Path, device: str, job: str, reward_weights: list[float]):
+def trl_arguments(
+    config, variant: str, micro_batch: int, output_dir: Path, device: str, job: str, reward_weights: list[float]
+):
     """Return TRL's GRPOConfig for polo's `config` (same batch, sampling, KL and learning rate; the demo's schedule too)."""
     from trl import GRPOConfig
 
@@ -241,7 +261,10 @@ def trl_arguments(config, variant: str, micro_batch: int, output_dir: Path, devi
     schedule = {}
     if job == "demo":  # the demo recipe's warm-up then constant rate (the step-time job keeps TRL's default schedule)
         kind = config.train.lr_schedule
-        schedule = {"warmup_steps": config.train.warmup_steps, "lr_scheduler_type": "constant_with_warmup" if kind == "constant" else kind}
+        schedule = {
+            "warmup_steps": config.train.warmup_steps,
+            "lr_scheduler_type": "constant_with_warmup" if kind == "constant" else kind,
+        }
     return GRPOConfig(
         output_dir=str(output_dir),
         max_steps=config.train.steps,
@@ -278,6 +301,7 @@ def trl_rewards(config, task, rows) -> tuple[list, list[float]]:
         raise SystemExit(f"the TRL side knows the rewards {sorted(checkers)}, not {unknown}")
     functions = []
     for name in config.rewards:
+
         def reward(completions, row_index, _checker=checkers[name], **kwargs):
             return [_checker(text, rows[index]) for text, index in zip(completions, row_index)]
 
@@ -335,7 +359,14 @@ def gpu_peak(rows: list[dict]) -> int | None:
     return round(max(peaks) * 2**30) if peaks else None
 
 
-def run_trl(variant: str, steps: int, out_dir: Path, requested_micro_batch: int | None = None, device: str = "cpu", job: str = "bench") -> dict:
+def run_trl(
+    variant: str,
+    steps: int,
+    out_dir: Path,
+    requested_micro_batch: int | None = None,
+    device: str = "cpu",
+    job: str = "bench",
+) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local directory; never ask a hub
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -359,9 +390,16 @@ def run_trl(variant: str, steps: int, out_dir: Path, requested_micro_batch: int 
     if variant == "trl_lora":
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], target_modules="all-linear", task_type="CAUSAL_LM")
+        peft_config = LoraConfig(
+            r=LORA["r"], lora_alpha=LORA["alpha"], target_modules="all-linear", task_type="CAUSAL_LM"
+        )
     trainer = GRPOTrainer(
-        model=model_dir, reward_funcs=reward_funcs, args=args, train_dataset=dataset, callbacks=[timer], peft_config=peft_config,
+        model=model_dir,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=dataset,
+        callbacks=[timer],
+        peft_config=peft_config,
     )
     timer.trainer = trainer
     # TRL tokenizes plain-text prompts itself (no chat template); check it sees polo's exact tokens.
@@ -428,11 +466,22 @@ def parameter_count() -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_child(name: str, steps: int, out_dir: Path, trl_micro_batch: int | None = None, device: str = "cpu", job: str = "bench") -> dict:
+def run_child(
+    name: str, steps: int, out_dir: Path, trl_micro_batch: int | None = None, device: str = "cpu", job: str = "bench"
+) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "result.json").unlink(missing_ok=True)  # a retry must not read an earlier attempt's result
     log_path = out_dir / "child.log"
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--steps", str(steps), "--out", str(out_dir)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        name,
+        "--steps",
+        str(steps),
+        "--out",
+        str(out_dir),
+    ]
     if trl_micro_batch:
         command += ["--trl-micro-batch", str(trl_micro_batch)]
     if device != "cpu" or job != "bench":
@@ -456,9 +505,13 @@ def print_phase_medians(name: str, runs: list[dict]) -> None:
     """Print the median time of each phase of a polo run over its timed steps (all rounds)."""
     phases = runs[0].get("phase_times", {})
     if phases:
-        print(f"{name} phase medians (timed steps): " + ", ".join(
-            f"{key} {median([v for r in runs for v in r['phase_times'][key][1:] if v is not None]):.2f} s" for key in phases
-        ))
+        print(
+            f"{name} phase medians (timed steps): "
+            + ", ".join(
+                f"{key} {median([v for r in runs for v in r['phase_times'][key][1:] if v is not None]):.2f} s"
+                for key in phases
+            )
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -471,8 +524,22 @@ def gib(num_bytes: float | None) -> str:
 
 def heldout_accuracy(model: str, out_path: Path) -> float:
     """Return `polo eval`'s greedy held-out accuracy of `model` on the demo recipe's task (on the GPU)."""
-    command = [sys.executable, "-m", "polo", "eval", "--recipe", str(DEMO_RECIPE), "--model", model, "--greedy",
-               "--device", "cuda", "--no-progress", "-o", str(out_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "polo",
+        "eval",
+        "--recipe",
+        str(DEMO_RECIPE),
+        "--model",
+        model,
+        "--greedy",
+        "--device",
+        "cuda",
+        "--no-progress",
+        "-o",
+        str(out_path),
+    ]
     finished = subprocess.run(command, capture_output=True, text=True)
     if finished.returncode != 0:
         raise SystemExit(f"polo eval of {model} failed (exit {finished.returncode}):\n{finished.stderr[-3000:]}")
@@ -485,11 +552,16 @@ def gpu_step_runs(args, order: list[str], root: Path) -> dict[str, dict]:
     for round_index in range(args.rounds):
         for name in order:
             print(f"round {round_index + 1}/{args.rounds}: {name} ...", flush=True)
-            result = run_child(name, args.steps, root / f"round{round_index + 1}-{name}", args.trl_micro_batch, device="cuda")
+            result = run_child(
+                name, args.steps, root / f"round{round_index + 1}-{name}", args.trl_micro_batch, device="cuda"
+            )
             results[name].append(result)
-            print(f"  {name}: steps {', '.join(f'{t:.2f}' for t in result['step_times'])} s (first is warm-up), "
-                  f"median {median(result['step_times'][1:]):.2f} s, peak GPU memory {gib(result['peak_gpu_train'])}, "
-                  f"precision {result['precision']}", flush=True)
+            print(
+                f"  {name}: steps {', '.join(f'{t:.2f}' for t in result['step_times'])} s (first is warm-up), "
+                f"median {median(result['step_times'][1:]):.2f} s, peak GPU memory {gib(result['peak_gpu_train'])}, "
+                f"precision {result['precision']}",
+                flush=True,
+            )
     return {
         name: {
             "median": median([t for result in runs for t in result["step_times"][1:]]),
@@ -503,16 +575,22 @@ def gpu_step_runs(args, order: list[str], root: Path) -> dict[str, dict]:
 def gpu_accuracy_runs(args, order: list[str], root: Path) -> None:
     """Train the demo recipe --accuracy-steps steps with each run on the GPU and print its time, memory and held-out gain."""
     steps = args.accuracy_steps
-    print(f"\ndemo recipe ({DEMO_RECIPE.name}), {steps} steps on the GPU; held-out greedy accuracy by polo eval", flush=True)
+    print(
+        f"\ndemo recipe ({DEMO_RECIPE.name}), {steps} steps on the GPU; held-out greedy accuracy by polo eval",
+        flush=True,
+    )
     before = heldout_accuracy(MODEL, root / "demo-eval-base.json")
     print(f"  base model {MODEL}: held-out accuracy {before:.3f}", flush=True)
     for name in order:
         result = run_child(name, steps, root / f"demo-{name}", device="cuda", job="demo")
         after = heldout_accuracy(result["final_model"], root / f"demo-eval-{name}.json")
         times = result["step_times"]
-        print(f"  {name}: median step {median(times[1:]):.2f} s after a warm-up, {sum(times):.1f} s of training for {len(times)} steps, "
-              f"peak GPU memory {gib(result['peak_gpu_train'])}; held-out accuracy {before:.3f} -> {after:.3f} "
-              f"(gain {after - before:+.3f})", flush=True)
+        print(
+            f"  {name}: median step {median(times[1:]):.2f} s after a warm-up, {sum(times):.1f} s of training for {len(times)} steps, "
+            f"peak GPU memory {gib(result['peak_gpu_train'])}; held-out accuracy {before:.3f} -> {after:.3f} "
+            f"(gain {after - before:+.3f})",
+            flush=True,
+        )
 
 
 def gpu_main(args) -> None:
@@ -523,22 +601,31 @@ def gpu_main(args) -> None:
         raise SystemExit(f"--device cuda: torch {torch.__version__} sees no CUDA GPU")
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="polo-vs-trl-gpu-"))
     order = [name for name in GPU_RUNS if name in (args.only or GPU_RUNS)]
-    print(f"polo vs TRL GRPO step on {MODEL} on {torch.cuda.get_device_name()}: {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} "
-          f"completions, <= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, beta={BETA}, mu=1, rewards correct + r1_format")
-    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}); {args.rounds} round(s) of {order}, {args.steps} steps per run "
-          f"(first dropped); output in {root}", flush=True)
+    print(
+        f"polo vs TRL GRPO step on {MODEL} on {torch.cuda.get_device_name()}: {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} "
+        f"completions, <= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, beta={BETA}, mu=1, rewards correct + r1_format"
+    )
+    print(
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}); {args.rounds} round(s) of {order}, {args.steps} steps per run "
+        f"(first dropped); output in {root}",
+        flush=True,
+    )
     if "trl_gpu" in order:
         try:
             import trl
 
             print(f"trl {trl.__version__}: {DESCRIPTIONS['trl_gpu']}", flush=True)
         except ImportError:
-            raise SystemExit('TRL is not installed: pip install -e ".[bench]" (on the GPU machine: its wheel kit, docs/gpu.md)')
+            raise SystemExit(
+                'TRL is not installed: pip install -e ".[bench]" (on the GPU machine: its wheel kit, docs/gpu.md)'
+            )
     summary = gpu_step_runs(args, order, root)
     print()
     for name in order:
-        print(f"{name:<8} {DESCRIPTIONS[name] if name != 'polo' else 'polo defaults, train.device=cuda'} "
-              f"({summary[name]['precision']}): median step {summary[name]['median']:.3f} s, peak GPU memory {gib(summary[name]['peak_gpu'])}")
+        print(
+            f"{name:<8} {DESCRIPTIONS[name] if name != 'polo' else 'polo defaults, train.device=cuda'} "
+            f"({summary[name]['precision']}): median step {summary[name]['median']:.3f} s, peak GPU memory {gib(summary[name]['peak_gpu'])}"
+        )
     if args.accuracy_steps:
         gpu_accuracy_runs(args, order, root)
     step_ratio = memory_ratio = float("nan")
@@ -552,22 +639,48 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is a warm-up (default 4)")
     parser.add_argument("--rounds", type=int, default=1, help="times to repeat the alternating runs (default 1)")
-    parser.add_argument("--only", nargs="+", choices=RUNS + EXTRA_RUNS + GPU_RUNS[1:], default=None,
-                        help="run only these (trl_default, TRL's own bf16 + gradient checkpointing defaults, runs only when named; "
-                        f"with --device cuda the runs are {', '.join(GPU_RUNS)})")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=RUNS + EXTRA_RUNS + GPU_RUNS[1:],
+        default=None,
+        help="run only these (trl_default, TRL's own bf16 + gradient checkpointing defaults, runs only when named; "
+        f"with --device cuda the runs are {', '.join(GPU_RUNS)})",
+    )
     parser.add_argument("--out", default=None, help="where runs write (default: a new temporary directory)")
-    parser.add_argument("--max-wait", type=float, default=900.0,
-                        help="seconds to wait for other processes to go quiet before each measurement (default 900)")
-    parser.add_argument("--retries", type=int, default=2,
-                        help="times to redo a run during which other processes used the CPU (default 2)")
-    parser.add_argument("--trl-micro-batch", type=int, default=None,
-                        help="TRL's per_device_train_batch_size (default: polo's train.micro_batch_size); "
-                        "gradient accumulation makes up the 32 sequences of a step")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu (default): the CPU comparison above; cuda: polo (train.device=cuda) against TRL bf16 on one GPU")
-    parser.add_argument("--accuracy-steps", type=int, default=0, metavar="N",
-                        help="with --device cuda: also train the demo recipe N steps (e.g. 40) with both and score each "
-                        "greedily on its held-out problems (polo eval)")
+    parser.add_argument(
+        "--max-wait",
+        type=float,
+        default=900.0,
+        help="seconds to wait for other processes to go quiet before each measurement (default 900)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="times to redo a run during which other processes used the CPU (default 2)",
+    )
+    parser.add_argument(
+        "--trl-micro-batch",
+        type=int,
+        default=None,
+        help="TRL's per_device_train_batch_size (default: polo's train.micro_batch_size); "
+        "gradient accumulation makes up the 32 sequences of a step",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (default): the CPU comparison above; cuda: polo (train.device=cuda) against TRL bf16 on one GPU",
+    )
+    parser.add_argument(
+        "--accuracy-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --device cuda: also train the demo recipe N steps (e.g. 40) with both and score each "
+        "greedily on its held-out problems (polo eval)",
+    )
     parser.add_argument("--child", choices=RUNS + EXTRA_RUNS + GPU_RUNS[1:], help=argparse.SUPPRESS)
     parser.add_argument("--job", choices=("bench", "demo"), default="bench", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -586,10 +699,15 @@ def main(argv: list[str] | None = None) -> None:
 
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="polo-vs-trl-"))
     order = [name for name in RUNS + EXTRA_RUNS if name in (args.only or RUNS)]
-    print(f"polo vs TRL GRPO step on {MODEL}: {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} completions, "
-          f"<= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, beta={BETA}, mu=1, rewards correct + r1_format")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} round(s) of {order}, "
-          f"{args.steps} steps per run (first dropped); output in {root}", flush=True)
+    print(
+        f"polo vs TRL GRPO step on {MODEL}: {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} completions, "
+        f"<= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, beta={BETA}, mu=1, rewards correct + r1_format"
+    )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} round(s) of {order}, "
+        f"{args.steps} steps per run (first dropped); output in {root}",
+        flush=True,
+    )
     try:
         import trl
 
@@ -600,7 +718,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # Measure the machine first, while nothing else runs.
     rate_bf16, rate_fp32 = matmul_rates(args.max_wait)
-    print(f"matmul 2048^3 best rate: bf16 {rate_bf16 / 1e9:,.1f} GFLOP/s, fp32 {rate_fp32 / 1e9:,.1f} GFLOP/s", flush=True)
+    print(
+        f"matmul 2048^3 best rate: bf16 {rate_bf16 / 1e9:,.1f} GFLOP/s, fp32 {rate_fp32 / 1e9:,.1f} GFLOP/s", flush=True
+    )
 
     results: dict[str, list[dict]] = {name: [] for name in order}
     for round_index in range(args.rounds):
@@ -611,8 +731,11 @@ def main(argv: list[str] | None = None) -> None:
                 result = run_child(name, args.steps, root / f"round{round_index + 1}-{name}", args.trl_micro_batch)
                 if result["foreign_cores"] < 0.2 or attempt == args.retries:
                     break
-                print(f"  other processes used {result['foreign_cores']:.2f} CPU cores during that run "
-                      f"(steps {', '.join(f'{t:.1f}' for t in result['step_times'])} s); running it again", flush=True)
+                print(
+                    f"  other processes used {result['foreign_cores']:.2f} CPU cores during that run "
+                    f"(steps {', '.join(f'{t:.1f}' for t in result['step_times'])} s); running it again",
+                    flush=True,
+                )
             results[name].append(result)
             timed = result["step_times"][1:]
             print(
@@ -645,8 +768,10 @@ def main(argv: list[str] | None = None) -> None:
     print()
     for name in order:
         s = summary[name]
-        print(f"{name:<11} ({results[name][0].get('precision', '?')}) median step {s['median']:.2f} s over {args.rounds} round(s); peak RSS {mib(s['peak_train'])} "
-              f"at the last step, {mib(s['peak'])} whole process")
+        print(
+            f"{name:<11} ({results[name][0].get('precision', '?')}) median step {s['median']:.2f} s over {args.rounds} round(s); peak RSS {mib(s['peak_train'])} "
+            f"at the last step, {mib(s['peak'])} whole process"
+        )
 
     step_ratio = rss_ratio = floor_fraction = float("nan")
     trl_runs = [name for name in order if name in FULL_RUNS and name.startswith("trl")]
@@ -667,8 +792,10 @@ def main(argv: list[str] | None = None) -> None:
             f"= {floor_fraction:.1%} of polo's median step"
         )
         first = results["polo"][0]
-        print(f"polo settings: precision {first['precision']}, gradient checkpointing {first['gradient_checkpointing']}, "
-              f"micro-batch {first['micro_batch']}; step time from {first['time_source']}")
+        print(
+            f"polo settings: precision {first['precision']}, gradient checkpointing {first['gradient_checkpointing']}, "
+            f"micro-batch {first['micro_batch']}; step time from {first['time_source']}"
+        )
         print_phase_medians("polo", results["polo"])
         if trl_runs:
             fastest = min(trl_runs, key=lambda name: summary[name]["median"])
@@ -676,22 +803,41 @@ def main(argv: list[str] | None = None) -> None:
             step_ratio = summary[fastest]["median"] / polo_median
             rss_ratio = summary["polo"]["peak_train"] / summary[leanest]["peak_train"]
             same = all(r.get("same_prompt_tokens") for name in trl_runs for r in results[name])
-            print(f"TRL prompt tokens identical to polo's: {same}; TRL micro-batch "
-                  f"{results[trl_runs[0]][0]['micro_batch']} x {PROMPTS_PER_STEP * GROUP_SIZE // results[trl_runs[0]][0]['micro_batch']} accumulation steps")
-            print(f"TRL fastest: {fastest} ({summary[fastest]['median']:.2f} s); TRL lowest peak: {leanest} "
-                  f"({mib(summary[leanest]['peak_train'])}); peak RSS compared at the end of the last step")
+            print(
+                f"TRL prompt tokens identical to polo's: {same}; TRL micro-batch "
+                f"{results[trl_runs[0]][0]['micro_batch']} x {PROMPTS_PER_STEP * GROUP_SIZE // results[trl_runs[0]][0]['micro_batch']} accumulation steps"
+            )
+            print(
+                f"TRL fastest: {fastest} ({summary[fastest]['median']:.2f} s); TRL lowest peak: {leanest} "
+                f"({mib(summary[leanest]['peak_train'])}); peak RSS compared at the end of the last step"
+            )
     lora_runs = [name for name in LORA_RUNS if name in summary]
     if lora_runs:
-        print("LoRA beside (r=16 on every linear layer; not in the ratios below): " + "; ".join(
-            f"{name} {summary[name]['median']:.2f} s, {mib(summary[name]['peak_train'])}" for name in lora_runs
-        ) + (f"; trl_lora / polo_lora step time {summary['trl_lora']['median'] / summary['polo_lora']['median']:.3f}, "
-             f"peak RSS {summary['polo_lora']['peak_train'] / summary['trl_lora']['peak_train']:.3f}" if len(lora_runs) == 2 else ""))
+        print(
+            "LoRA beside (r=16 on every linear layer; not in the ratios below): "
+            + "; ".join(
+                f"{name} {summary[name]['median']:.2f} s, {mib(summary[name]['peak_train'])}" for name in lora_runs
+            )
+            + (
+                f"; trl_lora / polo_lora step time {summary['trl_lora']['median'] / summary['polo_lora']['median']:.3f}, "
+                f"peak RSS {summary['polo_lora']['peak_train'] / summary['trl_lora']['peak_train']:.3f}"
+                if len(lora_runs) == 2
+                else ""
+            )
+        )
         if "polo_lora" in results:
             print_phase_medians("polo_lora", results["polo_lora"])
-    busy = [f"{name} round {i + 1} ({r['foreign_cores']:.2f} cores)" for name in order for i, r in enumerate(results[name]) if r["foreign_cores"] > 0.2]
+    busy = [
+        f"{name} round {i + 1} ({r['foreign_cores']:.2f} cores)"
+        for name in order
+        for i, r in enumerate(results[name])
+        if r["foreign_cores"] > 0.2
+    ]
     if busy:
         print("WARNING: other processes used the CPU during " + ", ".join(busy) + "; those timings are inflated")
-    print(f"polo_vs_trl step_time_ratio={fmt(step_ratio)} peak_rss_ratio={fmt(rss_ratio)} floor_fraction={fmt(floor_fraction)}")
+    print(
+        f"polo_vs_trl step_time_ratio={fmt(step_ratio)} peak_rss_ratio={fmt(rss_ratio)} floor_fraction={fmt(floor_fraction)}"
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from algorithms_lm import ROOT, run_recipe  # noqa: E402
-from bench_common import ForeignLoad  # noqa: E402
+from algorithms_lm import ROOT, run_recipe
+from bench_common import ForeignLoad
 
 MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
 MODES = {"full": [], "lora": ["model.lora.r=16", "model.lora.alpha=32"]}
@@ -40,7 +40,12 @@ def run_one(model: str, mode: str, recipe: Path, out_dir: Path, steps: int) -> d
     overrides = [f"model.name={MODELS[model]}", "eval.after=false", "output.plots=false", *MODES[mode]]
     monitor = ForeignLoad(include_children=True)
     result = run_recipe(recipe, out_dir / name, out_dir / f"{name}.log", steps, eval_before=False, overrides=overrides)
-    result.update(model=model, mode=mode, other_cores=monitor.cores(), mean_completion_length=statistics.mean(result["completion_length"]))
+    result.update(
+        model=model,
+        mode=mode,
+        other_cores=monitor.cores(),
+        mean_completion_length=statistics.mean(result["completion_length"]),
+    )
     return result
 
 

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from algorithms_lm import ROOT, moving_average, run_recipe  # noqa: E402
+from algorithms_lm import ROOT, moving_average, run_recipe
 
 RECIPE = ROOT / "recipes" / "grpo_arith.yaml"
 RUNS = {  # name -> overrides
@@ -42,7 +42,13 @@ RUNS = {  # name -> overrides
     "fast": ["train.precision=auto", "train.seed=0"],
     "fp32_seed1": ["train.precision=fp32", "train.seed=1"],
 }
-LORA_RUN = ["train.precision=auto", "train.seed=0", "model.lora.r=16", "model.lora.alpha=32", "train.learning_rate=7.5e-5"]
+LORA_RUN = [
+    "train.precision=auto",
+    "train.seed=0",
+    "model.lora.r=16",
+    "model.lora.alpha=32",
+    "train.learning_rate=7.5e-5",
+]
 
 
 def curve_gap(a: list[float], b: list[float], window: int = 5) -> float:
@@ -57,18 +63,43 @@ def plot(results: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = {"fp32": ("tab:blue", "-"), "fast": ("tab:orange", "-"), "fp32_seed1": ("tab:blue", ":"), "lora": ("tab:green", "--")}
+    styles = {
+        "fp32": ("tab:blue", "-"),
+        "fast": ("tab:orange", "-"),
+        "fp32_seed1": ("tab:blue", ":"),
+        "lora": ("tab:green", "--"),
+    }
     labels = {
-        "fp32": "fp32, seed 0", "fast": "bf16 weights + fp32 masters (polo's default), seed 0", "fp32_seed1": "fp32, seed 1 (noise)",
+        "fp32": "fp32, seed 0",
+        "fast": "bf16 weights + fp32 masters (polo's default), seed 0",
+        "fp32_seed1": "fp32, seed 1 (noise)",
         "lora": "LoRA r=16 on the default path, lr x15, seed 0",
     }
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, result in results.items():
         color, style = styles[name]
         axes[0].plot(result["steps"], result["reward"], color=color, linestyle=style, alpha=0.25, linewidth=1)
-        axes[0].plot(result["steps"], moving_average(result["reward"]), color=color, linestyle=style, linewidth=2, label=labels[name])
-        axes[1].plot(result["steps"], moving_average(result["completion_length"]), color=color, linestyle=style, linewidth=2, label=labels[name])
-    axes[0].set(xlabel="step", ylabel="training reward (thin: per step; thick: moving average of 5)", title="Reward: polo's bf16 default vs fp32")
+        axes[0].plot(
+            result["steps"],
+            moving_average(result["reward"]),
+            color=color,
+            linestyle=style,
+            linewidth=2,
+            label=labels[name],
+        )
+        axes[1].plot(
+            result["steps"],
+            moving_average(result["completion_length"]),
+            color=color,
+            linestyle=style,
+            linewidth=2,
+            label=labels[name],
+        )
+    axes[0].set(
+        xlabel="step",
+        ylabel="training reward (thin: per step; thick: moving average of 5)",
+        title="Reward: polo's bf16 default vs fp32",
+    )
     axes[1].set(xlabel="step", ylabel="mean completion length (tokens, moving average of 5)", title="Response length")
     for axis in axes:
         axis.grid(alpha=0.3)
@@ -92,20 +123,37 @@ def main() -> None:
     else:
         results = {}
         for name, overrides in {**RUNS, **({"lora": LORA_RUN} if args.lora else {})}.items():
-            result = run_recipe(RECIPE, out_dir / name, out_dir / f"{name}.log", args.steps, eval_before=name == "fp32", overrides=overrides)
+            result = run_recipe(
+                RECIPE,
+                out_dir / name,
+                out_dir / f"{name}.log",
+                args.steps,
+                eval_before=name == "fp32",
+                overrides=overrides,
+            )
             results[name] = result
-            print(f"{name:>10}: held-out after {result['eval_after']:.3f}  reward(last 5) {result['final_reward']:.3f}  "
-                  f"median step {result['median_step_s']:.1f} s  peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
+            print(
+                f"{name:>10}: held-out after {result['eval_after']:.3f}  reward(last 5) {result['final_reward']:.3f}  "
+                f"median step {result['median_step_s']:.1f} s  peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB",
+                flush=True,
+            )
             (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, out_dir / "precision_curves.png")
     fast_gap = curve_gap(results["fast"]["reward"], results["fp32"]["reward"])
     seed_gap = curve_gap(results["fp32_seed1"]["reward"], results["fp32"]["reward"])
     speed = results["fp32"]["median_step_s"] / results["fast"]["median_step_s"]
-    print(f"held-out greedy accuracy before {results['fp32']['eval_before']:.3f}; after: "
-          + ", ".join(f"{name} {result['eval_after']:.3f}" for name, result in results.items()))
-    print(f"mean training reward over all steps: " + ", ".join(f"{name} {statistics.mean(r['reward']):.3f}" for name, r in results.items()))
-    print(f"precision_curves fast_vs_fp32_gap={fast_gap:.3f} fp32_seed_gap={seed_gap:.3f} "
-          f"within_noise={'true' if fast_gap <= seed_gap else 'false'} fast_vs_fp32_step_time={speed:.2f}")
+    print(
+        f"held-out greedy accuracy before {results['fp32']['eval_before']:.3f}; after: "
+        + ", ".join(f"{name} {result['eval_after']:.3f}" for name, result in results.items())
+    )
+    print(
+        "mean training reward over all steps: "
+        + ", ".join(f"{name} {statistics.mean(r['reward']):.3f}" for name, r in results.items())
+    )
+    print(
+        f"precision_curves fast_vs_fp32_gap={fast_gap:.3f} fp32_seed_gap={seed_gap:.3f} "
+        f"within_noise={'true' if fast_gap <= seed_gap else 'false'} fast_vs_fp32_step_time={speed:.2f}"
+    )
 
 
 if __name__ == "__main__":

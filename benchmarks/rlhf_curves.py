@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from algorithms_lm import moving_average  # noqa: E402
+from algorithms_lm import moving_average
 
 
 def read_run(directory: Path) -> dict:
@@ -50,9 +50,17 @@ def plot(runs: dict[str, dict], path: Path) -> None:
         axes[1].plot(steps, accuracy, color=color, marker="o", linewidth=2, label=label)
         if run["rm"] is not None:
             axes[2].plot(run["steps"], moving_average(run["rm"]), color=color, linewidth=2, label=label)
-    axes[0].set(xlabel="step", ylabel="training samples correct (checker; thick: moving average of 5)", title="True correctness while training")
+    axes[0].set(
+        xlabel="step",
+        ylabel="training samples correct (checker; thick: moving average of 5)",
+        title="True correctness while training",
+    )
     axes[1].set(xlabel="step", ylabel="held-out greedy accuracy (200 problems)", title="Held-out accuracy")
-    axes[2].set(xlabel="step", ylabel="reward-model score, normalised (moving average of 5)", title="What the reward-model runs optimise")
+    axes[2].set(
+        xlabel="step",
+        ylabel="reward-model score, normalised (moving average of 5)",
+        title="What the reward-model runs optimise",
+    )
     for axis in axes:
         axis.grid(alpha=0.3)
         axis.legend()
@@ -75,9 +83,14 @@ def main() -> None:
         runs[label] = read_run(Path(directory))
     plot(runs, Path(args.output))
     print(f"wrote {args.output}")
-    print("rlhf_curves " + " ".join(
-        f"{label.replace(' ', '_')}:final_greedy={run['greedy'][-1][1]:.3f}" for label, run in runs.items() if run["greedy"]
-    ))
+    print(
+        "rlhf_curves "
+        + " ".join(
+            f"{label.replace(' ', '_')}:final_greedy={run['greedy'][-1][1]:.3f}"
+            for label, run in runs.items()
+            if run["greedy"]
+        )
+    )
 
 
 if __name__ == "__main__":

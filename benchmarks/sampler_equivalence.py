@@ -31,9 +31,18 @@ def questions() -> tuple[list[dict], object]:
     arithmetic = make_task(load_config({"task": {"name": "arithmetic", "answer_in_tags": True, "num_eval": 16}}))
     rows = list(arithmetic.eval_rows[:8])
     if (GSM8K / "test.jsonl").exists():
-        gsm8k = make_task(load_config({"task": {
-            "name": "gsm8k", "train_path": str(GSM8K / "train.jsonl"), "eval_path": str(GSM8K / "test.jsonl"), "num_eval": 8,
-        }}))
+        gsm8k = make_task(
+            load_config(
+                {
+                    "task": {
+                        "name": "gsm8k",
+                        "train_path": str(GSM8K / "train.jsonl"),
+                        "eval_path": str(GSM8K / "test.jsonl"),
+                        "num_eval": 8,
+                    }
+                }
+            )
+        )
         rows += list(gsm8k.eval_rows[:8])
     else:
         rows += list(arithmetic.eval_rows[8:16])
@@ -52,8 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
 
-    from polo.data import instruction_for
     from polo.config import load_config
+    from polo.data import instruction_for
     from polo.generation import cpu_sampler, static_sampler
     from polo.generation.grouped import load_for_sampling
     from polo.generation.prompts import stop_token_ids, tokenize_prompts
@@ -66,9 +75,13 @@ def main(argv: list[str] | None = None) -> None:
     prompts = task.prompts(tokenizer, rows, instruction_for(config, task), config.task.system_prompt)
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     stop, pad = stop_token_ids(tokenizer, model), tokenizer.pad_token_id
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, top_p=1.0, stop_ids=stop, pad_id=pad, compute=compute)
-    print(f"{MODEL} ({compute}): {len(prompts)} prompts, {prompt_ids.shape[1]} prompt positions, greedy, "
-          f"<= {args.max_new_tokens} new tokens")
+    settings = dict(
+        max_new_tokens=args.max_new_tokens, temperature=0.0, top_p=1.0, stop_ids=stop, pad_id=pad, compute=compute
+    )
+    print(
+        f"{MODEL} ({compute}): {len(prompts)} prompts, {prompt_ids.shape[1]} prompt positions, greedy, "
+        f"<= {args.max_new_tokens} new tokens"
+    )
 
     results = {}
     for name, run in (
@@ -82,19 +95,33 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     with torch.no_grad():
         generated = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens, do_sample=False,
-            temperature=None, top_p=None, top_k=None, repetition_penalty=1.0, eos_token_id=stop, pad_token_id=pad,
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            repetition_penalty=1.0,
+            eos_token_id=stop,
+            pad_token_id=pad,
         )[:, prompt_ids.shape[1] :]
     results["hf"] = [until_stop(row, stop) for row in generated.tolist()]
     print(f"  {'hf':<6} {time.perf_counter() - started:6.1f} s")
 
     pairs = {"static_vs_cpu": ("static", "cpu"), "static_vs_hf": ("static", "hf"), "cpu_vs_hf": ("cpu", "hf")}
-    counts = {label: sum(results[a][i] == results[b][i] for i in range(len(prompts))) for label, (a, b) in pairs.items()}
+    counts = {
+        label: sum(results[a][i] == results[b][i] for i in range(len(prompts))) for label, (a, b) in pairs.items()
+    }
     for index, row in enumerate(rows):
         same = "".join("=" if results[a][index] == results[b][index] else "x" for a, b in pairs.values())
         text = tokenizer.decode(results["static"][index], skip_special_tokens=True).replace("\n", " ")
-        print(f"  {index:2d} [{same}] {len(results['static'][index]):3d} tokens  {row['question'][:40]!r} -> {text[:60]!r}")
-    print(f"sampler_equivalence prompts={len(prompts)} " + " ".join(f"{label}={count}" for label, count in counts.items()))
+        print(
+            f"  {index:2d} [{same}] {len(results['static'][index]):3d} tokens  {row['question'][:40]!r} -> {text[:60]!r}"
+        )
+    print(
+        f"sampler_equivalence prompts={len(prompts)} " + " ".join(f"{label}={count}" for label, count in counts.items())
+    )
 
 
 if __name__ == "__main__":

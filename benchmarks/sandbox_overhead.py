@@ -76,8 +76,15 @@ class UserWorker:
         os.chown(self.home, uid, uid)
         env = {"PATH": "/usr/bin:/bin", "HOME": self.home, "TMPDIR": self.home, "LANG": "C.UTF-8"}
         self.process = subprocess.Popen(
-            [python, os.path.abspath(__file__), "--worker"], env=env, cwd=self.home, user=uid, group=uid,
-            extra_groups=[], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            [python, os.path.abspath(__file__), "--worker"],
+            env=env,
+            cwd=self.home,
+            user=uid,
+            group=uid,
+            extra_groups=[],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         self.summary = self.process.stdout.readline().strip()
         if not self.summary:
@@ -133,8 +140,10 @@ def main() -> None:
             user.close()
     for name in reversed(list(timers)):
         found = times[name]
-        print(f"{name}: runs {len(found)}, min {min(found):.1f} ms, max {max(found):.1f} ms, "
-              f"median {statistics.median(found):.1f} ms")
+        print(
+            f"{name}: runs {len(found)}, min {min(found):.1f} ms, max {max(found):.1f} ms, "
+            f"median {statistics.median(found):.1f} ms"
+        )
     print(f"median sandbox overhead per program: {statistics.median(times['this']):.1f} ms")
 
 

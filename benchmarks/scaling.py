@@ -28,9 +28,25 @@ ROOT = Path(__file__).resolve().parent.parent
 def run(processes: int, steps: int, output_dir: Path, recipe: str, extra: list[str], threads: int = 1) -> dict:
     """Train `steps` steps with `processes` ranks of `threads` threads; return throughput figures from the run's metrics."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m", "polo", "train", recipe,
-        f"train.steps={steps}", f"train.threads={threads}", "eval.before=false", "eval.after=false", "output.save_every=0",
-        "output.plots=false", "output.tensorboard=false", "output.progress=false", f"output.dir={output_dir}", *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={processes}",
+        "-m",
+        "polo",
+        "train",
+        recipe,
+        f"train.steps={steps}",
+        f"train.threads={threads}",
+        "eval.before=false",
+        "eval.after=false",
+        "output.save_every=0",
+        "output.plots=false",
+        "output.tensorboard=false",
+        "output.progress=false",
+        f"output.dir={output_dir}",
+        *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     started = time.perf_counter()
@@ -46,8 +62,14 @@ def run(processes: int, steps: int, output_dir: Path, recipe: str, extra: list[s
     update = sum(row["time/update"] for row in rows[1:]) / (len(rows) - 1)
     generation = sum(row["time/generation"] for row in rows[1:]) / (len(rows) - 1)
     return {
-        "processes": processes, "threads": threads, "step_seconds": step_seconds, "samples_per_second": samples / step_seconds,
-        "generation_seconds": generation, "update_seconds": update, "mean_completion_tokens": completions, "total_wall_seconds": wall,
+        "processes": processes,
+        "threads": threads,
+        "step_seconds": step_seconds,
+        "samples_per_second": samples / step_seconds,
+        "generation_seconds": generation,
+        "update_seconds": update,
+        "mean_completion_tokens": completions,
+        "total_wall_seconds": wall,
     }
 
 
@@ -56,8 +78,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--recipe", default="recipes/grpo_arith.yaml")
-    parser.add_argument("--threads-baseline", type=int, default=2,
-                        help="also time 1 process with this many threads (the way one machine is used without torchrun); 0 skips it")
+    parser.add_argument(
+        "--threads-baseline",
+        type=int,
+        default=2,
+        help="also time 1 process with this many threads (the way one machine is used without torchrun); 0 skips it",
+    )
     parser.add_argument("overrides", nargs="*", help="extra dotted.key=value overrides for both runs")
     args = parser.parse_args()
     results = []
@@ -66,7 +92,9 @@ def main() -> None:
         runs.append((1, args.threads_baseline))
     with tempfile.TemporaryDirectory(prefix="polo-scaling-") as scratch:
         for processes, threads in runs:
-            result = run(processes, args.steps, Path(scratch) / f"n{processes}t{threads}", args.recipe, args.overrides, threads)
+            result = run(
+                processes, args.steps, Path(scratch) / f"n{processes}t{threads}", args.recipe, args.overrides, threads
+            )
             results.append(result)
             print(
                 f"{processes} process(es) x {threads} thread(s): {result['step_seconds']:.1f} s/step, {result['samples_per_second']:.2f} samples/s "
@@ -77,7 +105,9 @@ def main() -> None:
     base = results[0]
     for result in results[1 : len(args.processes)]:
         ratio = result["samples_per_second"] / base["samples_per_second"]
-        print(f"scaling {result['processes']}/{base['processes']} processes: samples/s ratio {ratio:.2f} (ideal {result['processes'] / base['processes']:.1f})")
+        print(
+            f"scaling {result['processes']}/{base['processes']} processes: samples/s ratio {ratio:.2f} (ideal {result['processes'] / base['processes']:.1f})"
+        )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,9 @@ class Args:
     warmup_steps: int = arg(2, "optimizer steps of linear learning-rate warm-up")
     beta: float = arg(0.0, "weight of the k3 KL to the initial model; 0 keeps no reference copy at all")
     clip_eps: float = arg(0.2, "PPO clip range: the probability ratio is held within [1 - eps, 1 + eps]")
-    update_epochs: int = arg(1, "mu: optimizer steps per sampled batch; >1 reuses the samples, which clipping makes safe")
+    update_epochs: int = arg(
+        1, "mu: optimizer steps per sampled batch; >1 reuses the samples, which clipping makes safe"
+    )
     temperature: float = arg(1.0, "sampling temperature (the log-probs are of the same tempered policy)")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples from the full distribution")
     micro_batch_size: int = arg(16, "sequences per forward/backward; gradients add up to the full batch's")
@@ -185,8 +187,14 @@ for step in range(1, args.steps + 1):
     prompts = encode_prompts(tokenizer, problems, device)
     with torch.no_grad():
         sequences = model.generate(
-            **prompts, do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
-            max_new_tokens=args.max_new_tokens, num_return_sequences=group_size, pad_token_id=tokenizer.pad_token_id,
+            **prompts,
+            do_sample=True,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=0,
+            max_new_tokens=args.max_new_tokens,
+            num_return_sequences=group_size,
+            pad_token_id=tokenizer.pad_token_id,
         )  # (B, prompt_len + completion_len)
     prompt_len = prompts.input_ids.shape[1]
     completion_ids = sequences[:, prompt_len:]  # (B, completion_len)
@@ -210,15 +218,21 @@ for step in range(1, args.steps + 1):
     with torch.no_grad():
         old_logprobs, ref_logprobs = None, None  # each (B, completion_len) when needed
         if args.update_epochs > 1:
-            old_logprobs = torch.cat([
-                completion_logprobs(model, sequences[rows], attention_mask[rows], completion_len, args.temperature)
-                for rows in micro_batches
-            ])
+            old_logprobs = torch.cat(
+                [
+                    completion_logprobs(model, sequences[rows], attention_mask[rows], completion_len, args.temperature)
+                    for rows in micro_batches
+                ]
+            )
         if args.beta > 0:
-            ref_logprobs = torch.cat([
-                completion_logprobs(ref_model, sequences[rows], attention_mask[rows], completion_len, args.temperature)
-                for rows in micro_batches
-            ])
+            ref_logprobs = torch.cat(
+                [
+                    completion_logprobs(
+                        ref_model, sequences[rows], attention_mask[rows], completion_len, args.temperature
+                    )
+                    for rows in micro_batches
+                ]
+            )
 
     # 4. The update: update_epochs optimizer steps on this one batch.
     num_tokens = completion_mask.sum().item()
@@ -228,7 +242,9 @@ for step in range(1, args.steps + 1):
         for rows in micro_batches:
             mask = completion_mask[rows]
             # (micro, completion_len), with gradients
-            logprobs = completion_logprobs(model, sequences[rows], attention_mask[rows], completion_len, args.temperature)
+            logprobs = completion_logprobs(
+                model, sequences[rows], attention_mask[rows], completion_len, args.temperature
+            )
             old = old_logprobs[rows] if old_logprobs is not None else logprobs.detach()
             per_token, _ = ppo_clip_loss(logprobs, old, token_advantages[rows], mask, args.clip_eps, args.clip_eps)
             if args.beta > 0:
@@ -238,8 +254,12 @@ for step in range(1, args.steps + 1):
             # GRPO's mean over each sequence's tokens, then over sequences; dividing by the whole batch's
             # sequence count (not the micro-batch's) makes the micro-batch gradients add up to the batch's.
             loss = aggregate_loss(
-                per_token, mask, "grpo",  # "dr_grpo" or "dapo" here would give those papers' averaging instead
-                num_sequences=batch_size, num_tokens=num_tokens, max_completion_length=args.max_new_tokens,
+                per_token,
+                mask,
+                "grpo",  # "dr_grpo" or "dapo" here would give those papers' averaging instead
+                num_sequences=batch_size,
+                num_tokens=num_tokens,
+                max_completion_length=args.max_new_tokens,
             )
             loss.backward()
             loss_sum += loss.item()
@@ -259,4 +279,6 @@ for step in range(1, args.steps + 1):
     )
 
 accuracy_after = greedy_accuracy(model, tokenizer, eval_problems, args.max_new_tokens)
-print(f"greedy accuracy on {len(eval_problems)} held-out problems: {accuracy_before:.3f} before -> {accuracy_after:.3f} after")
+print(
+    f"greedy accuracy on {len(eval_problems)} held-out problems: {accuracy_before:.3f} before -> {accuracy_after:.3f} after"
+)

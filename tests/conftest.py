@@ -39,15 +39,26 @@ def build_tiny_model(directory: Path, seed: int = 0) -> Path:
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|im_end|>",
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
         additional_special_tokens=["<|im_start|>"],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=None, eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|im_end|>"], tie_word_embeddings=True,
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=vocab["<|im_end|>"],
+        pad_token_id=vocab["<|im_end|>"],
+        tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config)
     directory.mkdir(parents=True, exist_ok=True)

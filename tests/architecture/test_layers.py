@@ -35,9 +35,13 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:  # relative import
                     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(anchor + ([base] if base else []))
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+                ]
             for target in targets:
-                while target and target not in modules:  # `import polo.a.b` imports polo.a.b; an attribute resolves to its module
+                while (
+                    target and target not in modules
+                ):  # `import polo.a.b` imports polo.a.b; an attribute resolves to its module
                     target = target.rpartition(".")[0]
                 if target and target != name:
                     graph[name].add(target)
@@ -92,7 +96,9 @@ def test_no_function_over_the_limit():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 start = min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
                 if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
-                    long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - start + 1} lines)")
+                    long.append(
+                        f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - start + 1} lines)"
+                    )
     assert long == []
 
 
@@ -147,14 +153,20 @@ def cpu_kernel_imports(tree: ast.AST) -> list[int]:
 
 def test_only_the_kernels_facade_imports_the_cpu_kernels():
     importers = [
-        f"{relative}:{line}" for relative, tree in polo_sources_outside(("polo/kernels/",)) for line in cpu_kernel_imports(tree)
+        f"{relative}:{line}"
+        for relative, tree in polo_sources_outside(("polo/kernels/",))
+        for line in cpu_kernel_imports(tree)
     ]
     assert importers == [], "import kernels through polo.kernels, which picks them per device"
 
 
 def test_the_cpu_kernel_import_check_finds_one():
-    assert cpu_kernel_imports(ast.parse("from polo.kernels.cpu.attention import x\nimport polo.kernels.cpu.linear\n")) == [1, 2]
-    assert cpu_kernel_imports(ast.parse("from polo.kernels import cpu\nfrom polo.kernels import use_fast_attention\n")) == [1]
+    assert cpu_kernel_imports(
+        ast.parse("from polo.kernels.cpu.attention import x\nimport polo.kernels.cpu.linear\n")
+    ) == [1, 2]
+    assert cpu_kernel_imports(
+        ast.parse("from polo.kernels import cpu\nfrom polo.kernels import use_fast_attention\n")
+    ) == [1]
 
 
 def precision_string_parameters(tree: ast.AST) -> list[str]:
@@ -171,21 +183,29 @@ def precision_string_parameters(tree: ast.AST) -> list[str]:
 
 
 def test_no_function_takes_a_precision_string():
-    found = [f"{relative}:{where}" for relative, tree in polo_sources_outside(()) for where in precision_string_parameters(tree)]
+    found = [
+        f"{relative}:{where}"
+        for relative, tree in polo_sources_outside(())
+        for where in precision_string_parameters(tree)
+    ]
     assert found == [], "pass the run's polo.runtime.device.Compute instead of a precision name"
 
 
 def device_strings(tree: ast.AST) -> list[int]:
     """Return the lines of the string constants "cpu" and "cuda" (or "cuda:N") in a module."""
     return sorted(
-        node.lineno for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
         and (node.value in ("cpu", "cuda") or node.value.startswith("cuda:"))
     )
 
 
 def test_no_device_named_outside_runtime_and_kernels():
-    found = [f"{relative}:{line}" for relative, tree in polo_sources_outside(DEVICE_LAYERS) for line in device_strings(tree)]
+    found = [
+        f"{relative}:{line}" for relative, tree in polo_sources_outside(DEVICE_LAYERS) for line in device_strings(tree)
+    ]
     assert found == [], "allocate on the run's Compute.device (or an input tensor's device), never a named one"
 
 

@@ -68,7 +68,14 @@ def write_jsonl(path: Path, rows: int) -> Path:
 
 
 def jsonl_task(train: Path, held_out: Path, **options) -> dict:
-    return {"name": "jsonl", "train_path": str(train), "eval_path": str(held_out), "num_train": None, "num_eval": None, **options}
+    return {
+        "name": "jsonl",
+        "train_path": str(train),
+        "eval_path": str(held_out),
+        "num_train": None,
+        "num_eval": None,
+        **options,
+    }
 
 
 def test_train_misspelled_checker(tmp_path):
@@ -110,7 +117,9 @@ def test_train_model_with_garbage_safetensors(tmp_path, tiny_model_dir):
 
 
 def test_plot_missing_directory(tmp_path):
-    assert polo("plot", str(tmp_path / "nowhere"), cwd=tmp_path) == f"run directory {tmp_path / 'nowhere'} does not exist"
+    assert (
+        polo("plot", str(tmp_path / "nowhere"), cwd=tmp_path) == f"run directory {tmp_path / 'nowhere'} does not exist"
+    )
 
 
 def test_plot_directory_that_is_not_a_run(tmp_path):
@@ -122,21 +131,44 @@ def test_sft_bad_learning_rate(tmp_path):
     data = tmp_path / "demos.jsonl"
     data.write_text('{"prompt": "1 + 1?", "response": "2"}\n')
     recipe = tmp_path / "sft.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model": {"name": str(tmp_path / "no-model-here")}, "data": {"train_path": str(data)},
-        "output": {"dir": str(tmp_path / "out")},
-    }))
-    assert polo("sft", str(recipe), "train.learning_rate=nan", cwd=tmp_path) == "train.learning_rate must be a finite number >= 0, got nan"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": str(tmp_path / "no-model-here")},
+                "data": {"train_path": str(data)},
+                "output": {"dir": str(tmp_path / "out")},
+            }
+        )
+    )
+    assert (
+        polo("sft", str(recipe), "train.learning_rate=nan", cwd=tmp_path)
+        == "train.learning_rate must be a finite number >= 0, got nan"
+    )
 
 
 def test_control_bad_learning_rate(tmp_path):
-    line = polo("control", str(RECIPES / "ppo_cartpole.yaml"), "train.learning_rate=-3e-4", f"output.dir={tmp_path / 'out'}", cwd=tmp_path)
+    line = polo(
+        "control",
+        str(RECIPES / "ppo_cartpole.yaml"),
+        "train.learning_rate=-3e-4",
+        f"output.dir={tmp_path / 'out'}",
+        cwd=tmp_path,
+    )
     assert line == "train.learning_rate must be a finite number > 0, got -0.0003"
 
 
 def test_eval_misspelled_checker(tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", 2)
-    line = polo("eval", "--task", f"jsonl:{data}", "--checker", "exact_nmber", "--model", str(tmp_path / "no-model-here"), cwd=tmp_path)
+    line = polo(
+        "eval",
+        "--task",
+        f"jsonl:{data}",
+        "--checker",
+        "exact_nmber",
+        "--model",
+        str(tmp_path / "no-model-here"),
+        cwd=tmp_path,
+    )
     assert line == "--checker 'exact_nmber' is not one of math_verify, exact_number, exact_string"
 
 

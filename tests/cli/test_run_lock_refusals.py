@@ -34,8 +34,11 @@ def command(name: str, tmp_path: Path, locked: Path) -> list[str]:
     finetune = {"model": {"name": no_model}, "data": {"train_path": str(data)}, "output": {"dir": str(locked)}}
     if name == "train":
         recipe = {
-            "model": {"name": no_model}, "task": {"name": "arithmetic", "min_digits": 1, "max_digits": 1},
-            "algorithm": {"group_size": 2}, "train": {"prompts_per_step": 2}, "output": {"dir": str(locked)},
+            "model": {"name": no_model},
+            "task": {"name": "arithmetic", "min_digits": 1, "max_digits": 1},
+            "algorithm": {"group_size": 2},
+            "train": {"prompts_per_step": 2},
+            "output": {"dir": str(locked)},
         }
         return ["train", write(tmp_path / "rl.yaml", recipe)]
     if name in ("sft", "rm", "dpo"):
@@ -61,10 +64,14 @@ def test_a_command_on_a_held_run_directory_stops_in_one_line_before_loading_anyt
     captured = capsys.readouterr()
     what = {"pipeline": "pipeline.dir", "eval": "the run directory of --output"}.get(name, "output.dir")
     instead = "write --output elsewhere" if name == "eval" else f"pick another {what}"
-    assert captured.err.startswith(f"polo: error: {what} {locked} is in use by another polo run (pid {os.getpid()} on {socket.gethostname()}, ")
+    assert captured.err.startswith(
+        f"polo: error: {what} {locked} is in use by another polo run (pid {os.getpid()} on {socket.gethostname()}, "
+    )
     assert captured.err.endswith(f"wait for it to finish, or {instead}\n") and captured.err.count("\n") == 1
     assert captured.out == ""
-    assert sorted(path.name for path in locked.iterdir()) == ([] if name != "eval" else ["config.yaml"])  # nothing written
+    assert sorted(path.name for path in locked.iterdir()) == (
+        [] if name != "eval" else ["config.yaml"]
+    )  # nothing written
 
 
 def test_eval_into_a_plain_folder_or_reading_a_run_never_locks(tmp_path, capsys):
@@ -75,7 +82,10 @@ def test_eval_into_a_plain_folder_or_reading_a_run_never_locks(tmp_path, capsys)
     try:
         assert main(["report", str(run_dir), "--output", str(tmp_path / "report.html")]) == 0
         # eval of a model into a plain folder takes no lock: it fails on the model, not on the lock
-        assert main(["eval", "--model", str(tmp_path / "no-model-here"), "--output", str(tmp_path / "out" / "eval.json")]) == 2
+        assert (
+            main(["eval", "--model", str(tmp_path / "no-model-here"), "--output", str(tmp_path / "out" / "eval.json")])
+            == 2
+        )
     finally:
         held.release()
     assert "in use by another polo run" not in capsys.readouterr().err

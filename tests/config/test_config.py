@@ -25,7 +25,9 @@ def test_every_recipe_loads(recipe):
     command = recipe.stem.split("_")[1] if recipe.stem.startswith("rlhf_") else None  # rlhf_rm_samples -> rm
     if command in finetune_loaders:
         assert finetune_loaders[command](recipe).data.train_path
-    elif "pipeline" in yaml.safe_load(recipe.read_text()):  # an R1 pipeline (`polo pipeline`): every stage's recipe checked
+    elif "pipeline" in yaml.safe_load(
+        recipe.read_text()
+    ):  # an R1 pipeline (`polo pipeline`): every stage's recipe checked
         from polo.pipeline.recipe import load_pipeline
 
         assert load_pipeline(recipe).stages
@@ -38,7 +40,9 @@ def test_every_recipe_loads(recipe):
 
 
 def test_overrides_set_typed_values():
-    config = load_config(None, ["train.learning_rate=3e-6", "algorithm.group_size=4", "task.operators=[+, '-']", "output.resume=true"])
+    config = load_config(
+        None, ["train.learning_rate=3e-6", "algorithm.group_size=4", "task.operators=[+, '-']", "output.resume=true"]
+    )
     assert config.train.learning_rate == 3e-6 and isinstance(config.train.learning_rate, float)
     assert config.algorithm.group_size == 4
     assert config.task.operators == ["+", "-"]
@@ -103,8 +107,15 @@ def test_algorithm_presets_fill_fields_and_explicit_keys_win():
     from polo.config import PRESETS
 
     dapo = load_config({"algorithm": {"name": "dapo"}}).algorithm
-    assert (dapo.clip_eps_high, dapo.dynamic_sampling, dapo.loss_aggregation, dapo.overlong_buffer) == (0.28, True, "dapo", 0.2)
-    mine = load_config({"algorithm": {"name": "dapo", "clip_eps_high": 0.3}}, ["algorithm.dynamic_sampling=false"]).algorithm
+    assert (dapo.clip_eps_high, dapo.dynamic_sampling, dapo.loss_aggregation, dapo.overlong_buffer) == (
+        0.28,
+        True,
+        "dapo",
+        0.2,
+    )
+    mine = load_config(
+        {"algorithm": {"name": "dapo", "clip_eps_high": 0.3}}, ["algorithm.dynamic_sampling=false"]
+    ).algorithm
     assert (mine.clip_eps_high, mine.dynamic_sampling, mine.loss_aggregation) == (0.3, False, "dapo")
     assert load_config(None, ["algorithm.name=ppo"]).algorithm.advantage_estimator == "gae"
     assert load_config(None, ["algorithm.name=dr_grpo"]).algorithm.scale_rewards is False
@@ -114,7 +125,9 @@ def test_algorithm_presets_fill_fields_and_explicit_keys_win():
 
 
 def test_unknown_algorithm_names_the_valid_ones():
-    with pytest.raises(ConfigError, match="algorithm.name: 'ppo2' is not one of grpo, dr_grpo, dapo, rloo, reinforce_pp, gspo, ppo"):
+    with pytest.raises(
+        ConfigError, match="algorithm.name: 'ppo2' is not one of grpo, dr_grpo, dapo, rloo, reinforce_pp, gspo, ppo"
+    ):
         load_config(None, ["algorithm.name=ppo2"])
     with pytest.raises(ConfigError, match="kl_in_reward needs algorithm.beta > 0"):
         load_config(None, ["algorithm.name=ppo", "algorithm.beta=0"])

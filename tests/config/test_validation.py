@@ -59,7 +59,11 @@ def test_range_forms():
         low: float = 0.0
 
     check_floats(Section(), {"low": "[0, 1)"})
-    for spec, value, accepted in (("(0, 1]", 0.0, "in (0, 1]"), ("[0, 1)", 1.0, "in [0, 1)"), (">= 2", 1.0, "a finite number >= 2")):
+    for spec, value, accepted in (
+        ("(0, 1]", 0.0, "in (0, 1]"),
+        ("[0, 1)", 1.0, "in [0, 1)"),
+        (">= 2", 1.0, "a finite number >= 2"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(f"low must be {accepted}, got {value!r}")):
             check_floats(Section(value), {"low": spec})
 
@@ -85,7 +89,10 @@ def test_counts_out_of_range(override, expected):
 def test_output_dir_that_is_a_file(tmp_path):
     afile = tmp_path / "notes.txt"
     afile.write_text("mine")
-    assert error_of([f"output.dir={afile}"]) == f"output.dir: {afile} is a file, not a directory; name a directory (it is made if missing)"
+    assert (
+        error_of([f"output.dir={afile}"])
+        == f"output.dir: {afile} is a file, not a directory; name a directory (it is made if missing)"
+    )
     assert f"{afile}/run cannot be made, {afile} is a file" in error_of([f"output.dir={afile}/run"])
     assert load_config(None, [f"output.dir={tmp_path}/new/run"]).output.dir == f"{tmp_path}/new/run"
     assert afile.read_text() == "mine"
@@ -96,8 +103,14 @@ def test_finetune_configs_check_every_float(tmp_path):
     from polo.finetune.sft import load_sft_config
 
     data = [f"data.train_path={tmp_path / 'train.jsonl'}", f"output.dir={tmp_path / 'out'}"]
-    assert error_of([*data, "train.learning_rate=nan"], load_sft_config) == "train.learning_rate must be a finite number >= 0, got nan"
-    assert error_of([*data, "train.learning_rate=-1"], load_sft_config) == "train.learning_rate must be a finite number >= 0, got -1.0"
+    assert (
+        error_of([*data, "train.learning_rate=nan"], load_sft_config)
+        == "train.learning_rate must be a finite number >= 0, got nan"
+    )
+    assert (
+        error_of([*data, "train.learning_rate=-1"], load_sft_config)
+        == "train.learning_rate must be a finite number >= 0, got -1.0"
+    )
     assert error_of([*data, "train.adam_beta1=inf"], load_sft_config) == "train.adam_beta1 must be in [0, 1), got inf"
     assert error_of([*data, "dpo.beta=inf"], load_dpo_config) == "dpo.beta must be a finite number, got inf"
     assert error_of([*data, "train.threads=0"], load_sft_config) == "train.threads must be at least 1, got 0"
@@ -109,11 +122,22 @@ def test_finetune_configs_check_every_float(tmp_path):
 def test_control_config_checks_every_float(tmp_path):
     from polo.control.config import load_control_config
 
-    assert error_of(["train.learning_rate=nan"], load_control_config) == "train.learning_rate must be a finite number > 0, got nan"
+    assert (
+        error_of(["train.learning_rate=nan"], load_control_config)
+        == "train.learning_rate must be a finite number > 0, got nan"
+    )
     assert error_of(["algorithm.gamma=0"], load_control_config) == "algorithm.gamma must be in (0, 1], got 0.0"
-    assert error_of(["algorithm.target_kl=inf"], load_control_config) == "algorithm.target_kl must be a finite number > 0, got inf"
-    assert error_of(["env.reward_scale=nan"], load_control_config) == "env.reward_scale must be a finite number, got nan"
-    assert error_of(["train.target_return=-inf"], load_control_config) == "train.target_return must be a finite number, got -inf"
+    assert (
+        error_of(["algorithm.target_kl=inf"], load_control_config)
+        == "algorithm.target_kl must be a finite number > 0, got inf"
+    )
+    assert (
+        error_of(["env.reward_scale=nan"], load_control_config) == "env.reward_scale must be a finite number, got nan"
+    )
+    assert (
+        error_of(["train.target_return=-inf"], load_control_config)
+        == "train.target_return must be a finite number, got -inf"
+    )
     afile = tmp_path / "afile"
     afile.write_text("")
     assert error_of([f"output.dir={afile}"], load_control_config).startswith(f"output.dir: {afile} is a file")

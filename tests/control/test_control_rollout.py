@@ -49,7 +49,9 @@ def test_build_batch_bootstraps_truncations_and_rollout_cuts_but_not_termination
     assert batch.values.tolist() == [0.0, 10.0, 30.0, 40.0]
 
     # GAE on the segments, checked by hand with γ = 0.5, λ = 1 (Monte-Carlo minus V).
-    advantages, returns = gae_advantages(batch.rewards, batch.pad(batch.values), batch.mask, 0.5, 1.0, batch.last_values)
+    advantages, returns = gae_advantages(
+        batch.rewards, batch.pad(batch.values), batch.mask, 0.5, 1.0, batch.last_values
+    )
     # Segment 0: R_1 = 2, R_0 = 2 + 0.5·2 = 3. Segment 1: R_1 = 2 + 0.5·50 = 27, R_0 = 2 + 0.5·27 = 15.5.
     assert batch.flatten(returns).tolist() == [3.0, 2.0, 15.5, 27.0]
     assert batch.flatten(advantages).tolist() == [3.0, -8.0, -14.5, -13.0]

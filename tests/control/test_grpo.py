@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from polo.control.envs import action_spec, make_vector_env
-from polo.control.rollout import Batch, EpisodeCollector, EpisodeTracker
 from polo.control.grpo import episode_group_advantages
+from polo.control.rollout import Batch, EpisodeCollector, EpisodeTracker
 from polo.control.trainer import _episode_seeds
 
 
@@ -59,7 +59,9 @@ def test_a_group_shares_its_start_state():
         def act(self, observations):
             return np.random.default_rng(1).integers(2, size=len(observations))
 
-    rollout = EpisodeCollector(env, action_spec(env.single_action_space), EpisodeTracker(4)).collect(RandomPolicy(), seeds)
+    rollout = EpisodeCollector(env, action_spec(env.single_action_space), EpisodeTracker(4)).collect(
+        RandomPolicy(), seeds
+    )
     first = rollout.observations[0]
     np.testing.assert_array_equal(first[0], first[1])
     np.testing.assert_array_equal(first[2], first[3])

@@ -48,5 +48,7 @@ def test_act_returns_numpy_actions_of_the_right_shape():
     discrete = ActorCritic(4, ActionSpec(discrete=True, num_actions=3), [8])
     actions = discrete.act(np.zeros((5, 4), dtype=np.float32))
     assert actions.shape == (5,) and actions.dtype == np.int64 and set(actions.tolist()) <= {0, 1, 2}
-    continuous = ActorCritic(3, ActionSpec(discrete=False, shape=(1,), low=-np.ones(1), high=np.ones(1)), [8], critic=False)
+    continuous = ActorCritic(
+        3, ActionSpec(discrete=False, shape=(1,), low=-np.ones(1), high=np.ones(1)), [8], critic=False
+    )
     assert continuous.act(np.zeros((2, 3), dtype=np.float32)).shape == (2, 1) and continuous.critic is None

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from polo.cli.control import add_parser, run
 from polo.config import ConfigError
 from polo.control import load_control_config, train
-from polo.cli.control import add_parser, run
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 FAST = ["train.rollout_steps=16", "train.epochs=2", "output.progress=false", "output.tensorboard=false"]
@@ -30,7 +30,11 @@ def test_every_algorithm_runs_on_cartpole(algorithm, tmp_path):
 
 @pytest.mark.parametrize("recipe", ["ppo_pendulum.yaml", "ppo_acrobot.yaml"])
 def test_ppo_runs_on_pendulum_and_acrobot(recipe):
-    result = train(RECIPES / recipe, ["env.num_envs=2", "train.total_steps=200", "train.rollout_steps=50", "train.epochs=1"], write_files=False)
+    result = train(
+        RECIPES / recipe,
+        ["env.num_envs=2", "train.total_steps=200", "train.rollout_steps=50", "train.epochs=1"],
+        write_files=False,
+    )
     assert result.env_steps >= 200
 
 
@@ -39,7 +43,9 @@ def test_cli_runs_a_recipe_and_rejects_unknown_keys(tmp_path, capsys):
 
     parser = argparse.ArgumentParser(prog="polo")
     add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["control", str(RECIPES / "a2c_cartpole.yaml"), "train.total_steps=100", f"output.dir={tmp_path}", *FAST])
+    args = parser.parse_args(
+        ["control", str(RECIPES / "a2c_cartpole.yaml"), "train.total_steps=100", f"output.dir={tmp_path}", *FAST]
+    )
     assert run(args) == 0
     assert "steps in" in capsys.readouterr().out
     bad = parser.parse_args(["control", str(RECIPES / "a2c_cartpole.yaml"), "train.totl_steps=100"])
@@ -58,7 +64,10 @@ def test_a_second_run_into_the_same_directory_is_refused_unless_overwrite(tmp_pa
     overrides = FAST + [f"output.dir={tmp_path}", "train.total_steps=100", "output.plots=false"]
     train(RECIPES / "a2c_cartpole.yaml", overrides)
     first = (tmp_path / "metrics.jsonl").read_text()
-    with pytest.raises(ConfigError, match=r"already holds a run \(.*metrics.jsonl.*\): replace it with output.overwrite=true, or pick a new output.dir"):
+    with pytest.raises(
+        ConfigError,
+        match=r"already holds a run \(.*metrics.jsonl.*\): replace it with output.overwrite=true, or pick a new output.dir",
+    ):
         train(RECIPES / "a2c_cartpole.yaml", overrides)
     assert (tmp_path / "metrics.jsonl").read_text() == first  # nothing lost
     train(RECIPES / "a2c_cartpole.yaml", overrides + ["output.overwrite=true"])

@@ -22,7 +22,7 @@ def test_trpo_step_respects_the_kl_radius(discrete, max_kl):
     with torch.no_grad():
         old_outputs = policy.actor(observations)
         old_log_std = None if discrete else policy.log_std.detach().clone()
-        actions = (policy.act(observations.numpy()))
+        actions = policy.act(observations.numpy())
     actions = torch.from_numpy(actions)
     advantages = torch.randn(256)
     before = policy.flat_actor.detach().clone()

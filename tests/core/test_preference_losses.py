@@ -38,7 +38,9 @@ def test_dpo_loss_by_hand():
     policy_rejected = torch.tensor([-9.0, -4.0])
     reference_chosen = torch.tensor([-6.0, -3.0])
     reference_rejected = torch.tensor([-7.0, -4.0])
-    loss, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, reference_chosen, reference_rejected, beta=0.5)
+    loss, chosen_rewards, rejected_rewards = dpo_loss(
+        policy_chosen, policy_rejected, reference_chosen, reference_rejected, beta=0.5
+    )
     torch.testing.assert_close(loss, torch.tensor([math.log1p(math.exp(-1.5)), math.log(2)]))
     torch.testing.assert_close(chosen_rewards, torch.tensor([0.5, 0.0]))
     torch.testing.assert_close(rejected_rewards, torch.tensor([-1.0, 0.0]))
@@ -47,7 +49,9 @@ def test_dpo_loss_by_hand():
 def test_dpo_loss_gradient_and_relation_to_the_pairwise_loss():
     policy_chosen = torch.tensor([-5.0], requires_grad=True)
     policy_rejected = torch.tensor([-9.0], requires_grad=True)
-    loss, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, torch.tensor([-6.0]), torch.tensor([-7.0]), beta=0.5)
+    loss, chosen_rewards, rejected_rewards = dpo_loss(
+        policy_chosen, policy_rejected, torch.tensor([-6.0]), torch.tensor([-7.0]), beta=0.5
+    )
     # DPO is the pairwise loss of its implicit rewards
     torch.testing.assert_close(loss.detach(), pairwise_loss(chosen_rewards, rejected_rewards))
     assert not chosen_rewards.requires_grad  # logged values carry no graph

@@ -33,7 +33,9 @@ def test_conjugate_gradient_by_hand_on_a_diagonal_system():
     b = torch.tensor([2.0, 4.0], dtype=torch.float64)
     one_step = conjugate_gradient(lambda v: matrix @ v, b, max_iterations=1)
     torch.testing.assert_close(one_step, 20.0 / 72.0 * b)
-    torch.testing.assert_close(conjugate_gradient(lambda v: matrix @ v, b, max_iterations=2), torch.ones(2, dtype=torch.float64))
+    torch.testing.assert_close(
+        conjugate_gradient(lambda v: matrix @ v, b, max_iterations=2), torch.ones(2, dtype=torch.float64)
+    )
 
 
 def test_conjugate_gradient_stops_on_a_zero_right_hand_side():

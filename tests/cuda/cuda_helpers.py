@@ -21,8 +21,14 @@ def run_config(model_dir: Path, output_dir: Path, device: str, precision: str = 
         "sampling": {"max_new_tokens": 8, "temperature": 1.0},
         "algorithm": {"name": "grpo", "group_size": GROUP_SIZE, "beta": 0.1},
         "train": {
-            "steps": 2, "prompts_per_step": len(PROMPTS), "micro_batch_size": 8, "learning_rate": 1e-3,
-            "precision": precision, "device": device, "seed": 3, "gradient_checkpointing": False,
+            "steps": 2,
+            "prompts_per_step": len(PROMPTS),
+            "micro_batch_size": 8,
+            "learning_rate": 1e-3,
+            "precision": precision,
+            "device": device,
+            "seed": 3,
+            "gradient_checkpointing": False,
         },
         "eval": {"before": False, "after": False},
         "output": {"dir": str(output_dir), "save_every": 1, "progress": False, "tensorboard": False, "plots": False},
@@ -48,17 +54,23 @@ def fixed_batch(tokenizer):
     prompt_mask = torch.zeros((rows, prompt_len), dtype=torch.long)
     for row in range(rows):
         ids = prompt_rows[row // GROUP_SIZE]
-        prompt_ids[row, prompt_len - len(ids):] = torch.tensor(ids)
-        prompt_mask[row, prompt_len - len(ids):] = 1
+        prompt_ids[row, prompt_len - len(ids) :] = torch.tensor(ids)
+        prompt_mask[row, prompt_len - len(ids) :] = 1
     digits = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))
     completion_ids = digits[torch.randint(0, 10, (rows, completion_len), generator=generator)]
-    lengths = torch.randint(2, completion_len + 1, (rows,), generator=generator)  # different lengths: token counts matter
+    lengths = torch.randint(
+        2, completion_len + 1, (rows,), generator=generator
+    )  # different lengths: token counts matter
     completion_mask = (torch.arange(completion_len)[None, :] < lengths[:, None]).long()
     completion_ids = torch.where(completion_mask.bool(), completion_ids, torch.tensor(tokenizer.eos_token_id))
     completion_ids[torch.arange(rows), lengths - 1] = tokenizer.eos_token_id
     rollouts = Rollouts(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
-        truncated=torch.zeros(rows, dtype=torch.bool), texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        truncated=torch.zeros(rows, dtype=torch.bool),
+        texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
         group_size=GROUP_SIZE,
     )
     rewards = torch.linspace(-1.0, 2.0, rows)[torch.randperm(rows, generator=generator)]
@@ -71,7 +83,9 @@ def on_device(batch, device: torch.device):
     def moved(value):
         return value.to(device) if isinstance(value, torch.Tensor) else value
 
-    rollouts = replace(batch.rollouts, **{f.name: moved(getattr(batch.rollouts, f.name)) for f in fields(batch.rollouts)})
+    rollouts = replace(
+        batch.rollouts, **{f.name: moved(getattr(batch.rollouts, f.name)) for f in fields(batch.rollouts)}
+    )
     values = {f.name: moved(getattr(batch, f.name)) for f in fields(batch) if f.name != "rollouts"}
     if isinstance(values.get("columns"), dict):
         values["columns"] = {name: moved(column) for name, column in values["columns"].items()}
@@ -95,7 +109,11 @@ def one_step(config: dict, batch, monkeypatch) -> tuple[dict, dict[str, torch.Te
 
     run = set_up(config)
     share = on_device(batch, model_device(run.model))
-    monkeypatch.setattr(rl_step_module, "collect_batch", lambda *args, **kwargs: (share, {"reward/mean": float(share.rewards.mean())}, []))
+    monkeypatch.setattr(
+        rl_step_module,
+        "collect_batch",
+        lambda *args, **kwargs: (share, {"reward/mean": float(share.rewards.mean())}, []),
+    )
     metrics, _ = rl_step_module.rl_step(run, 1)
     saved = run.save(1)
     weights = load_file(str(saved / "model.safetensors")) if saved is not None else {}

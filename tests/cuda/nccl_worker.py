@@ -1,6 +1,6 @@
 """One rank of test_cuda_nccl.py, started by torchrun: one RL step on this rank's half of a fixed batch, on its GPU.
 
-    nccl_worker.py BATCH CONFIG OUT    rank 0 saves {"weights", "metrics"} to OUT
+nccl_worker.py BATCH CONFIG OUT    rank 0 saves {"weights", "metrics"} to OUT
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 
 
 def main(batch_path: str, config_path: str, out_path: str) -> None:
+    from cuda_helpers import GROUP_SIZE, one_step
+
     from polo.rl.batching import Batch
     from polo.runtime import distributed as parallel
     from polo.runtime.device import resolve_device
-
-    from cuda_helpers import GROUP_SIZE, one_step
 
     device = resolve_device("cuda")  # this rank's GPU, from LOCAL_RANK
     parallel.init_from_environment(device)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cuda_helpers import fixed_batch, one_step, run_config
 
 pytestmark = pytest.mark.cuda
 
 
-@pytest.mark.parametrize("precision", ["auto", "bf16"])  # auto: bf16 weights + fp32 masters on a bf16 GPU; bf16: autocast
+@pytest.mark.parametrize(
+    "precision", ["auto", "bf16"]
+)  # auto: bf16 weights + fp32 masters on a bf16 GPU; bf16: autocast
 def test_one_grpo_step_on_cuda_equals_the_cpu_step(tiny_model_dir, tmp_path, monkeypatch, precision):
     from polo.models.loading import load_policy
 
@@ -18,7 +19,9 @@ def test_one_grpo_step_on_cuda_equals_the_cpu_step(tiny_model_dir, tmp_path, mon
     batch = fixed_batch(tokenizer)
     initial = {name: tensor.float() for name, tensor in load_policy(str(tiny_model_dir))[0].state_dict().items()}
     cpu_metrics, cpu_weights = one_step(run_config(tiny_model_dir, tmp_path / "cpu", "cpu", "fp32"), batch, monkeypatch)
-    cuda_metrics, cuda_weights = one_step(run_config(tiny_model_dir, tmp_path / "cuda", "cuda", precision), batch, monkeypatch)
+    cuda_metrics, cuda_weights = one_step(
+        run_config(tiny_model_dir, tmp_path / "cuda", "cuda", precision), batch, monkeypatch
+    )
 
     # bf16 keeps 8 bits of mantissa: the loss and its statistics agree to about 1%.
     for key in ("loss", "kl", "entropy", "grad_norm"):

@@ -72,7 +72,13 @@ def test_fused_completion_logprobs_equal_the_model_logits_on_cuda(tiny_model_dir
     completion_len = 7
     with torch.no_grad():
         logprobs, entropy = completion_logprobs_fused(
-            model, input_ids, attention_mask, position_ids, completion_len, input_ids[:, -completion_len:], with_entropy=True,
+            model,
+            input_ids,
+            attention_mask,
+            position_ids,
+            completion_len,
+            input_ids[:, -completion_len:],
+            with_entropy=True,
         )
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits.float()
     full = torch.log_softmax(logits[:, -completion_len - 1 : -1], dim=-1)

@@ -18,10 +18,21 @@ def tiny_gemma3(tokenizer):
 
     torch.manual_seed(0)
     config = Gemma3TextConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=8, sliding_window=4,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=8,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
     )
     return Gemma3ForCausalLM(config)
 
@@ -57,14 +68,26 @@ def test_captured_greedy_equals_transformers_generate_on_cuda(cuda_policy, group
     prompt_ids, prompt_mask = (tensor.to(compute.device) for tensor in tokenize_prompts(tokenizer, PROMPTS))
     stop_ids = stop_token_ids(tokenizer, model)
     completion_ids, completion_mask, truncated = static_sampler.generate(
-        model, prompt_ids, prompt_mask, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, top_p=1.0, stop_ids=stop_ids,
-        pad_id=tokenizer.pad_token_id, compute=compute, samples_per_prompt=group_size,
+        model,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens=MAX_NEW_TOKENS,
+        temperature=0.0,
+        top_p=1.0,
+        stop_ids=stop_ids,
+        pad_id=tokenizer.pad_token_id,
+        compute=compute,
+        samples_per_prompt=group_size,
     )  # capture defaults to True on CUDA
     assert completion_ids.device == compute.device and truncated.shape == (len(PROMPTS) * group_size,)
     with torch.no_grad():
         expected = model.generate(
-            input_ids=prompt_ids.repeat_interleave(group_size, 0), attention_mask=prompt_mask.repeat_interleave(group_size, 0),
-            max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids,
+            input_ids=prompt_ids.repeat_interleave(group_size, 0),
+            attention_mask=prompt_mask.repeat_interleave(group_size, 0),
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=stop_ids,
         )[:, prompt_ids.shape[1] :]
     assert completions(completion_ids, completion_mask) == [until_stop(row, stop_ids) for row in expected.tolist()]
 
@@ -78,6 +101,8 @@ def test_the_captured_step_gives_the_eager_steps_tokens_and_is_reused(cuda_polic
     eager = static_sampler.rollout(model, tokenizer, PROMPTS, 2, capture=False, **settings)
     assert torch.equal(captured.completion_ids, eager.completion_ids) and captured.texts == eager.texts
     decoders = dict(model.__dict__["_polo_static_decoders"])
-    again = static_sampler.rollout(model, tokenizer, PROMPTS, 2, capture=True, **settings)  # the kept decoder, its graph replayed
+    again = static_sampler.rollout(
+        model, tokenizer, PROMPTS, 2, capture=True, **settings
+    )  # the kept decoder, its graph replayed
     assert torch.equal(again.completion_ids, captured.completion_ids)
     assert dict(model.__dict__["_polo_static_decoders"]) == decoders  # nothing was built anew

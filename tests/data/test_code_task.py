@@ -43,13 +43,21 @@ def test_parse_test_keeps_the_check_in_the_parent_and_sends_only_leaves():
 
 def test_statement_tests_are_judged_in_the_parent():
     code = "def f(x):\n    return 1.4142\ndef g(x):\n    return x % 2 == 1\n"
-    tests = ["assert abs(f(2) - 1.41) < 1e-2", "import math\nassert math.isclose(f(2), 1.41, rel_tol=1e-2)",
-             "assert not g(4) and g(3)", "assert f(1) > 2", "assert isinstance(f(0), float) and f(0) in (1.4142, 2)"]
+    tests = [
+        "assert abs(f(2) - 1.41) < 1e-2",
+        "import math\nassert math.isclose(f(2), 1.41, rel_tol=1e-2)",
+        "assert not g(4) and g(3)",
+        "assert f(1) > 2",
+        "assert isinstance(f(0), float) and f(0) in (1.4142, 2)",
+    ]
     result = run_tests(code, tests, FAST)
     assert [t.passed for t in result.tests] == [True, True, True, False, True], result
     stack = "class Stack(list):\n    def push(self, x):\n        self.append(x)\n"
-    tests = ["s = Stack()\ns.push(1)\nassert s.pop() == 1 and len(s) == 0", "assert isinstance(Stack(), Stack)",
-             "s = Stack()\nassert s.pop() == 1"]
+    tests = [
+        "s = Stack()\ns.push(1)\nassert s.pop() == 1 and len(s) == 0",
+        "assert isinstance(Stack(), Stack)",
+        "s = Stack()\nassert s.pop() == 1",
+    ]
     result = run_tests(stack, tests, FAST)
     assert [t.kind for t in result.tests] == ["pass", "pass", "error"], result
 
@@ -63,8 +71,9 @@ def test_data_file_is_valid_and_every_reference_solution_passes():
         assert all(parse_test(t).expression is not None for t in problem["tests"])  # assert <call> == <literal>
     # One sandbox run per problem: every reference solution passes all its tests.
     reward = CodeReward(FAST)
-    failures = {p["entry_point"]: reward.result(p["answer"], p).reason
-                for p in problems if reward(p["answer"], p) != 1.0}
+    failures = {
+        p["entry_point"]: reward.result(p["answer"], p).reason for p in problems if reward(p["answer"], p) != 1.0
+    }
     assert failures == {}
 
 

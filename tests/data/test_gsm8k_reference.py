@@ -10,11 +10,10 @@ import random
 
 import pytest
 
-from polo.generation.grouped import Completion
-
-from polo.evaluation.evaluate import answer_key_for, score_problem, summarize
 from polo.cli.eval import gsm8k_data_dir
 from polo.data import gsm8k_task
+from polo.evaluation.evaluate import answer_key_for, score_problem, summarize
+from polo.generation.grouped import Completion
 from polo.rewards.answers import exact_number, math_verify_answer
 
 NUM_PROBLEMS = 200

@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "rl"))
 from test_trainer import tiny_config, without_times  # noqa: E402
 
 # A user's own task, subtraction: answers are JSON numbers (negative ones too), and an extra field rides along.
-TRAIN = [{"question": f"What is {a} - {b}?", "answer": a - b, "level": a % 3} for a, b in zip(range(2, 14), range(9, 0, -1))]
+TRAIN = [
+    {"question": f"What is {a} - {b}?", "answer": a - b, "level": a % 3} for a, b in zip(range(2, 14), range(9, 0, -1))
+]
 TEST = [{"question": f"What is {a} - {b}?", "answer": a - b, "level": 0} for a, b in ((20, 3), (4, 11), (7, 7))]
 
 
@@ -107,7 +109,9 @@ def test_a_bad_row_is_the_same_error_from_jsonl_and_from_datasets(tmp_path, bad_
 def test_a_bad_row_of_a_dataset_file_names_split_row_and_field(tmp_path):
     folder = tmp_path / "files"
     folder.mkdir()
-    datasets.Dataset.from_list([*TRAIN[:4], {"question": "  ", "answer": 1, "level": 0}]).to_parquet(str(folder / "train.parquet"))
+    datasets.Dataset.from_list([*TRAIN[:4], {"question": "  ", "answer": 1, "level": 0}]).to_parquet(
+        str(folder / "train.parquet")
+    )
     with pytest.raises(TaskDataError) as error:
         hf_task(str(folder), num_eval=1)
     assert str(error.value) == f"{folder} split 'train' row 4: field 'question' is empty"
@@ -117,14 +121,21 @@ def test_a_bad_row_of_a_dataset_file_names_split_row_and_field(tmp_path):
 def test_a_missing_column_names_the_setting_and_the_columns(tmp_path):
     with pytest.raises(ConfigError) as error:
         hf_task(train_dataset=datasets.Dataset.from_list(TRAIN), prompt_field="prompt")
-    assert str(error.value) == "train_dataset: no column 'prompt' (task.prompt_field); its columns: ['question', 'answer', 'level']"
-    with pytest.raises(TaskDataError, match=r"^train_dataset row 1: missing field 'question'; fields present: \['answer', 'q'\]$"):
+    assert (
+        str(error.value)
+        == "train_dataset: no column 'prompt' (task.prompt_field); its columns: ['question', 'answer', 'level']"
+    )
+    with pytest.raises(
+        TaskDataError, match=r"^train_dataset row 1: missing field 'question'; fields present: \['answer', 'q'\]$"
+    ):
         hf_task(train_dataset=[TRAIN[0], {"q": "What?", "answer": 1}])
 
 
 def test_exact_number_needs_numeric_answers_from_datasets_too(tmp_path):
     rows = [*TRAIN[:2], {"question": "Capital of France?", "answer": "Paris"}]
-    with pytest.raises(TaskDataError, match=r"^train_dataset row 2: answer 'Paris' is not a number, which checker 'exact_number' needs"):
+    with pytest.raises(
+        TaskDataError, match=r"^train_dataset row 2: answer 'Paris' is not a number, which checker 'exact_number' needs"
+    ):
         hf_task(train_dataset=rows, num_eval=0, checker="exact_number")
 
 
@@ -139,28 +150,43 @@ def test_no_test_split_holds_out_the_last_num_eval_rows(tmp_path):
     assert task.eval_rows == expected.train_rows[-3:] and task.train_rows == expected.train_rows[:5]
     assert hf_task(train_dataset=TRAIN, num_eval=3).eval_rows == task.eval_rows
     assert hf_task(str(folder), num_eval=0).eval_rows == [] and len(hf_task(str(folder)).train_rows) == len(TRAIN)
-    with pytest.raises(ConfigError, match=rf"^task\.num_eval is {len(TRAIN)} but .* holds only {len(TRAIN)} rows and there is no eval split"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^task\.num_eval is {len(TRAIN)} but .* holds only {len(TRAIN)} rows and there is no eval split",
+    ):
         hf_task(str(folder), num_eval=len(TRAIN))
 
 
 def test_split_settings_name_the_splits_there_are(tmp_path):
     folder = subtraction_files(tmp_path, "save_to_disk")
     assert hf_task(str(folder), split="test", eval_split="train").train_rows[0]["question"] == "What is 20 - 3?"
-    with pytest.raises(ConfigError, match=r"^task\.split: 'training' is not a split of .*; its splits: \['test', 'train'\]$"):
+    with pytest.raises(
+        ConfigError, match=r"^task\.split: 'training' is not a split of .*; its splits: \['test', 'train'\]$"
+    ):
         hf_task(str(folder), split="training")
-    with pytest.raises(ConfigError, match=r"^task\.eval_split: 'validation' is not a split of .*; its splits: \['test', 'train'\]"):
+    with pytest.raises(
+        ConfigError, match=r"^task\.eval_split: 'validation' is not a split of .*; its splits: \['test', 'train'\]"
+    ):
         hf_task(str(folder), eval_split="validation")
     with pytest.raises(ConfigError, match=r"^task\.eval_split: 'train' is also task\.split"):
         hf_task(str(folder), eval_split="train")
-    with pytest.raises(ConfigError, match=r"^hf eval .* split 'test': task\.num_eval is 5 but the dataset holds only 3 rows"):
+    with pytest.raises(
+        ConfigError, match=r"^hf eval .* split 'test': task\.num_eval is 5 but the dataset holds only 3 rows"
+    ):
         hf_task(str(folder), num_eval=5)
 
 
 def test_paths_that_are_not_datasets_fail_at_once(tmp_path):
-    with pytest.raises(ConfigError, match=r"^task\.path: .*missing\.parquet is neither a local file or directory nor a Hugging Face Hub"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^task\.path: .*missing\.parquet is neither a local file or directory nor a Hugging Face Hub",
+    ):
         hf_task(str(tmp_path / "missing.parquet"))
     text = write_jsonl(tmp_path / "notes.txt", TRAIN)
-    with pytest.raises(ConfigError, match=r"^task\.path: .*notes\.txt is not a data file datasets reads; use one ending in \.parquet, \.json"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^task\.path: .*notes\.txt is not a data file datasets reads; use one ending in \.parquet, \.json",
+    ):
         hf_task(str(text))
     broken = tmp_path / "broken.json"
     broken.write_text('{"question": "What?", "answer": ')
@@ -174,7 +200,9 @@ def test_passed_datasets_are_checked(tmp_path):
     whole = datasets.DatasetDict({"train": datasets.Dataset.from_list(TRAIN)})
     with pytest.raises(ConfigError, match=r"^train_dataset is a mapping \(splits \['train'\]\); pass one split"):
         hf_task(train_dataset=whole)
-    with pytest.raises(ConfigError, match=r"^train_dataset must be a datasets\.Dataset or a list of dicts, got IterableDataset"):
+    with pytest.raises(
+        ConfigError, match=r"^train_dataset must be a datasets\.Dataset or a list of dicts, got IterableDataset"
+    ):
         hf_task(train_dataset=datasets.Dataset.from_list(TRAIN).to_iterable_dataset())
     with pytest.raises(ConfigError, match=r"^task\.path is 'data' and a train_dataset was passed too"):
         hf_task("data", train_dataset=TRAIN)
@@ -193,9 +221,13 @@ def test_make_task_from_a_config_and_from_passed_datasets(tmp_path):
     default = load_config({"task": {"num_eval": None}})  # task.name left at its default: the datasets make it hf
     task = make_task(default, datasets.Dataset.from_list(TRAIN), TEST)
     assert task.name == "hf" and (task.train_rows, task.eval_rows) == (expected.train_rows, expected.eval_rows)
-    with pytest.raises(ConfigError, match=r"^task\.name is 'jsonl' but train_dataset was passed; datasets make the hf task"):
+    with pytest.raises(
+        ConfigError, match=r"^task\.name is 'jsonl' but train_dataset was passed; datasets make the hf task"
+    ):
         make_task(load_config({"task": {"name": "jsonl"}}), TRAIN)
-    with pytest.raises(ConfigError, match=r"^task\.checker: 'exact' is not one of math_verify, exact_number, exact_string"):
+    with pytest.raises(
+        ConfigError, match=r"^task\.checker: 'exact' is not one of math_verify, exact_number, exact_string"
+    ):
         make_task(load_config({"task": {"name": "hf", "path": str(folder), "checker": "exact"}}))
 
 
@@ -210,7 +242,7 @@ def test_train_help_lists_every_checker_and_the_default(capsys):
     for name, accepts in CHECKER_HELP.items():
         assert f"{name}" in text and " ".join(accepts.split()) in text
     assert all(name in text for name in TASKS)
-    assert set(CHECKER_HELP) == set(CHECKERS) and DEFAULT_CHECKER == load_config({}).task.checker
+    assert set(CHECKER_HELP) == set(CHECKERS) and load_config({}).task.checker == DEFAULT_CHECKER
 
 
 def test_readme_lists_every_checker_beside_the_jsonl_example():
@@ -234,7 +266,10 @@ def row_reward(completion: str, row: dict) -> float:
 def one_step(model_dir: Path, output_dir: Path, task: dict | None = None, **datasets_passed) -> list[dict]:
     """Train one step on the tiny model and return its metrics rows, timings left out."""
     config = tiny_config(
-        model_dir, output_dir, train={"steps": 1}, eval={"before": False, "after": False},
+        model_dir,
+        output_dir,
+        train={"steps": 1},
+        eval={"before": False, "after": False},
         output={"save_every": 0, "tensorboard": False, "plots": False},
     )
     config["task"] = task or {"num_eval": None}
@@ -245,12 +280,19 @@ def one_step(model_dir: Path, output_dir: Path, task: dict | None = None, **data
 def test_first_step_metrics_match_from_jsonl_parquet_and_a_dataset(tiny_model_dir, tmp_path):
     train, test = subtraction_jsonl(tmp_path)
     common = {"num_eval": None, "checker": "exact_number"}
-    from_jsonl = one_step(tiny_model_dir, tmp_path / "jsonl-run", {"name": "jsonl", "train_path": str(train), "eval_path": str(test), **common})
+    from_jsonl = one_step(
+        tiny_model_dir,
+        tmp_path / "jsonl-run",
+        {"name": "jsonl", "train_path": str(train), "eval_path": str(test), **common},
+    )
     parquet = subtraction_files(tmp_path, "parquet")
     from_parquet = one_step(tiny_model_dir, tmp_path / "parquet-run", {"name": "hf", "path": str(parquet), **common})
     from_dataset = one_step(
-        tiny_model_dir, tmp_path / "dataset-run", common,
-        train_dataset=datasets.Dataset.from_list(TRAIN), eval_dataset=datasets.Dataset.from_list(TEST),
+        tiny_model_dir,
+        tmp_path / "dataset-run",
+        common,
+        train_dataset=datasets.Dataset.from_list(TRAIN),
+        eval_dataset=datasets.Dataset.from_list(TEST),
     )
     assert len(from_jsonl) == 1 and from_jsonl[0]["reward/mean"] > 0 and from_jsonl[0]["grad_norm"] > 0
     assert from_parquet == from_jsonl and from_dataset == from_jsonl

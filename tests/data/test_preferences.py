@@ -9,11 +9,21 @@ from collections import Counter
 import pytest
 
 from polo.cli import main
-from polo.data.preferences import Ranking, arithmetic_preference_data, comparisons_from_samples, has_carry, ranking_from_row, ranking_pairs, read_demonstrations, read_rankings, wrong_answer
+from polo.data import TaskDataError, arithmetic_task
+from polo.data.preferences import (
+    Ranking,
+    arithmetic_preference_data,
+    comparisons_from_samples,
+    has_carry,
+    ranking_from_row,
+    ranking_pairs,
+    read_demonstrations,
+    read_rankings,
+    wrong_answer,
+)
 from polo.finetune.sampled_preferences import sampled_preference_data
 from polo.generation.prompts import render_prompt
 from polo.rewards import exact_number
-from polo.data import TaskDataError, arithmetic_task
 
 
 def write_rows(path, rows) -> str:
@@ -25,7 +35,12 @@ def test_a_k_way_ranking_stands_for_all_k_choose_2_pairs():
     ranking = Ranking(({"role": "user", "content": "q"},), ("best", "good", "bad", "worst"))
     assert len(ranking.pairs()) == 4 * 3 // 2
     assert ranking.pairs() == [
-        ("best", "good"), ("best", "bad"), ("best", "worst"), ("good", "bad"), ("good", "worst"), ("bad", "worst"),
+        ("best", "good"),
+        ("best", "bad"),
+        ("best", "worst"),
+        ("good", "bad"),
+        ("good", "worst"),
+        ("bad", "worst"),
     ]
     assert [len(ranking_pairs(k)) for k in (2, 3, 5)] == [1, 3, 10]
     with pytest.raises(ValueError, match="at least 2"):
@@ -33,10 +48,16 @@ def test_a_k_way_ranking_stands_for_all_k_choose_2_pairs():
 
 
 def test_read_rankings_accepts_pairs_and_rankings(tmp_path):
-    path = write_rows(tmp_path / "prefs.jsonl", [
-        {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3", "extra": "ignored"},
-        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}], "ranked": ["4", "5", "22"]},
-    ])
+    path = write_rows(
+        tmp_path / "prefs.jsonl",
+        [
+            {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3", "extra": "ignored"},
+            {
+                "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}],
+                "ranked": ["4", "5", "22"],
+            },
+        ],
+    )
     first, second = read_rankings(path)
     assert first.responses == ("2", "3") and first.messages == ({"role": "user", "content": "What is 1 + 1?"},)
     assert second.responses == ("4", "5", "22") and second.messages[0]["role"] == "system"
@@ -63,10 +84,20 @@ def test_malformed_comparison_rows_name_file_and_line(tmp_path, row, message):
 
 
 def test_read_demonstrations_accepts_prompt_response_and_chat_messages(tmp_path):
-    path = write_rows(tmp_path / "sft.jsonl", [
-        {"prompt": "What is 1 + 1?", "response": "1 + 1 = 2"},
-        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
-    ])
+    path = write_rows(
+        tmp_path / "sft.jsonl",
+        [
+            {"prompt": "What is 1 + 1?", "response": "1 + 1 = 2"},
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello"},
+                    {"role": "user", "content": "2+2?"},
+                    {"role": "assistant", "content": "4"},
+                ]
+            },
+        ],
+    )
     first, second = read_demonstrations(path)
     assert first.response == "1 + 1 = 2" and first.messages == ({"role": "user", "content": "What is 1 + 1?"},)
     assert second.response == "4" and len(second.messages) == 3 and second.messages[-1]["content"] == "2+2?"
@@ -102,10 +133,20 @@ def test_a_user_prompt_renders_exactly_as_the_rl_trainer_prompts(tiny_model_dir)
 
 def test_arithmetic_data_avoids_the_rl_held_out_problems_and_matches_the_checker():
     task = arithmetic_task(seed=3, num_train=600, num_eval=50)
-    splits = arithmetic_preference_data(task, seed=1, num_sft=100, num_sft_eval=20, num_comparisons=200, num_comparisons_eval=50,
-                                        mistakes=["carry", "tens", "units", "carry"])
+    splits = arithmetic_preference_data(
+        task,
+        seed=1,
+        num_sft=100,
+        num_sft_eval=20,
+        num_comparisons=200,
+        num_comparisons_eval=50,
+        mistakes=["carry", "tens", "units", "carry"],
+    )
     assert {name: len(rows) for name, rows in splits.items()} == {
-        "sft_train": 100, "sft_eval": 20, "preferences_train": 200, "preferences_eval": 50,
+        "sft_train": 100,
+        "sft_eval": 20,
+        "preferences_train": 200,
+        "preferences_eval": 50,
     }
     held_out = {task.instruction.replace("{question}", row["question"]) for row in task.eval_rows}
     prompts = {name: {row["prompt"] for row in rows} for name, rows in splits.items()}
@@ -118,18 +159,27 @@ def test_arithmetic_data_avoids_the_rl_held_out_problems_and_matches_the_checker
         a, b = (int(x) for x in row["chosen"].split(" = ")[0].split(" + "))
         error = int(row["rejected"].split("= ")[1]) - int(row["answer"])
         carry_error = -10 if has_carry(a, b) else 10
-        assert error == {"carry": carry_error, "tens": -carry_error}.get(row["mistake"], error) and abs(error) in (1, 10)
+        assert error == {"carry": carry_error, "tens": -carry_error}.get(row["mistake"], error) and abs(error) in (
+            1,
+            10,
+        )
         assert (abs(error) == 1) == (row["mistake"] == "units")
         assert row["chosen"].split("= ")[0] == row["rejected"].split("= ")[0]  # same wording
     mistakes = Counter(row["mistake"] for row in splits["preferences_train"])
     assert mistakes == {"carry": 100, "tens": 50, "units": 50}  # cycled problem by problem
-    default = arithmetic_preference_data(task, seed=1, num_sft=100, num_sft_eval=20, num_comparisons=200, num_comparisons_eval=50)
+    default = arithmetic_preference_data(
+        task, seed=1, num_sft=100, num_sft_eval=20, num_comparisons=200, num_comparisons_eval=50
+    )
     assert {row["mistake"] for row in default["preferences_train"]} == {"carry"}
-    assert [row["prompt"] for row in default["preferences_train"]] == [row["prompt"] for row in splits["preferences_train"]]
+    assert [row["prompt"] for row in default["preferences_train"]] == [
+        row["prompt"] for row in splits["preferences_train"]
+    ]
     with pytest.raises(ValueError, match="mistakes must name at least one of carry, tens, units; got \\['hundreds'\\]"):
         arithmetic_preference_data(task, mistakes=["hundreds"])
     for row in splits["sft_train"]:
-        assert exact_number(row["response"], row) == 1.0 and row["prompt"].endswith("end your reply with the final number.")
+        assert exact_number(row["response"], row) == 1.0 and row["prompt"].endswith(
+            "end your reply with the final number."
+        )
 
 
 def test_wrong_answers_make_one_kind_of_mistake():
@@ -152,8 +202,24 @@ def test_arithmetic_data_asks_for_no_more_problems_than_the_task_has():
 def test_make_preferences_command_writes_the_splits(tmp_path, capsys):
     recipe = tmp_path / "rl.yaml"
     recipe.write_text("task: {name: arithmetic, seed: 2, num_train: 300, num_eval: 20}\n")
-    status = main(["make-preferences", str(tmp_path / "data"), "--recipe", str(recipe), "--num-sft", "10", "--num-sft-eval", "5",
-                   "--num-comparisons", "20", "--num-comparisons-eval", "5", "--mistakes", "carry,units"])
+    status = main(
+        [
+            "make-preferences",
+            str(tmp_path / "data"),
+            "--recipe",
+            str(recipe),
+            "--num-sft",
+            "10",
+            "--num-sft-eval",
+            "5",
+            "--num-comparisons",
+            "20",
+            "--num-comparisons-eval",
+            "5",
+            "--mistakes",
+            "carry,units",
+        ]
+    )
     assert status == 0
     assert "preferences_train.jsonl  (20 rows)" in capsys.readouterr().out
     assert len(read_rankings(tmp_path / "data" / "preferences_train.jsonl")) == 20
@@ -176,7 +242,12 @@ def test_make_preferences_refuses_an_unknown_mistake(tmp_path, capsys):
 def test_comparisons_from_samples_rank_each_right_answer_above_a_wrong_one():
     samples = [("= 85", 1.0), ("= 75", 0.0), ("= 85", 1.0), ("85", 1.0), ("= 95", 0.0), ("= 75", 0.0)]
     rows = comparisons_from_samples("What is 47 + 38?", samples, random.Random(0), max_pairs=10)
-    assert sorted((row["chosen"], row["rejected"]) for row in rows) == [("85", "= 75"), ("85", "= 95"), ("= 85", "= 75"), ("= 85", "= 95")]
+    assert sorted((row["chosen"], row["rejected"]) for row in rows) == [
+        ("85", "= 75"),
+        ("85", "= 95"),
+        ("= 85", "= 75"),
+        ("= 85", "= 95"),
+    ]
     assert all(row["prompt"] == "What is 47 + 38?" for row in rows)
     capped = comparisons_from_samples("q", samples, random.Random(0), max_pairs=3)
     assert len(capped) == 3 and len({(row["chosen"], row["rejected"]) for row in capped}) == 3
@@ -191,8 +262,15 @@ def test_sampled_preferences_rank_the_models_own_answers_on_training_problems(ti
     task = arithmetic_task(num_train=60, num_eval=10)
     task.correctness = lambda text, row: float(len(text) % 2 == 0)  # a checker the tiny model passes half the time
     splits, stats = sampled_preference_data(
-        model, tokenizer, task, instruction="Add: {question}", num_prompts=6, num_prompts_eval=2, samples=4,
-        max_new_tokens=5, max_pairs=2,
+        model,
+        tokenizer,
+        task,
+        instruction="Add: {question}",
+        num_prompts=6,
+        num_prompts_eval=2,
+        samples=4,
+        max_new_tokens=5,
+        max_pairs=2,
     )
     assert stats["preferences_train"] == len(splits["preferences_train"]) <= 12
     assert stats["preferences_eval"] == len(splits["preferences_eval"]) <= 4
@@ -201,7 +279,9 @@ def test_sampled_preferences_rank_the_models_own_answers_on_training_problems(ti
     assert all(len(row["chosen"]) % 2 == 0 and len(row["rejected"]) % 2 == 1 for row in rows)
     held_out = {row["question"] for row in task.eval_rows}
     assert all(row["prompt"].startswith("Add: ") and row["prompt"][5:] not in held_out for row in rows)
-    assert not {row["prompt"] for row in splits["preferences_train"]} & {row["prompt"] for row in splits["preferences_eval"]}
+    assert not {row["prompt"] for row in splits["preferences_train"]} & {
+        row["prompt"] for row in splits["preferences_eval"]
+    }
     with pytest.raises(ValueError, match="training split holds"):
         sampled_preference_data(model, tokenizer, task, num_prompts=100)
 
@@ -213,7 +293,9 @@ def test_sampled_comparisons_keep_the_few_shot_turns_they_were_sampled_with(tiny
     task = arithmetic_task(num_train=20, num_eval=4)
     task.few_shot = (("What is 1 + 1?", "2"),)
     task.correctness = lambda text, row: float(len(text) % 2 == 0)
-    splits, _ = sampled_preference_data(model, tokenizer, task, instruction="{question}", num_prompts=6, num_prompts_eval=0, samples=4, max_new_tokens=5)
+    splits, _ = sampled_preference_data(
+        model, tokenizer, task, instruction="{question}", num_prompts=6, num_prompts_eval=0, samples=4, max_new_tokens=5
+    )
     rows = splits["preferences_train"]
     assert rows and all([message["role"] for message in row["prompt"]] == ["user", "assistant", "user"] for row in rows)
     assert all(row["prompt"][1]["content"] == "2" for row in rows)
@@ -222,8 +304,22 @@ def test_sampled_comparisons_keep_the_few_shot_turns_they_were_sampled_with(tiny
 def test_make_preferences_from_a_model_writes_comparisons_and_stats(tiny_model_dir, tmp_path, capsys):
     recipe = tmp_path / "rl.yaml"
     recipe.write_text("task: {name: arithmetic, num_train: 50, num_eval: 10}\nsampling: {max_new_tokens: 4}\n")
-    status = main(["make-preferences", str(tmp_path / "data"), "--recipe", str(recipe), "--from-model", str(tiny_model_dir),
-                   "--num-prompts", "4", "--num-prompts-eval", "2", "--samples", "3"])
+    status = main(
+        [
+            "make-preferences",
+            str(tmp_path / "data"),
+            "--recipe",
+            str(recipe),
+            "--from-model",
+            str(tiny_model_dir),
+            "--num-prompts",
+            "4",
+            "--num-prompts-eval",
+            "2",
+            "--samples",
+            "3",
+        ]
+    )
     assert status == 0
     stats = json.loads((tmp_path / "data" / "sampling.json").read_text())
     assert stats["prompts"] == 6 and stats["samples_per_prompt"] == 3 and stats["model"] == str(tiny_model_dir)
@@ -235,7 +331,14 @@ def test_make_preferences_from_a_model_writes_comparisons_and_stats(tiny_model_d
 def test_make_preferences_from_a_model_refuses_bad_counts_before_loading(tmp_path, capsys):
     recipe = tmp_path / "rl.yaml"
     recipe.write_text("task: {name: arithmetic, num_train: 50, num_eval: 10}\n")
-    base = ["make-preferences", str(tmp_path / "data"), "--recipe", str(recipe), "--from-model", str(tmp_path / "no-model")]
+    base = [
+        "make-preferences",
+        str(tmp_path / "data"),
+        "--recipe",
+        str(recipe),
+        "--from-model",
+        str(tmp_path / "no-model"),
+    ]
     assert main(base + ["--samples", "1"]) == 2
     assert "samples must be an integer >= 2, got 1" in capsys.readouterr().err
     assert main(base + ["--num-prompts", "100"]) == 2

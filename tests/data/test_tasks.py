@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from polo.config import ConfigError, load_config
 from polo.data import (
     DEFAULT_INSTRUCTION,
     PLAIN_INSTRUCTION,
@@ -21,13 +22,10 @@ from polo.data import (
     make_task,
     read_jsonl,
 )
-from polo.config import ConfigError, load_config
 from polo.data.arithmetic import count_problems
 
 GSM8K_DIR = Path("/work/shared/data/gsm8k")
-needs_gsm8k = pytest.mark.skipif(
-    not GSM8K_DIR.is_dir(), reason=f"GSM8K data folder {GSM8K_DIR} is absent"
-)
+needs_gsm8k = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason=f"GSM8K data folder {GSM8K_DIR} is absent")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
@@ -84,12 +82,8 @@ def test_arithmetic_splits_are_disjoint_and_have_requested_sizes():
 
 def test_arithmetic_disjoint_when_requesting_the_whole_space():
     space = count_problems(["*"], 1, 1)
-    task = arithmetic_task(
-        operators=["*"], min_digits=1, max_digits=1, num_train=space - 10, num_eval=10
-    )
-    assert triples(task.train_rows) | triples(task.eval_rows) == {
-        (a, "*", b) for a in range(10) for b in range(10)
-    }
+    task = arithmetic_task(operators=["*"], min_digits=1, max_digits=1, num_train=space - 10, num_eval=10)
+    assert triples(task.train_rows) | triples(task.eval_rows) == {(a, "*", b) for a in range(10) for b in range(10)}
     assert not triples(task.train_rows) & triples(task.eval_rows)
 
 
@@ -181,7 +175,9 @@ def test_few_shot_examples_are_earlier_turns_through_the_same_instruction():
 
 
 def test_task_few_shot_reaches_every_prompt_and_bad_examples_say_which():
-    config = load_config({"task": {"num_train": 4, "num_eval": 2, "few_shot": [{"question": "What is 1 + 1?", "response": "2"}]}})
+    config = load_config(
+        {"task": {"num_train": 4, "num_eval": 2, "few_shot": [{"question": "What is 1 + 1?", "response": "2"}]}}
+    )
     task = make_task(config)
     assert task.few_shot == (("What is 1 + 1?", "2"),)
     prompt = task.prompts(tiny_tokenizer(CHAT_TEMPLATE), task.eval_rows[:1])[0]
@@ -198,8 +194,8 @@ def test_format_prompt_falls_back_to_plain_text_without_template():
 
 
 def test_format_prompt_keeps_literal_braces():
-    prompt = format_prompt(None, "Solve {x | x > 0}", "Answer as {\"a\": 1}. {question}")
-    assert prompt == "Answer as {\"a\": 1}. Solve {x | x > 0}\n"
+    prompt = format_prompt(None, "Solve {x | x > 0}", 'Answer as {"a": 1}. {question}')
+    assert prompt == 'Answer as {"a": 1}. Solve {x | x > 0}\n'
 
 
 def test_format_prompt_rejects_template_without_placeholder():
@@ -244,9 +240,7 @@ def test_gsm8k_real_files_parse():
 @needs_gsm8k
 def test_gsm8k_row_limits_take_the_first_rows():
     full = gsm8k_task(GSM8K_DIR / "train.jsonl", GSM8K_DIR / "test.jsonl")
-    limited = gsm8k_task(
-        GSM8K_DIR / "train.jsonl", GSM8K_DIR / "test.jsonl", num_train=10, num_eval=5
-    )
+    limited = gsm8k_task(GSM8K_DIR / "train.jsonl", GSM8K_DIR / "test.jsonl", num_train=10, num_eval=5)
     assert limited.train_rows == full.train_rows[:10]
     assert limited.eval_rows == full.eval_rows[:5]
 
@@ -325,9 +319,7 @@ def test_jsonl_renames_fields_and_keeps_others(tmp_path):
             {"problem": "3+3?", "target": "6", "level": 2},
         ],
     )
-    task = jsonl_task(
-        path, path, prompt_field="problem", answer_field="target", checker="exact_number"
-    )
+    task = jsonl_task(path, path, prompt_field="problem", answer_field="target", checker="exact_number")
     assert task.train_rows == [
         {"level": 1, "question": "2+2?", "answer": "4"},
         {"level": 2, "question": "3+3?", "answer": "6"},
@@ -413,7 +405,9 @@ def test_registry_unknown_option_names_accepted_ones():
 def test_invalid_utf8_names_file_and_line(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_bytes(b'{"question": "q", "answer": "1"}\n\n{"question": "caf\xe9", "answer": "2"}\n')
-    with pytest.raises(TaskDataError, match=r"data\.jsonl line 3: not valid UTF-8 \(byte 0xe9 at byte 18 of the line\)") as info:
+    with pytest.raises(
+        TaskDataError, match=r"data\.jsonl line 3: not valid UTF-8 \(byte 0xe9 at byte 18 of the line\)"
+    ) as info:
         read_jsonl(path)
     assert info.value.line == 3 and "\n" not in str(info.value)
 
@@ -436,7 +430,10 @@ def _jsonl_config(tmp_path, *overrides):
 
 
 def test_make_task_misspelled_checker_names_the_valid_ones(tmp_path):
-    with pytest.raises(ConfigError, match=r"^task\.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string \(`polo train --help` says what each accepts\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^task\.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string \(`polo train --help` says what each accepts\)$",
+    ):
         make_task(_jsonl_config(tmp_path, "task.checker=exact_nmber"))
 
 

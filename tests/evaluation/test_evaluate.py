@@ -28,7 +28,6 @@ from polo.evaluation.evaluate import (
 from polo.generation.grouped import Completion, sample_groups
 from polo.rewards.answers import exact_number, exact_string, math_verify_answer
 
-
 # ---------------------------------------------------------------- pass@k
 
 
@@ -248,7 +247,11 @@ def test_reward_scores_are_added_per_sample_problem_and_split_by_correctness():
     result = {
         "summary": {},
         "problems": [
-            {"prompt": "P1", "question": "q1", "samples": [{"completion": "a", "correct": 1.0}, {"completion": "bb", "correct": 0.0}]},
+            {
+                "prompt": "P1",
+                "question": "q1",
+                "samples": [{"completion": "a", "correct": 1.0}, {"completion": "bb", "correct": 0.0}],
+            },
             {"prompt": "P2", "question": "q2", "samples": [{"completion": "ccc", "correct": 1.0}]},
         ],
     }
@@ -323,7 +326,15 @@ def test_evaluate_policy_samples_each_problem_as_one_group(tiny_policy):
 
     rows = [{"question": prompt, "answer": "2"} for prompt in PROMPTS]
     result = evaluate_policy(
-        model, tokenizer, PROMPTS, rows, exact_number, samples=4, max_new_tokens=3, temperature=1.0, batch_size=8,
+        model,
+        tokenizer,
+        PROMPTS,
+        rows,
+        exact_number,
+        samples=4,
+        max_new_tokens=3,
+        temperature=1.0,
+        batch_size=8,
         sampler=recording,
     )
     assert calls == [(2, 4), (1, 4)]
@@ -334,8 +345,15 @@ def test_evaluate_policy_scores_every_sample(tiny_policy):
     model, tokenizer = tiny_policy
     rows = [{"question": prompt, "answer": "2"} for prompt in PROMPTS]
     result = evaluate_policy(
-        model, tokenizer, PROMPTS, rows, lambda completion, row: float(len(completion) % 2),
-        samples=4, max_new_tokens=5, temperature=1.0, batch_size=5,
+        model,
+        tokenizer,
+        PROMPTS,
+        rows,
+        lambda completion, row: float(len(completion) % 2),
+        samples=4,
+        max_new_tokens=5,
+        temperature=1.0,
+        batch_size=5,
     )
     assert len(result["problems"]) == 3
     assert all(len(problem["samples"]) == 4 for problem in result["problems"])
@@ -349,13 +367,25 @@ def test_evaluate_policy_scores_every_sample(tiny_policy):
 def test_evaluate_policy_rejects_k_above_samples(tiny_policy):
     model, tokenizer = tiny_policy
     with pytest.raises(ValueError, match="every k"):
-        evaluate_policy(model, tokenizer, ["a"], [{"answer": "1"}], exact_number, samples=2, max_new_tokens=2, temperature=1.0, ks=[4])
+        evaluate_policy(
+            model,
+            tokenizer,
+            ["a"],
+            [{"answer": "1"}],
+            exact_number,
+            samples=2,
+            max_new_tokens=2,
+            temperature=1.0,
+            ks=[4],
+        )
 
 
 def test_greedy_accuracy_keeps_its_contract(tiny_policy):
     model, tokenizer = tiny_policy
     rows = [{"question": prompt, "answer": "2"} for prompt in PROMPTS]
-    result = greedy_accuracy(model, tokenizer, PROMPTS, rows, lambda completion, row: 1.0, max_new_tokens=4, batch_size=2)
+    result = greedy_accuracy(
+        model, tokenizer, PROMPTS, rows, lambda completion, row: 1.0, max_new_tokens=4, batch_size=2
+    )
     assert set(result) == {"accuracy", "completion_length", "truncated", "samples"}
     assert result["accuracy"] == 1.0
     assert 1 <= result["completion_length"] <= 4
@@ -377,12 +407,30 @@ def test_polo_eval_writes_per_problem_results(tiny_model_dir, tmp_path, capsys):
     from polo.cli.eval import run
 
     data = tmp_path / "problems.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    data.write_text(
+        "".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(3))
+    )
     output = tmp_path / "out" / "eval.json"
-    args = eval_parser().parse_args([
-        "eval", "--model", str(tiny_model_dir), "--task", f"jsonl:{data}", "--checker", "exact_number",
-        "--samples", "4", "--limit", "2", "--max-new-tokens", "4", "--output", str(output), "--no-progress",
-    ])
+    args = eval_parser().parse_args(
+        [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--task",
+            f"jsonl:{data}",
+            "--checker",
+            "exact_number",
+            "--samples",
+            "4",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--output",
+            str(output),
+            "--no-progress",
+        ]
+    )
     assert run(args) == 0
     printed = capsys.readouterr().out
     assert "pass@k" in printed and "cons@k" in printed and "format compliance" in printed
@@ -397,10 +445,23 @@ def test_polo_eval_greedy_on_arithmetic(tiny_model_dir, tmp_path):
     from polo.cli.eval import run
 
     output = tmp_path / "eval.json"
-    args = eval_parser().parse_args([
-        "eval", "--model", str(tiny_model_dir), "--task", "arith", "--greedy", "--limit", "3",
-        "--max-new-tokens", "3", "--output", str(output), "--no-progress",
-    ])
+    args = eval_parser().parse_args(
+        [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--task",
+            "arith",
+            "--greedy",
+            "--limit",
+            "3",
+            "--max-new-tokens",
+            "3",
+            "--output",
+            str(output),
+            "--no-progress",
+        ]
+    )
     assert run(args) == 0
     result = json.loads(output.read_text())
     assert result["settings"]["temperature"] == 0.0
@@ -420,7 +481,9 @@ def test_polo_eval_greedy_on_arithmetic(tiny_model_dir, tmp_path):
 def test_polo_eval_rejects_bad_arguments(tiny_model_dir, tmp_path, capsys, extra, message):
     from polo.cli.eval import run
 
-    args = eval_parser().parse_args(["eval", "--model", str(tiny_model_dir), "--output", str(tmp_path / "e.json"), *extra])
+    args = eval_parser().parse_args(
+        ["eval", "--model", str(tiny_model_dir), "--output", str(tmp_path / "e.json"), *extra]
+    )
     assert run(args) == 2
     assert message in capsys.readouterr().err
 

@@ -37,29 +37,75 @@ def make_fake_run(run_dir: Path, steps: int = 30, eval_every: int = 10) -> Path:
 
     def evaluate(step: int) -> None:
         accuracy = 0.15 + 0.6 * step / steps
-        rows.append({"step": step, "eval/accuracy": accuracy, "eval/completion_length": 20 + step, "eval/truncated": 0.0})
-        (run_dir / f"eval_step{step:06d}.json").write_text(json.dumps({
-            "accuracy": accuracy, "completion_length": 20.0 + step, "truncated": 0.0,
-            "samples": [{"question": "What is 47 + 38?", "answer": "85", "completion": f"<think>47+38</think> <answer>{85 if step else 84}</answer>", "score": float(step > 0)}],
-        }))
+        rows.append(
+            {"step": step, "eval/accuracy": accuracy, "eval/completion_length": 20 + step, "eval/truncated": 0.0}
+        )
+        (run_dir / f"eval_step{step:06d}.json").write_text(
+            json.dumps(
+                {
+                    "accuracy": accuracy,
+                    "completion_length": 20.0 + step,
+                    "truncated": 0.0,
+                    "samples": [
+                        {
+                            "question": "What is 47 + 38?",
+                            "answer": "85",
+                            "completion": f"<think>47+38</think> <answer>{85 if step else 84}</answer>",
+                            "score": float(step > 0),
+                        }
+                    ],
+                }
+            )
+        )
 
     evaluate(0)
     for step in range(1, steps + 1):
         progress = step / steps
         correct = 0.2 + 0.6 * progress + 0.05 * math.sin(step)
         fmt = min(1.0, 0.1 + progress)
-        rows.append({
-            "step": step, "reward/mean": correct + 0.2 * fmt, "reward/correct/mean": correct, "reward/r1_format/mean": fmt,
-            "accuracy": correct, "completion_length/mean": 30 + 40 * progress, "completion_length/min": 10 + 5 * progress,
-            "completion_length/max": 64.0, "kl": 0.002 * step, "entropy": 1.2 - 0.5 * progress,
-            "clip_fraction/low": 0.01, "clip_fraction/high": 0.02, "loss": 0.01, "grad_norm": 0.5 + 0.1 * math.cos(step),
-            "time/step": 20.0, "time/generation": 5.0,
-        })
+        rows.append(
+            {
+                "step": step,
+                "reward/mean": correct + 0.2 * fmt,
+                "reward/correct/mean": correct,
+                "reward/r1_format/mean": fmt,
+                "accuracy": correct,
+                "completion_length/mean": 30 + 40 * progress,
+                "completion_length/min": 10 + 5 * progress,
+                "completion_length/max": 64.0,
+                "kl": 0.002 * step,
+                "entropy": 1.2 - 0.5 * progress,
+                "clip_fraction/low": 0.01,
+                "clip_fraction/high": 0.02,
+                "loss": 0.01,
+                "grad_norm": 0.5 + 0.1 * math.cos(step),
+                "time/step": 20.0,
+                "time/generation": 5.0,
+            }
+        )
         prompt = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n"
-        samples.append({"step": step, "prompt": prompt, "completion": f"<think>12 + 30 = 42</think> <answer>42</answer> & step {step}",
-                        "reward": 1.2, "rewards": {"correct": 1.0, "r1_format": 1.0}, "correct": 1.0, "kind": "best"})
-        samples.append({"step": step, "prompt": prompt, "completion": "<script>alert('x')</script> I think it is 41",
-                        "reward": 0.0, "rewards": {"correct": 0.0, "r1_format": 0.0}, "correct": 0.0, "kind": "worst"})
+        samples.append(
+            {
+                "step": step,
+                "prompt": prompt,
+                "completion": f"<think>12 + 30 = 42</think> <answer>42</answer> & step {step}",
+                "reward": 1.2,
+                "rewards": {"correct": 1.0, "r1_format": 1.0},
+                "correct": 1.0,
+                "kind": "best",
+            }
+        )
+        samples.append(
+            {
+                "step": step,
+                "prompt": prompt,
+                "completion": "<script>alert('x')</script> I think it is 41",
+                "reward": 0.0,
+                "rewards": {"correct": 0.0, "r1_format": 0.0},
+                "correct": 0.0,
+                "kind": "worst",
+            }
+        )
         if step % eval_every == 0:
             evaluate(step)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))

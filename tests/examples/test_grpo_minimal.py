@@ -16,9 +16,7 @@ ACCURACY_LINE = re.compile(r"^greedy accuracy on 2 held-out problems: (\S+) befo
 
 
 def run_example(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=300, env=env
-    )
+    return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=300, env=env)
 
 
 def parse_step_line(line: str) -> dict[str, str]:
@@ -37,8 +35,19 @@ def parse_step_line(line: str) -> dict[str, str]:
 )
 def test_two_steps_on_the_tiny_model(tiny_model_dir: Path, extra: list[str]) -> None:
     result = run_example(
-        "--model", str(tiny_model_dir), "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
-        "--max-new-tokens", "8", "--num-eval", "2", *extra,
+        "--model",
+        str(tiny_model_dir),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--num-eval",
+        "2",
+        *extra,
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

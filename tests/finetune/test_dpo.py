@@ -11,11 +11,11 @@ import torch
 from polo import core
 from polo.cli import main
 from polo.config import ConfigError
+from polo.data.preferences import Ranking
 from polo.finetune.dpo import DPOObjective, dpo, load_dpo_config, with_reference_logps
 from polo.finetune.fit import collate, sequence_logprobs
-from polo.models.loading import load_policy
-from polo.data.preferences import Ranking
 from polo.finetune.reward_model import encode_rankings
+from polo.models.loading import load_policy
 from polo.runtime.device import CPU
 
 PROMPT = ({"role": "user", "content": "Say 1."},)
@@ -43,7 +43,9 @@ def test_dpo_starts_at_log_2_with_zero_implicit_rewards(tiny_model_dir):
     assert [objective.units(example) for example in examples] == [3, 1]
     loss_sum, stats = objective.loss(model, examples)
     assert loss_sum.item() / 4 == pytest.approx(math.log(2), abs=1e-5)
-    assert stats["rewards/chosen"] == pytest.approx(0.0, abs=1e-5) and stats["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+    assert stats["rewards/chosen"] == pytest.approx(0.0, abs=1e-5) and stats["rewards/margins"] == pytest.approx(
+        0.0, abs=1e-5
+    )
 
 
 def test_dpo_objective_matches_the_core_loss_on_shifted_log_probs(tiny_model_dir):
@@ -72,7 +74,10 @@ def test_dpo_end_to_end_logs_trl_metrics_and_saves_a_loadable_model(tiny_model_d
 
     recipe = {
         "model": {"name": str(tiny_model_dir)},
-        "data": {"train_path": rankings_file(tmp_path / "train.jsonl", 8), "eval_path": rankings_file(tmp_path / "eval.jsonl", 4)},
+        "data": {
+            "train_path": rankings_file(tmp_path / "train.jsonl", 8),
+            "eval_path": rankings_file(tmp_path / "eval.jsonl", 4),
+        },
         "dpo": {"beta": 0.5},
         "train": {"epochs": 3, "batch_size": 4, "micro_batch_size": 4, "learning_rate": 3e-3, "precision": "fp32"},
         "output": {"dir": str(tmp_path / "dpo"), "tensorboard": False, "progress": False},
@@ -80,7 +85,14 @@ def test_dpo_end_to_end_logs_trl_metrics_and_saves_a_loadable_model(tiny_model_d
     result = dpo(recipe)
     assert result.steps == 6
     rows = [row for row in result.metrics if "loss" in row]
-    assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"} <= set(rows[0])
+    assert {
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+    } <= set(rows[0])
     assert result.eval_before["loss"] == pytest.approx(math.log(2), abs=1e-4)
     assert result.eval_after["rewards/margins"] > 0 and result.eval_after["loss"] < result.eval_before["loss"]
     assert rows[-1]["rewards/accuracies"] == 1.0
@@ -103,9 +115,14 @@ def test_running_each_prompt_once_gives_the_same_log_probs_and_gradients(tiny_mo
     from polo.finetune.fit import collate_rankings, ranking_logprobs
 
     model, tokenizer = load_policy(str(tiny_model_dir))
-    rankings = [Ranking(PROMPT, ("1", "one, I think so", "111")), Ranking(({"role": "user", "content": "A longer prompt here?"},), ("x", "yy"))]
+    rankings = [
+        Ranking(PROMPT, ("1", "one, I think so", "111")),
+        Ranking(({"role": "user", "content": "A longer prompt here?"},), ("x", "yy")),
+    ]
     batch = collate_rankings(encode_rankings(tokenizer, rankings, None, 128), tokenizer.pad_token_id)
-    assert batch.prompt_ids.shape[0] == 2 and batch.response_ids.shape[0] == 5 and batch.owner.tolist() == [0, 0, 0, 1, 1]
+    assert (
+        batch.prompt_ids.shape[0] == 2 and batch.response_ids.shape[0] == 5 and batch.owner.tolist() == [0, 0, 0, 1, 1]
+    )
     results = []
     for compute in (lambda: ranking_logprobs(model, batch), lambda: sequence_logprobs(model, batch.expanded())):
         model.zero_grad()

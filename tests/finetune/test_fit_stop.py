@@ -14,7 +14,9 @@ from polo.runtime.metrics import read_metrics
 from polo.runtime.run_lock import LOCK_FILE
 
 
-def test_sigterm_during_an_sft_step_finishes_it_then_stops_with_the_command_to_start_again(tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_sigterm_during_an_sft_step_finishes_it_then_stops_with_the_command_to_start_again(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump(tiny_recipe(tiny_model_dir, tmp_path, train={"max_steps": 4})))
     real_backpropagate = fit_module._backpropagate
@@ -27,7 +29,10 @@ def test_sigterm_during_an_sft_step_finishes_it_then_stops_with_the_command_to_s
     monkeypatch.setattr(fit_module, "_backpropagate", signalling)
     assert main(["sft", str(path), "train.seed=1"]) == EXIT_STOPPED
     captured = capsys.readouterr()
-    assert "polo: SIGTERM: stopping after this step (polo sft, rm and dpo keep no checkpoint: the run starts again)" in captured.out
+    assert (
+        "polo: SIGTERM: stopping after this step (polo sft, rm and dpo keep no checkpoint: the run starts again)"
+        in captured.out
+    )
     assert captured.err.strip().splitlines()[-1] == (
         f"polo: stopped by SIGTERM after step 2; polo sft cannot resume; start it again with: polo sft {path} train.seed=1 output.overwrite=true"
     )

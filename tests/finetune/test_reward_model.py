@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from polo.cli import main
-from polo.finetune.fit import collate, encode, sequence_rewards
-from polo.models.loading import ModelLoadError, load_tokenizer
-from polo.finetune.reward_model import encode_rankings, new_reward_model, ranking_metrics, train_reward_model
-from polo.rewards.reward_model import RewardModelReward, parse_reward_spec
-from polo.data.preferences import Ranking
-from polo.rewards import RewardFunctionError, RewardSet, exact_number
 from polo.data import Task
 from polo.data.base import PLAIN_INSTRUCTION
+from polo.data.preferences import Ranking
+from polo.finetune.fit import collate, encode, sequence_rewards
+from polo.finetune.reward_model import encode_rankings, new_reward_model, ranking_metrics, train_reward_model
+from polo.models.loading import ModelLoadError, load_tokenizer
+from polo.rewards import RewardFunctionError, RewardSet, exact_number
+from polo.rewards.reward_model import RewardModelReward, parse_reward_spec
 from polo.runtime.device import CPU
 
 ROW = {"question": "What is 2 + 3?", "answer": "5"}
@@ -55,7 +55,9 @@ def test_scores_are_the_same_batched_padded_or_alone(reward_model_dir):
     assert batched == pytest.approx(alone, abs=1e-5)
     assert len(set(round(value, 6) for value in batched)) == 3
     # and equal to a plain Hugging Face forward of the unpadded text, prompt + completion + EOS
-    ids = reward.tokenizer(rows[2]["prompt_text"] + completions[2], add_special_tokens=False)["input_ids"] + [reward.tokenizer.eos_token_id]
+    ids = reward.tokenizer(rows[2]["prompt_text"] + completions[2], add_special_tokens=False)["input_ids"] + [
+        reward.tokenizer.eos_token_id
+    ]
     direct = reward.model(input_ids=torch.tensor([ids])).logits[0, 0].item()
     assert batched[2] == pytest.approx(direct, abs=1e-5)
 
@@ -63,7 +65,12 @@ def test_scores_are_the_same_batched_padded_or_alone(reward_model_dir):
 def test_training_and_scoring_see_the_same_tokens(reward_model_dir):
     """A completion scored in RL gets the score its (prompt, response) pair gets in reward-model training."""
     reward = RewardModelReward(reward_model_dir, compute=CPU)
-    (example,) = encode_rankings(reward.tokenizer, [Ranking(({"role": "user", "content": PLAIN_INSTRUCTION.replace("{question}", ROW["question"])},), ("5", "6"))], None, 512)
+    (example,) = encode_rankings(
+        reward.tokenizer,
+        [Ranking(({"role": "user", "content": PLAIN_INSTRUCTION.replace("{question}", ROW["question"])},), ("5", "6"))],
+        None,
+        512,
+    )
     trained_view = sequence_rewards(reward.model, collate(example.sequences, reward.pad_id)).tolist()
     assert reward(["5", "6"], rl_rows(reward.tokenizer, 2)) == pytest.approx(trained_view, abs=1e-5)
     # a row without prompt_text rebuilds the same prompt from the question and the task's instruction
@@ -101,7 +108,10 @@ def test_normalize_uses_the_saved_statistics(reward_model_dir):
 
 
 def test_reward_spec_errors_name_the_problem(reward_model_dir, tmp_path, tiny_model_dir):
-    assert parse_reward_spec("model:runs/rm/final?normalize") == (parse_reward_spec("model:runs/rm/final")[0], {"normalize": True})
+    assert parse_reward_spec("model:runs/rm/final?normalize") == (
+        parse_reward_spec("model:runs/rm/final")[0],
+        {"normalize": True},
+    )
     with pytest.raises(ValueError, match="unknown option 'scale'"):
         parse_reward_spec(f"model:{reward_model_dir}?scale")
     with pytest.raises(ModelLoadError, match="train one with `polo rm"):
@@ -177,7 +187,10 @@ def test_rm_end_to_end_learns_saves_and_reloads(tiny_model_dir, tmp_path, capsys
 
     recipe = {
         "model": {"name": str(tiny_model_dir)},
-        "data": {"train_path": rankings_file(tmp_path / "train.jsonl", 8), "eval_path": rankings_file(tmp_path / "eval.jsonl", 4)},
+        "data": {
+            "train_path": rankings_file(tmp_path / "train.jsonl", 8),
+            "eval_path": rankings_file(tmp_path / "eval.jsonl", 4),
+        },
         "train": {"epochs": 6, "batch_size": 4, "micro_batch_size": 6, "learning_rate": 3e-3, "precision": "fp32"},
         "output": {"dir": str(tmp_path / "rm"), "tensorboard": False, "progress": False},
     }
@@ -205,10 +218,20 @@ def test_rm_end_to_end_learns_saves_and_reloads(tiny_model_dir, tmp_path, capsys
 
 def test_encode_rankings_keeps_rankings_whole(tiny_model_dir):
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    examples = encode_rankings(tokenizer, [Ranking(({"role": "user", "content": "q"},), ("a", "b", "c")), Ranking(({"role": "user", "content": "r"},), ("x", "y"))], None, 64)
+    examples = encode_rankings(
+        tokenizer,
+        [
+            Ranking(({"role": "user", "content": "q"},), ("a", "b", "c")),
+            Ranking(({"role": "user", "content": "r"},), ("x", "y")),
+        ],
+        None,
+        64,
+    )
     assert [len(example.sequences) for example in examples] == [3, 2]
     assert tokenizer.decode(examples[1].sequences[0].response_ids) == "x<|im_end|>"
-    assert encode(tokenizer, ["p"], ["x"], 64)[0] == examples[1].sequences[0].__class__(tuple(tokenizer("p", add_special_tokens=False)["input_ids"]), examples[1].sequences[0].response_ids)
+    assert encode(tokenizer, ["p"], ["x"], 64)[0] == examples[1].sequences[0].__class__(
+        tuple(tokenizer("p", add_special_tokens=False)["input_ids"]), examples[1].sequences[0].response_ids
+    )
 
 
 def test_rl_trains_against_a_reward_model(tiny_model_dir, reward_model_dir, tmp_path):
@@ -234,9 +257,14 @@ def test_running_each_prompt_once_gives_the_same_rewards(reward_model_dir):
     from polo.finetune.fit import collate_rankings, ranking_rewards
 
     reward = RewardModelReward(reward_model_dir, compute=CPU)
-    rankings = [Ranking(({"role": "user", "content": "q"},), ("a", "bb b", "c")), Ranking(({"role": "user", "content": "a longer prompt"},), ("x", "yy"))]
+    rankings = [
+        Ranking(({"role": "user", "content": "q"},), ("a", "bb b", "c")),
+        Ranking(({"role": "user", "content": "a longer prompt"},), ("x", "yy")),
+    ]
     batch = collate_rankings(encode_rankings(reward.tokenizer, rankings, None, 128), reward.pad_id)
-    torch.testing.assert_close(ranking_rewards(reward.model, batch), sequence_rewards(reward.model, batch.expanded()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        ranking_rewards(reward.model, batch), sequence_rewards(reward.model, batch.expanded()), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_polo_eval_scores_every_sample_with_the_reward_model(tiny_model_dir, reward_model_dir, tmp_path, capsys):
@@ -247,10 +275,26 @@ def test_polo_eval_scores_every_sample_with_the_reward_model(tiny_model_dir, rew
     parser = argparse.ArgumentParser()
     add_parsers(parser.add_subparsers(dest="command"))
     output = tmp_path / "eval.json"
-    args = parser.parse_args([
-        "eval", "--model", str(tiny_model_dir), "--task", "arith", "--samples", "3", "--limit", "2",
-        "--max-new-tokens", "4", "--reward-model", f"{reward_model_dir}?normalize", "--output", str(output), "--no-progress",
-    ])
+    args = parser.parse_args(
+        [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--task",
+            "arith",
+            "--samples",
+            "3",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--reward-model",
+            f"{reward_model_dir}?normalize",
+            "--output",
+            str(output),
+            "--no-progress",
+        ]
+    )
     assert run(args) == 0
     assert "reward model score, mean (correct / wrong samples)" in capsys.readouterr().out
     result = json.loads(output.read_text())
@@ -272,7 +316,17 @@ def test_polo_eval_refuses_a_missing_reward_model_before_sampling(tiny_model_dir
 
     parser = argparse.ArgumentParser()
     add_parsers(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["eval", "--model", str(tiny_model_dir), "--reward-model", str(tmp_path / "nope"), "--output", str(tmp_path / "e.json")])
+    args = parser.parse_args(
+        [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--reward-model",
+            str(tmp_path / "nope"),
+            "--output",
+            str(tmp_path / "e.json"),
+        ]
+    )
     with pytest.raises(Exception, match="nope"):
         run(args)
 

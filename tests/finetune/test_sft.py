@@ -9,10 +9,10 @@ import torch
 
 from polo.cli import main
 from polo.config import ConfigError
-from polo.finetune.fit import Example, collate, encode, sequence_logprobs
-from polo.models.loading import load_policy
-from polo.finetune.sft import SFTObjective, encode_demonstrations, load_sft_config, sft
 from polo.data.preferences import Demonstration
+from polo.finetune.fit import Example, collate, encode, sequence_logprobs
+from polo.finetune.sft import SFTObjective, encode_demonstrations, load_sft_config, sft
+from polo.models.loading import load_policy
 
 USER = ({"role": "user", "content": "What is 2 + 3?"},)
 
@@ -26,7 +26,10 @@ def demos_file(path, count: int = 8) -> str:
 def tiny_recipe(model_dir, tmp_path, **sections) -> dict:
     recipe = {
         "model": {"name": str(model_dir)},
-        "data": {"train_path": demos_file(tmp_path / "train.jsonl"), "eval_path": demos_file(tmp_path / "eval.jsonl", 4)},
+        "data": {
+            "train_path": demos_file(tmp_path / "train.jsonl"),
+            "eval_path": demos_file(tmp_path / "eval.jsonl", 4),
+        },
         "train": {"epochs": 3, "batch_size": 4, "micro_batch_size": 3, "learning_rate": 3e-3, "precision": "fp32"},
         "output": {"dir": str(tmp_path / "run"), "tensorboard": False, "progress": False},
     }
@@ -43,7 +46,9 @@ def test_prompt_tokens_are_labelled_minus_100_and_eos_is_learned(tiny_model_dir)
     prompt_len = batch.prompt_ids.shape[1]
     assert (labels[:, :prompt_len] == -100).all()
     # the short response: "5" then EOS, then padding (−100)
-    assert labels[0, prompt_len:].tolist() == [tokenizer.convert_tokens_to_ids("5"), tokenizer.eos_token_id] + [-100] * 8
+    assert (
+        labels[0, prompt_len:].tolist() == [tokenizer.convert_tokens_to_ids("5"), tokenizer.eos_token_id] + [-100] * 8
+    )
     assert tokenizer.decode(labels[1, prompt_len:]) == "2 + 3 = 5<|im_end|>"
     assert SFTObjective(tokenizer.pad_token_id).units(examples[1]) == len("2 + 3 = 5") + 1
 
@@ -138,9 +143,20 @@ def test_sft_command_and_config_errors(tiny_model_dir, tmp_path, capsys):
 
 def test_sft_reads_chat_messages(tiny_model_dir, tmp_path):
     path = tmp_path / "chat.jsonl"
-    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i}?"}, {"role": "assistant", "content": str(i)}]} for i in range(3)]
+    rows = [
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": f"{i}?"},
+                {"role": "assistant", "content": str(i)},
+            ]
+        }
+        for i in range(3)
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    result = sft(tiny_recipe(tiny_model_dir, tmp_path, data={"train_path": str(path), "eval_path": None}, train={"epochs": 1}))
+    result = sft(
+        tiny_recipe(tiny_model_dir, tmp_path, data={"train_path": str(path), "eval_path": None}, train={"epochs": 1})
+    )
     assert result.steps == 1 and result.eval_before is None
 
 

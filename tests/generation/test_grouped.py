@@ -36,7 +36,14 @@ def test_sample_groups_calls_the_sampler_with_whole_groups_and_returns_prompt_or
         return cpu_sampler.rollout(model, tokenizer, prompts, group_size, **settings)
 
     results = sample_groups(
-        model, tokenizer, PROMPTS, 3, max_new_tokens=5, temperature=1.0, batch_size=7, sampler=recording,
+        model,
+        tokenizer,
+        PROMPTS,
+        3,
+        max_new_tokens=5,
+        temperature=1.0,
+        batch_size=7,
+        sampler=recording,
     )
     lengths = [len(ids) for ids in encode_prompts(tokenizer, PROMPTS)]
     order = sorted(range(len(PROMPTS)), key=lambda index: lengths[index])
@@ -56,8 +63,13 @@ def old_grouped_completions(model, tokenizer, prompts, samples, *, max_new_token
     for start in range(0, len(order), per_batch):
         chunk = order[start : start + per_batch]
         sampled = cpu_sampler.rollout(
-            model, tokenizer, [prompts[index] for index in chunk], samples,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            model,
+            tokenizer,
+            [prompts[index] for index in chunk],
+            samples,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
         )
         counts, cut = sampled.completion_mask.sum(-1).tolist(), sampled.truncated.tolist()
         for row, text in enumerate(sampled.texts):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from polo.models.loading import load_policy
 from polo.generation.cpu_sampler import generate, rollout
 from polo.generation.prompts import stop_token_ids, tokenize_prompts
+from polo.models.loading import load_policy
 from polo.models.scoring import completion_logprobs
 
 
@@ -15,12 +15,22 @@ def test_greedy_sampler_matches_transformers_generate(tiny_model_dir):
     prompts = ["What is 1 + 2?", "A much longer prompt, so the others are left-padded: 17 * 3 = "]
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     ours, mask, _ = generate(
-        model, prompt_ids, prompt_mask, max_new_tokens=12, temperature=0.0, top_p=1.0,
-        stop_ids=stop_token_ids(tokenizer, model), pad_id=tokenizer.pad_token_id,
+        model,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens=12,
+        temperature=0.0,
+        top_p=1.0,
+        stop_ids=stop_token_ids(tokenizer, model),
+        pad_id=tokenizer.pad_token_id,
     )
     theirs = model.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id
-    )[:, prompt_ids.shape[1]:]
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )[:, prompt_ids.shape[1] :]
     for row in range(len(prompts)):
         length = int(mask[row].sum())
         assert ours[row, :length].tolist() == theirs[row, :length].tolist()
@@ -40,7 +50,9 @@ def test_rollout_masks_and_truncation(tiny_model_dir):
         assert bool(batch.truncated[row]) == (not stopped)
         assert not stopped or length <= 6
     # groups share their prompt
-    assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[3]) and not torch.equal(batch.prompt_ids[3], batch.prompt_ids[4])
+    assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[3]) and not torch.equal(
+        batch.prompt_ids[3], batch.prompt_ids[4]
+    )
 
 
 def test_logprobs_do_not_depend_on_padding(tiny_model_dir):
@@ -108,7 +120,13 @@ def test_one_prefill_per_prompt_samples_like_repeated_prompts(tiny_model_dir):
     """samples_per_prompt=3 (the prompt run once, its cache repeated) draws what 3 copies of the prompt draw."""
     model, tokenizer = load_policy(str(tiny_model_dir))
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, ["1+1=", "a longer prompt: 12+30="])
-    options = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, stop_ids=stop_token_ids(tokenizer, model), pad_id=tokenizer.pad_token_id)
+    options = dict(
+        max_new_tokens=8,
+        temperature=1.0,
+        top_p=1.0,
+        stop_ids=stop_token_ids(tokenizer, model),
+        pad_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(5)
     shared = generate(model, prompt_ids, prompt_mask, samples_per_prompt=3, **options)
     torch.manual_seed(5)

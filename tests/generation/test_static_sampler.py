@@ -23,10 +23,20 @@ def tiny_gemma3(tokenizer):
 
     torch.manual_seed(0)
     config = Gemma3TextConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=8, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=8,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
         tie_word_embeddings=True,
     )
     return Gemma3ForCausalLM(config).eval()
@@ -68,7 +78,10 @@ def test_greedy_equals_the_cpu_sampler_and_transformers_generate(policy, group_s
     expected = model.generate(
         input_ids=prompt_ids.repeat_interleave(group_size, 0),
         attention_mask=prompt_mask.repeat_interleave(group_size, 0),
-        max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=settings["stop_ids"],
+        max_new_tokens=16,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=settings["stop_ids"],
     )[:, prompt_ids.shape[1] :]
     completion_ids, completion_mask, _ = static
     got = [row[: int(length)] for row, length in zip(completion_ids.tolist(), completion_mask.sum(-1).tolist())]
@@ -160,7 +173,13 @@ def test_the_compiled_decode_step_never_recompiles_and_draws_what_eager_draws(ti
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, PROMPTS[:2])
     never = [model.config.vocab_size + 7]
     settings = options(
-        model, tokenizer, temperature=1.0, top_p=0.9, max_new_tokens=10, stop_ids=never, samples_per_prompt=2,
+        model,
+        tokenizer,
+        temperature=1.0,
+        top_p=0.9,
+        max_new_tokens=10,
+        stop_ids=never,
+        samples_per_prompt=2,
     )
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True), torch._inductor.config.patch(fallback_random=True):
@@ -194,8 +213,12 @@ def test_captured_on_cuda_greedy_equals_transformers_generate(tiny_model_dir, fa
     for _ in range(2):  # the second call replays the captured graph
         ids, mask, _ = static_sampler.generate(model, prompt_ids, prompt_mask, compute=compute, **settings)
     expected = model.generate(
-        input_ids=prompt_ids.repeat_interleave(2, 0), attention_mask=prompt_mask.repeat_interleave(2, 0),
-        max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=settings["stop_ids"],
+        input_ids=prompt_ids.repeat_interleave(2, 0),
+        attention_mask=prompt_mask.repeat_interleave(2, 0),
+        max_new_tokens=16,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=settings["stop_ids"],
     )[:, prompt_ids.shape[1] :]
     assert ids.device.type == "cuda" and all(shape.captured for shape, _ in model.__dict__["_polo_static_decoders"])
     got = [row[: int(length)] for row, length in zip(ids.tolist(), mask.sum(-1).tolist())]

@@ -19,7 +19,9 @@ def test_bf16_training_attention_computes_in_fp32_and_matches_sdpa(tiny_model_di
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding
     with torch.no_grad():  # inference: exactly transformers' bf16 SDPA
-        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, reference(input_ids=ids, attention_mask=mask).logits)
+        assert torch.equal(
+            model(input_ids=ids, attention_mask=mask).logits, reference(input_ids=ids, attention_mask=mask).logits
+        )
     outputs = []
     for m in (reference, model):
         logits = m(input_ids=ids, attention_mask=mask).logits

@@ -39,7 +39,9 @@ def test_prepacking_and_prompt_sharing_are_cpu_only():
     assert isinstance(kernels.prepacked_linears(linear, 8, CUDA), contextlib.nullcontext)
     with kernels.prepacked_linears(linear, 8, CPU):  # on the CPU the oneDNN path (a no-op without native bf16)
         pass
-    shape = dict(prompt_len=84, completion_len=64, group_size=8, hidden_size=576, params_per_layer=4.0e6, blockwise=True)
+    shape = dict(
+        prompt_len=84, completion_len=64, group_size=8, hidden_size=576, params_per_layer=4.0e6, blockwise=True
+    )
     assert kernels.sharing_pays(**shape, device=CPU.device)
     assert not kernels.sharing_pays(**shape, device=CUDA.device)
 
@@ -49,4 +51,7 @@ def test_the_shared_layout_is_built_on_the_batch_device():
     prompt_mask = torch.tensor([[0, 1, 1], [0, 1, 1]], device=CPU.device)
     completion_ids = torch.tensor([[7, 8], [9, 2]], device=CPU.device)
     shared = kernels.share_prompts(prompt_ids, prompt_mask, completion_ids, torch.ones_like(completion_ids), 2)
-    assert {tensor.device for tensor in (shared.input_ids, shared.attention_mask, shared.position_ids, shared.predictor_index)} == {CPU.device}
+    assert {
+        tensor.device
+        for tensor in (shared.input_ids, shared.attention_mask, shared.position_ids, shared.predictor_index)
+    } == {CPU.device}

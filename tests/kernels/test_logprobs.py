@@ -156,9 +156,17 @@ def tiny_llama(seed: int = 0):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        bos_token_id=None, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=None,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=True,
     )
     return LlamaForCausalLM(config)
 
@@ -182,17 +190,30 @@ def left_padded_batch(prompt_lengths=(6, 3, 1), prompt_width=6, completion_len=5
 
 def full_logits_path(model, input_ids, attention_mask, position_ids, completion_ids, temperature):
     completion_len = completion_ids.shape[1]
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        use_cache=False, logits_to_keep=completion_len + 1,
-    ).logits[:, :-1].float() / temperature
+    logits = (
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=completion_len + 1,
+        )
+        .logits[:, :-1]
+        .float()
+        / temperature
+    )
     logp = torch.log_softmax(logits, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1).detach()
     return logp.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def tracked_grads(model) -> dict[str, torch.Tensor]:
-    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight"]
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.norm.weight",
+    ]
     params = dict(model.named_parameters())
     return {name: params[name].grad.clone() for name in names}
 
@@ -211,14 +232,23 @@ def test_fused_completion_logprobs_match_full_logits_path(temperature):
     upstream = torch.randn(completion_ids.shape, generator=torch.Generator().manual_seed(3))
 
     logprobs, entropy = completion_logprobs_fused(
-        model, input_ids, attention_mask, position_ids, completion_len, completion_ids,
-        temperature, True, chunk_size=4,
+        model,
+        input_ids,
+        attention_mask,
+        position_ids,
+        completion_len,
+        completion_ids,
+        temperature,
+        True,
+        chunk_size=4,
     )
     (logprobs * upstream).sum().backward()
     fused_grads = tracked_grads(model)
     model.zero_grad(set_to_none=True)
 
-    ref_logprobs, ref_entropy = full_logits_path(model, input_ids, attention_mask, position_ids, completion_ids, temperature)
+    ref_logprobs, ref_entropy = full_logits_path(
+        model, input_ids, attention_mask, position_ids, completion_ids, temperature
+    )
     (ref_logprobs * upstream).sum().backward()
     ref_grads = tracked_grads(model)
 
@@ -226,7 +256,9 @@ def test_fused_completion_logprobs_match_full_logits_path(temperature):
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
     for name, grad in ref_grads.items():
-        torch.testing.assert_close(fused_grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            fused_grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_fused_completion_logprobs_under_bf16_autocast_track_full_path():
@@ -259,7 +291,9 @@ def test_no_fused_path_when_lm_head_has_a_bias():
     assert not supports_fused_logprobs(model)
 
 
-@pytest.mark.parametrize("field, value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.0625), ("logits_scaling", 8.0)])
+@pytest.mark.parametrize(
+    "field, value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.0625), ("logits_scaling", 8.0)]
+)
 def test_no_fused_path_when_config_post_processes_logits(field, value):
     model = tiny_llama()
     setattr(model.config, field, value)
@@ -269,10 +303,16 @@ def test_no_fused_path_when_config_post_processes_logits(field, value):
 def test_no_fused_path_when_config_or_structure_rule_it_out():
     from transformers import CohereConfig, CohereForCausalLM
 
-    cohere = CohereForCausalLM(CohereConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2,
-    ))
+    cohere = CohereForCausalLM(
+        CohereConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     assert not supports_fused_logprobs(cohere)  # logits * logit_scale
     assert not supports_fused_logprobs(torch.nn.Linear(4, 4))
 
@@ -283,7 +323,9 @@ def test_fused_path_is_decided_by_structure_not_by_the_family_name():
     model.config.model_type = "some_family_polo_never_heard_of"
     assert supports_fused_logprobs(model)
     input_ids, attention_mask, position_ids, completion_ids = left_padded_batch()
-    logprobs, _ = completion_logprobs_fused(model, input_ids, attention_mask, position_ids, completion_ids.shape[1], completion_ids)
+    logprobs, _ = completion_logprobs_fused(
+        model, input_ids, attention_mask, position_ids, completion_ids.shape[1], completion_ids
+    )
     ref_logprobs, _ = full_logits_path(model, input_ids, attention_mask, position_ids, completion_ids, 1.0)
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
 
@@ -315,7 +357,9 @@ def test_a_model_is_traced_once_and_again_only_when_its_head_changes():
 
 def test_no_fused_path_when_something_sits_between_trunk_and_head():
     model = tiny_llama()
-    model.lm_head.register_forward_pre_hook(lambda module, args: (args[0] * 2,))  # the head no longer reads the trunk's output
+    model.lm_head.register_forward_pre_hook(
+        lambda module, args: (args[0] * 2,)
+    )  # the head no longer reads the trunk's output
     assert not supports_fused_logprobs(model)
     assert supports_fused_logprobs(tiny_llama())
 
@@ -324,14 +368,31 @@ def other_families():
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    gpt2 = GPT2LMHeadModel(GPT2Config(
-        vocab_size=97, n_embd=32, n_layer=1, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=1,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    ))
-    qwen2_untied = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-    ))
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=97,
+            n_embd=32,
+            n_layer=1,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=1,
+            eos_token_id=1,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
+    qwen2_untied = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
     return {"gpt2": gpt2, "qwen2_untied": qwen2_untied}
 
 
@@ -356,7 +417,9 @@ def test_fused_path_matches_on_other_families(name):
 def test_no_tokens_give_empty_results_and_zero_gradients():
     hidden = torch.zeros(0, 16, requires_grad=True)
     weight = torch.randn(101, 16, requires_grad=True)
-    logprobs, entropy = ChunkedTokenLogprobs.apply(hidden, weight, torch.zeros(0, dtype=torch.long), 1.0, 8, torch.float32, True, 7)
+    logprobs, entropy = ChunkedTokenLogprobs.apply(
+        hidden, weight, torch.zeros(0, dtype=torch.long), 1.0, 8, torch.float32, True, 7
+    )
     assert logprobs.shape == entropy.shape == (0,)
     logprobs.sum().backward()
     assert torch.equal(weight.grad, torch.zeros_like(weight))

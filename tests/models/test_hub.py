@@ -71,7 +71,9 @@ def no_network(monkeypatch) -> list:
     def cache_only(repo_id, **kwargs):
         if not kwargs.get("local_files_only"):
             online.append((repo_id, kwargs))
-            raise LocalEntryNotFoundError("An error happened while trying to locate the files on the Hub (ConnectError: no network)")
+            raise LocalEntryNotFoundError(
+                "An error happened while trying to locate the files on the Hub (ConnectError: no network)"
+            )
         return REAL_SNAPSHOT_DOWNLOAD(repo_id, **kwargs)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", cache_only)
@@ -85,9 +87,23 @@ def tiny_rl_recipe(model: str, output_dir: Path, **output) -> dict:
         "task": {"name": "arithmetic", "min_digits": 1, "max_digits": 1, "num_train": 40, "num_eval": 6},
         "sampling": {"max_new_tokens": 6, "temperature": 1.0},
         "algorithm": {"group_size": 2},
-        "train": {"steps": 2, "prompts_per_step": 2, "micro_batch_size": 4, "learning_rate": 1e-3, "precision": "fp32", "seed": 3},
+        "train": {
+            "steps": 2,
+            "prompts_per_step": 2,
+            "micro_batch_size": 4,
+            "learning_rate": 1e-3,
+            "precision": "fp32",
+            "seed": 3,
+        },
         "eval": {"batch_size": 6, "max_new_tokens": 4},
-        "output": {"dir": str(output_dir), "save_every": 0, "progress": False, "tensorboard": False, "plots": False, **output},
+        "output": {
+            "dir": str(output_dir),
+            "save_every": 0,
+            "progress": False,
+            "tensorboard": False,
+            "plots": False,
+            **output,
+        },
     }
 
 
@@ -164,7 +180,10 @@ def test_a_local_directory_wins_over_the_hub_id_it_spells(hub_cache, tmp_path, m
     monkeypatch.setattr(hub, "hub_snapshot", lambda name: pytest.fail("the hub cache was consulted"))
     assert resolve_model_path(REPO) == Path(REPO)
     model, _ = load_policy(REPO)
-    assert torch.equal(model.state_dict()["model.embed_tokens.weight"], load_file(str(local / "model.safetensors"))["model.embed_tokens.weight"])
+    assert torch.equal(
+        model.state_dict()["model.embed_tokens.weight"],
+        load_file(str(local / "model.safetensors"))["model.embed_tokens.weight"],
+    )
 
 
 def test_a_cached_model_loads_without_the_network_when_the_hub_is_online(hub_cache, monkeypatch):
@@ -193,8 +212,12 @@ def test_a_lora_run_on_a_hub_id_names_the_id_as_its_base(hub_cache, tmp_path):
 def test_a_hub_model_must_be_a_causal_lm(hub_cache, tmp_path):
     classifier = tmp_path / "classifier"
     classifier.mkdir()
-    (classifier / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"], "model_type": "bert"}))
-    (classifier / "model.safetensors").write_bytes((tmp_path / "hf" / "hub" / "models--polo-test--tiny" / "snapshots" / COMMIT / "model.safetensors").read_bytes())
+    (classifier / "config.json").write_text(
+        json.dumps({"architectures": ["BertForSequenceClassification"], "model_type": "bert"})
+    )
+    (classifier / "model.safetensors").write_bytes(
+        (tmp_path / "hf" / "hub" / "models--polo-test--tiny" / "snapshots" / COMMIT / "model.safetensors").read_bytes()
+    )
     cache_entry(hub_cache, "polo-test/classifier", classifier)
     with pytest.raises(ModelLoadError, match="not a causal language model"):
         load_policy("polo-test/classifier")
@@ -242,12 +265,16 @@ def test_a_cache_miss_online_that_cannot_download_is_one_line(hub_cache, monkeyp
         resolve_model_path("polo-test/missing")
     message = str(error.value)
     assert "\n" not in message and [call[0] for call in online] == ["polo-test/missing"]
-    assert message.startswith(f"model 'polo-test/missing' is not a local directory or in the local Hugging Face cache ({hub_cache}), "
-                              "and downloading it from the Hub failed (LocalEntryNotFoundError: ")
+    assert message.startswith(
+        f"model 'polo-test/missing' is not a local directory or in the local Hugging Face cache ({hub_cache}), "
+        "and downloading it from the Hub failed (LocalEntryNotFoundError: "
+    )
     assert "'hf download polo-test/missing'" in message
 
 
-def test_a_cache_miss_online_downloads_config_tokenizer_and_weights_only(hub_cache, tmp_path, monkeypatch, tiny_model_dir):
+def test_a_cache_miss_online_downloads_config_tokenizer_and_weights_only(
+    hub_cache, tmp_path, monkeypatch, tiny_model_dir
+):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     asked = []
 
@@ -261,7 +288,11 @@ def test_a_cache_miss_online_downloads_config_tokenizer_and_weights_only(hub_cac
     path = resolve_model_path("polo-test/fresh")
     assert path == hub_cache / "models--polo-test--fresh" / "snapshots" / COMMIT
     ((repo_id, kwargs),) = asked
-    assert repo_id == "polo-test/fresh" and kwargs["cache_dir"] == hub_cache and "*.safetensors" in kwargs["allow_patterns"]
+    assert (
+        repo_id == "polo-test/fresh"
+        and kwargs["cache_dir"] == hub_cache
+        and "*.safetensors" in kwargs["allow_patterns"]
+    )
     assert resolve_model_path("polo-test/fresh") == path and len(asked) == 1  # the second time from the cache
 
 
@@ -304,7 +335,11 @@ def test_a_run_from_a_hub_id_is_pushed_with_its_model_card(hub_cache, tmp_path, 
     (create, upload) = recording_api
     assert create == ("create_repo", "me/tiny-grpo", {"private": True, "exist_ok": True, "repo_type": "model"})
     _, kwargs, files, card = upload
-    assert kwargs["repo_id"] == "me/tiny-grpo" and kwargs["folder_path"] == str(final) and "trainer_state.pt" in kwargs["ignore_patterns"]
+    assert (
+        kwargs["repo_id"] == "me/tiny-grpo"
+        and kwargs["folder_path"] == str(final)
+        and "trainer_state.pt" in kwargs["ignore_patterns"]
+    )
     assert {"README.md", "config.json", "model.safetensors", "tokenizer.json"} <= set(files)
     assert card == (final / "README.md").read_text()
     front, body = card.removeprefix("---\n").split("\n---\n", 1)
@@ -314,12 +349,16 @@ def test_a_run_from_a_hub_id_is_pushed_with_its_model_card(hub_cache, tmp_path, 
     assert f"| before training | {result.eval_before['accuracy']:.3f} |" in body
     assert f"| after training | {result.eval_after['accuracy']:.3f} |" in body
     assert "for 2 steps" in body and 'AutoModelForCausalLM.from_pretrained("me/tiny-grpo")' in body
-    assert yaml.safe_load(body.split("```yaml\n", 1)[1].split("```", 1)[0]) == yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert yaml.safe_load(body.split("```yaml\n", 1)[1].split("```", 1)[0]) == yaml.safe_load(
+        (tmp_path / "run" / "config.yaml").read_text()
+    )
     assert load_policy(str(final))[0] is not None  # the card does not get in the way of loading
 
 
 def test_without_push_the_card_is_still_written(tiny_model_dir, tmp_path, recording_api):
-    train(tiny_rl_recipe(str(tiny_model_dir), tmp_path / "run", save_every=1), ["eval.before=false", "eval.after=false"])
+    train(
+        tiny_rl_recipe(str(tiny_model_dir), tmp_path / "run", save_every=1), ["eval.before=false", "eval.after=false"]
+    )
     card = (tmp_path / "run" / "checkpoints" / "step-000002" / "README.md").read_text()
     assert recording_api == []
     assert "base_model" not in yaml.safe_load(card.split("---\n")[1])  # a local directory is not a Hub id
@@ -330,14 +369,22 @@ def test_without_push_the_card_is_still_written(tiny_model_dir, tmp_path, record
 @pytest.mark.parametrize(
     ("setting", "expected"),
     [
-        ({"HF_HUB_OFFLINE": "1"}, "output.push_to_hub=me/tiny-grpo needs the Hugging Face Hub, but it is offline (HF_HUB_OFFLINE=1): "
-                                  "run where the Hub can be reached, or set output.push_to_hub=null "
-                                  "(the final model and its README.md stay in output.dir)"),
-        ({}, "output.push_to_hub=me/tiny-grpo needs a Hugging Face token with write access: "
-             "run 'hf auth login' or set HF_TOKEN, or set output.push_to_hub=null"),
+        (
+            {"HF_HUB_OFFLINE": "1"},
+            "output.push_to_hub=me/tiny-grpo needs the Hugging Face Hub, but it is offline (HF_HUB_OFFLINE=1): "
+            "run where the Hub can be reached, or set output.push_to_hub=null "
+            "(the final model and its README.md stay in output.dir)",
+        ),
+        (
+            {},
+            "output.push_to_hub=me/tiny-grpo needs a Hugging Face token with write access: "
+            "run 'hf auth login' or set HF_TOKEN, or set output.push_to_hub=null",
+        ),
     ],
 )
-def test_a_push_that_cannot_happen_is_refused_before_anything_loads(tiny_model_dir, tmp_path, monkeypatch, capsys, setting, expected):
+def test_a_push_that_cannot_happen_is_refused_before_anything_loads(
+    tiny_model_dir, tmp_path, monkeypatch, capsys, setting, expected
+):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
@@ -345,13 +392,17 @@ def test_a_push_that_cannot_happen_is_refused_before_anything_loads(tiny_model_d
     for name, value in setting.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(rl_setup, "load_models", lambda *args, **kwargs: pytest.fail("the model was loaded"))
-    status, err = cli(tiny_rl_recipe(str(tiny_model_dir), tmp_path / "run"), tmp_path, capsys, "output.push_to_hub=me/tiny-grpo")
+    status, err = cli(
+        tiny_rl_recipe(str(tiny_model_dir), tmp_path / "run"), tmp_path, capsys, "output.push_to_hub=me/tiny-grpo"
+    )
     assert status == 2 and err == [f"polo: error: {expected}"]
     assert not (tmp_path / "run").exists()
 
 
 def test_push_to_hub_must_be_a_repo_id():
-    with pytest.raises(ConfigError, match=r"output.push_to_hub: 'my model' is not a Hugging Face Hub repo id; use org/name"):
+    with pytest.raises(
+        ConfigError, match=r"output.push_to_hub: 'my model' is not a Hugging Face Hub repo id; use org/name"
+    ):
         load_config({"output": {"push_to_hub": "my model"}})
     assert load_config({"output": {"push_to_hub": None}}).output.push_to_hub is None
 
@@ -367,7 +418,9 @@ def test_a_failed_upload_says_the_model_is_safe(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "HfApi", FailingApi)
     config = load_config({"output": {"push_to_hub": "me/x"}, "model": {"name": "org/base@v1"}})
     run = SimpleNamespace(
-        config=config, checkpointer=SimpleNamespace(latest=lambda: final), task=SimpleNamespace(name="arithmetic", eval_rows=[1, 2]),
+        config=config,
+        checkpointer=SimpleNamespace(latest=lambda: final),
+        task=SimpleNamespace(name="arithmetic", eval_rows=[1, 2]),
         eval_before={"accuracy": 0.25},
     )
     with pytest.raises(SaveError) as error:
@@ -377,7 +430,11 @@ def test_a_failed_upload_says_the_model_is_safe(tmp_path, monkeypatch):
         f"the trained model is intact there: push it again with 'hf upload me/x {final} --exclude trainer_state.pt'"
     )
     card = (final / "README.md").read_text()
-    assert "base_model: org/base\n" in card and "| before training | 0.250 |" in card and "Greedy decoding on 2 held-out problems" in card
+    assert (
+        "base_model: org/base\n" in card
+        and "| before training | 0.250 |" in card
+        and "Greedy decoding on 2 held-out problems" in card
+    )
 
 
 # ---------------------------------------------------------------- the card itself
@@ -385,12 +442,27 @@ def test_a_failed_upload_says_the_model_is_safe(tmp_path, monkeypatch):
 
 def test_model_card_of_an_adapter():
     card = hub.model_card(
-        location="me/adapter", base_model="smollm2-135m-instruct", algorithm="dapo", task="gsm8k", steps=30,
-        recipe="model:\n  name: smollm2-135m-instruct\n", eval_before=None, eval_after={"accuracy": 0.4}, num_eval=200, adapter=True,
+        location="me/adapter",
+        base_model="smollm2-135m-instruct",
+        algorithm="dapo",
+        task="gsm8k",
+        steps=30,
+        recipe="model:\n  name: smollm2-135m-instruct\n",
+        eval_before=None,
+        eval_after={"accuracy": 0.4},
+        num_eval=200,
+        adapter=True,
     )
     metadata = yaml.safe_load(card.split("---\n")[1])
-    assert metadata == {"library_name": "polo", "pipeline_tag": "text-generation", "tags": ["polo", "dapo", "reinforcement-learning", "lora", "peft"]}
+    assert metadata == {
+        "library_name": "polo",
+        "pipeline_tag": "text-generation",
+        "tags": ["polo", "dapo", "reinforcement-learning", "lora", "peft"],
+    }
     assert "\n---\n\n# adapter\n" in card
-    assert "A LoRA adapter for `smollm2-135m-instruct`" in card and "AutoPeftModelForCausalLM.from_pretrained(\"me/adapter\")" in card
+    assert (
+        "A LoRA adapter for `smollm2-135m-instruct`" in card
+        and 'AutoPeftModelForCausalLM.from_pretrained("me/adapter")' in card
+    )
     assert "| before training | not measured |" in card and "| after training | 0.400 |" in card
     assert "```yaml\nmodel:\n  name: smollm2-135m-instruct\n```" in card

@@ -23,7 +23,9 @@ def test_directory_without_config_is_rejected(tmp_path):
 
 
 def test_non_causal_architecture_is_rejected(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"], "model_type": "bert"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["BertForSequenceClassification"], "model_type": "bert"})
+    )
     with pytest.raises(ModelLoadError, match="not a causal language model"):
         resolve_model_path(str(tmp_path))
 
@@ -68,7 +70,9 @@ def _copy_of(model_dir, target):
 def test_garbage_safetensors_names_the_file(tiny_model_dir, tmp_path):
     model_dir = _copy_of(tiny_model_dir, tmp_path / "garbage")
     (model_dir / "model.safetensors").write_bytes(bytes(range(256)) * 4)
-    with pytest.raises(ModelLoadError, match=r"model weights .*garbage/model\.safetensors cannot be read \(.*header") as error:
+    with pytest.raises(
+        ModelLoadError, match=r"model weights .*garbage/model\.safetensors cannot be read \(.*header"
+    ) as error:
         load_policy(str(model_dir))
     assert "\n" not in str(error.value)
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny_pipeline import QUIET, tiny_grpo, tiny_pipeline, tiny_sft
 
 from polo.pipeline import rejection as rejection_module
 from polo.pipeline import run_pipeline
-from polo.rl import train as trainer
 from polo.rewards.format import r1_format
-from tiny_pipeline import QUIET, tiny_grpo, tiny_pipeline, tiny_sft
+from polo.rl import train as trainer
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -28,7 +28,11 @@ def stage_config(stage_dir: Path) -> dict:
 
 
 def mtimes(directory: Path) -> dict[str, float]:
-    return {str(path.relative_to(directory)): path.stat().st_mtime_ns for path in sorted(directory.rglob("*")) if path.is_file()}
+    return {
+        str(path.relative_to(directory)): path.stat().st_mtime_ns
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
 
 
 def accept_everything(monkeypatch) -> None:
@@ -63,7 +67,9 @@ def test_all_four_stages_run_chained_and_the_report_has_the_stage_table(pipeline
     summary = json.loads((root / "c_reject" / "rejection_summary.json").read_text())
     kept = (root / "c_reject" / "rejection.jsonl").read_text().splitlines()
     assert summary["sampled"] == 3 * 3 and summary["kept"] == len(kept) <= 3 * 2
-    assert [entry["kept"] for entry in summary["per_prompt"]] == [min(entry["kept"], 2) for entry in summary["per_prompt"]]
+    assert [entry["kept"] for entry in summary["per_prompt"]] == [
+        min(entry["kept"], 2) for entry in summary["per_prompt"]
+    ]
 
     for stage in result.stages:
         done = json.loads((stage.dir / "stage_done.json").read_text())
@@ -95,7 +101,10 @@ def test_all_four_stages_run_chained_and_the_report_has_the_stage_table(pipeline
 
 
 def two_stages(pipeline_recipe: dict, steps: int = 2) -> dict:
-    recipe = {**pipeline_recipe, "stages": {"cold_start": pipeline_recipe["stages"]["cold_start"], "reason": tiny_grpo(steps)}}
+    recipe = {
+        **pipeline_recipe,
+        "stages": {"cold_start": pipeline_recipe["stages"]["cold_start"], "reason": tiny_grpo(steps)},
+    }
     recipe["eval"] = {**recipe["eval"], "base": False}
     return recipe
 
@@ -148,7 +157,11 @@ def test_an_interrupted_grpo_stage_continues_from_its_checkpoint(pipeline_recipe
     assert "stage a_cold_start (sft) already done" in printed
     assert "(continuing)" in printed and "steps 2->3" in printed
     assert [stage.ran for stage in result.stages] == [False, True]
-    steps = [row["step"] for row in map(json.loads, (root / "b_reason" / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in row]
+    steps = [
+        row["step"]
+        for row in map(json.loads, (root / "b_reason" / "metrics.jsonl").read_text().splitlines())
+        if "reward/mean" in row
+    ]
     assert steps == [1, 2, 3]
 
 
@@ -156,10 +169,12 @@ def write_gsm8k(path: Path, count: int, offset: int = 0) -> str:
     rows = []
     for index in range(offset, offset + count):
         apples, more = 3 + index, 2 + index % 5
-        rows.append({
-            "question": f"Tom has {apples} apples and buys {more} more. How many apples does Tom have now?",
-            "answer": f"Tom has {apples} + {more} = <<{apples}+{more}={apples + more}>>{apples + more} apples.\n#### {apples + more}",
-        })
+        rows.append(
+            {
+                "question": f"Tom has {apples} apples and buys {more} more. How many apples does Tom have now?",
+                "answer": f"Tom has {apples} + {more} = <<{apples}+{more}={apples + more}>>{apples + more} apples.\n#### {apples + more}",
+            }
+        )
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
 
@@ -168,17 +183,28 @@ def test_the_r1_gsm8k_recipe_runs_end_to_end_on_the_tiny_model(tiny_model_dir, t
     sft_train = "train={epochs: 1, batch_size: 4, micro_batch_size: 4, learning_rate: 1.0e-3, precision: fp32}"
     grpo = (
         "train={steps: 1, prompts_per_step: 2, micro_batch_size: 4, learning_rate: 1.0e-3, precision: fp32}",
-        "algorithm.group_size=2", "sampling.max_new_tokens=8", "eval={before: false, max_new_tokens: 6, batch_size: 4}",
+        "algorithm.group_size=2",
+        "sampling.max_new_tokens=8",
+        "eval={before: false, max_new_tokens: 6, batch_size: 4}",
     )
     quiet, rl_quiet = f"output={json.dumps(QUIET)}", f"output={json.dumps({**QUIET, 'save_every': 1})}"
     overrides = [
-        f"pipeline.dir={tmp_path / 'r1_gsm8k'}", f"pipeline.model={tiny_model_dir}", "pipeline.progress=false",
-        f"task.train_path={write_gsm8k(tmp_path / 'train.jsonl', 24)}", f"task.eval_path={write_gsm8k(tmp_path / 'test.jsonl', 6, 100)}",
-        "task.num_eval=4", "eval={samples: 2, num_problems: 2, max_new_tokens: 6, batch_size: 8, precision: fp32}",
-        "stages.cold_start.demos={num_train: 4, num_eval: 2}", "stages.cold_start.data.max_length=1500", f"stages.cold_start.{sft_train}",
+        f"pipeline.dir={tmp_path / 'r1_gsm8k'}",
+        f"pipeline.model={tiny_model_dir}",
+        "pipeline.progress=false",
+        f"task.train_path={write_gsm8k(tmp_path / 'train.jsonl', 24)}",
+        f"task.eval_path={write_gsm8k(tmp_path / 'test.jsonl', 6, 100)}",
+        "task.num_eval=4",
+        "eval={samples: 2, num_problems: 2, max_new_tokens: 6, batch_size: 8, precision: fp32}",
+        "stages.cold_start.demos={num_train: 4, num_eval: 2}",
+        "stages.cold_start.data.max_length=1500",
+        f"stages.cold_start.{sft_train}",
         *(f"stages.{stage}.{override}" for stage in ("reason", "reason2") for override in (*grpo, rl_quiet)),
-        "stages.reject.rejection={num_prompts: 2, samples: 2, max_new_tokens: 8}", "stages.reject.data.max_length=1500",
-        f"stages.reject.{sft_train}", f"stages.cold_start.{quiet}", f"stages.reject.{quiet}",
+        "stages.reject.rejection={num_prompts: 2, samples: 2, max_new_tokens: 8}",
+        "stages.reject.data.max_length=1500",
+        f"stages.reject.{sft_train}",
+        f"stages.cold_start.{quiet}",
+        f"stages.reject.{quiet}",
     ]
     result = run_pipeline(RECIPES / "r1_gsm8k.yaml", overrides)
     assert [stage.label for stage in result.stages] == ["a_cold_start", "b_reason", "c_reject", "d_reason2"]
@@ -209,8 +235,18 @@ def test_the_r1_recipes_are_valid(name):
 
 def test_sft_stage_with_user_demonstrations(pipeline_recipe, tmp_path):
     demos = tmp_path / "mine.jsonl"
-    demos.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "response": f"<think>{i}+1</think><answer>{i + 1}</answer>"}) + "\n" for i in range(6)))
-    recipe = {**pipeline_recipe, "eval": {**pipeline_recipe["eval"], "enabled": False}, "stages": {"warm": tiny_sft(data={"train_path": str(demos)})}}
+    demos.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {i} + 1?", "response": f"<think>{i}+1</think><answer>{i + 1}</answer>"})
+            + "\n"
+            for i in range(6)
+        )
+    )
+    recipe = {
+        **pipeline_recipe,
+        "eval": {**pipeline_recipe["eval"], "enabled": False},
+        "stages": {"warm": tiny_sft(data={"train_path": str(demos)})},
+    }
     result = run_pipeline(recipe)
     assert result.base is None and result.stages[0].evaluation is None
     assert stage_config(result.stages[0].dir)["data"]["train_path"] == str(demos)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny_pipeline import tiny_grpo, tiny_pipeline, tiny_sft
 
 from polo.config import ConfigError
 from polo.pipeline import load_pipeline
-from tiny_pipeline import tiny_grpo, tiny_pipeline, tiny_sft
 
 POLO = Path(sys.executable).with_name("polo")
 
@@ -26,21 +26,51 @@ def recipe(tmp_path) -> dict:
     ("overrides", "expected"),
     [
         (["stage.reason.kind=grpo"], "unknown pipeline recipe key 'stage'; valid keys: pipeline, task, eval, stages"),
-        (["pipeline.dri=runs/x"], "unknown config key 'pipeline.dri'; valid keys in pipeline: dir, model, report, progress, threads"),
+        (
+            ["pipeline.dri=runs/x"],
+            "unknown config key 'pipeline.dri'; valid keys in pipeline: dir, model, report, progress, threads",
+        ),
         (["eval.sample=4"], "unknown config key 'eval.sample'; valid keys in eval: enabled, base, samples,"),
-        (["stages.reason.trian.steps=3"], "stages.reason: unknown key 'trian' for a grpo stage; valid keys: kind, recipe, overrides, model, task,"),
+        (
+            ["stages.reason.trian.steps=3"],
+            "stages.reason: unknown key 'trian' for a grpo stage; valid keys: kind, recipe, overrides, model, task,",
+        ),
         (["stages.reason.kind=ppo"], "stages.reason.kind: 'ppo' is not one of sft, grpo, reject_sft"),
-        (["stages.reason.train.stepz=3"], "stages.reason: unknown config key 'train.stepz'; valid keys in train: steps,"),
+        (
+            ["stages.reason.train.stepz=3"],
+            "stages.reason: unknown config key 'train.stepz'; valid keys in train: steps,",
+        ),
         (["stages.reason.train.steps=-1"], "stages.reason: train.steps must be at least 0, got -1"),
-        (["stages.reject.demos.num_train=3"], "stages.reject: unknown key 'demos' for a reject_sft stage; valid keys: kind, recipe, overrides, model, data, train, output, rejection"),
-        (["stages.cold_start.demos.num_trian=3"], "stages.cold_start.demos: unknown config key 'num_trian'; valid keys: num_train, num_eval, seed"),
-        (["stages.cold_start.demos.num_train=60"], "stages.cold_start.demos: num_train (>= 1) + num_eval (>= 0) = 62 must fit the task's 40 training rows"),
-        (["stages.reject.rejection.num_prompts=41"], "stages.reject.rejection.num_prompts=41 is more than the task's 40 training rows"),
-        (["stages.reject.rejection.max_per_prompt=0"], "stages.reject.rejection.max_per_prompt must be at least 1, got 0"),
-        (["stages.reason2.model.name=other"], "stages.reason2.model.name: a later stage starts from the previous stage's final model"),
+        (
+            ["stages.reject.demos.num_train=3"],
+            "stages.reject: unknown key 'demos' for a reject_sft stage; valid keys: kind, recipe, overrides, model, data, train, output, rejection",
+        ),
+        (
+            ["stages.cold_start.demos.num_trian=3"],
+            "stages.cold_start.demos: unknown config key 'num_trian'; valid keys: num_train, num_eval, seed",
+        ),
+        (
+            ["stages.cold_start.demos.num_train=60"],
+            "stages.cold_start.demos: num_train (>= 1) + num_eval (>= 0) = 62 must fit the task's 40 training rows",
+        ),
+        (
+            ["stages.reject.rejection.num_prompts=41"],
+            "stages.reject.rejection.num_prompts=41 is more than the task's 40 training rows",
+        ),
+        (
+            ["stages.reject.rejection.max_per_prompt=0"],
+            "stages.reject.rejection.max_per_prompt must be at least 1, got 0",
+        ),
+        (
+            ["stages.reason2.model.name=other"],
+            "stages.reason2.model.name: a later stage starts from the previous stage's final model",
+        ),
         (["stages.reason.train=5"], "stages.reason.train: expected a mapping of train settings, got 5"),
         (["stages=null"], "the pipeline recipe has no stages"),
-        (["stages.cold_start=null", "stages.reason=null", "stages.reject=null", "stages.reason2=null"], "stages: the pipeline has no stages"),
+        (
+            ["stages.cold_start=null", "stages.reason=null", "stages.reject=null", "stages.reason2=null"],
+            "stages: the pipeline has no stages",
+        ),
         (["task.name=arith"], "task.name: 'arith' is not one of"),
         (["eval.samples=0"], "eval.samples and eval.batch_size must be at least 1"),
     ],
@@ -55,9 +85,17 @@ def test_a_bad_recipe_names_the_key(recipe, overrides, expected):
 def test_cold_start_needs_demonstrations_for_a_task_without_built_in_ones(recipe, tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text('{"question": "2+2?", "answer": 4}\n' * 3)
-    recipe["task"] = {"name": "jsonl", "train_path": str(data), "eval_path": str(data), "num_eval": 3, "answer_in_tags": True}
+    recipe["task"] = {
+        "name": "jsonl",
+        "train_path": str(data),
+        "eval_path": str(data),
+        "num_eval": 3,
+        "answer_in_tags": True,
+    }
     recipe["stages"] = {"cold_start": tiny_sft(), "reason": tiny_grpo()}
-    with pytest.raises(ConfigError, match="task 'jsonl' has no built-in cold-start demonstrations .*set data.train_path"):
+    with pytest.raises(
+        ConfigError, match="task 'jsonl' has no built-in cold-start demonstrations .*set data.train_path"
+    ):
         load_pipeline(recipe)
 
 
@@ -68,13 +106,24 @@ def test_stages_as_a_list_or_mapping_left_out_stages_and_directories(recipe):
     assert plan.stages[1].body["task"]["answer_in_tags"] is True  # the pipeline's task reaches grpo stages
     as_list = {**recipe, "stages": [{"name": name, **stage} for name, stage in recipe["stages"].items()]}
     listed = load_pipeline(as_list)
-    assert [(stage.label, stage.body) for stage in listed.stages] == [(stage.label, stage.body) for stage in load_pipeline(recipe).stages]
+    assert [(stage.label, stage.body) for stage in listed.stages] == [
+        (stage.label, stage.body) for stage in load_pipeline(recipe).stages
+    ]
 
 
 def test_a_stage_from_a_recipe_file_keeps_the_chain_and_yaml_anchors_are_not_shared(recipe, tmp_path):
     file = tmp_path / "grpo.yaml"
-    file.write_text(yaml.safe_dump({"model": {"name": "elsewhere"}, "train": {"steps": 7, "learning_rate": 1e-4}, "output": {"dir": "runs/x"}}))
-    recipe["stages"]["reason"] = {"kind": "grpo", "recipe": str(file), "overrides": ["train.steps=5"], "train": {"prompts_per_step": 2}}
+    file.write_text(
+        yaml.safe_dump(
+            {"model": {"name": "elsewhere"}, "train": {"steps": 7, "learning_rate": 1e-4}, "output": {"dir": "runs/x"}}
+        )
+    )
+    recipe["stages"]["reason"] = {
+        "kind": "grpo",
+        "recipe": str(file),
+        "overrides": ["train.steps=5"],
+        "train": {"prompts_per_step": 2},
+    }
     shared = {"max_new_tokens": 8}
     recipe["stages"]["reason2"]["sampling"] = shared
     recipe["stages"]["reason"]["sampling"] = shared  # as a YAML anchor would make them
@@ -103,5 +152,8 @@ def test_the_command_line_says_one_line(recipe, tmp_path):
     path.write_text(yaml.safe_dump(recipe))
     message = polo_error("pipeline", str(path), "stages.reason.train.stepz=3", cwd=tmp_path)
     assert message.startswith("stages.reason: unknown config key 'train.stepz'; valid keys in train: steps,")
-    assert polo_error("pipeline", str(tmp_path / "missing.yaml"), cwd=tmp_path) == f"recipe {tmp_path / 'missing.yaml'} does not exist"
+    assert (
+        polo_error("pipeline", str(tmp_path / "missing.yaml"), cwd=tmp_path)
+        == f"recipe {tmp_path / 'missing.yaml'} does not exist"
+    )
     assert not (tmp_path / "pipeline").exists()  # nothing ran, nothing was written

@@ -9,7 +9,7 @@ import pytest
 from polo.data import arithmetic_task
 from polo.data.gsm8k import gsm8k_row
 from polo.pipeline import select
-from polo.pipeline.demos import column_addition, cold_start_rows, gsm8k_working, r1_completion
+from polo.pipeline.demos import cold_start_rows, column_addition, gsm8k_working, r1_completion
 from polo.pipeline.rejection import training_prompts
 from polo.rewards.answers import exact_number, math_verify_answer
 from polo.rewards.format import r1_format
@@ -36,7 +36,13 @@ def test_select_keeps_only_correct_and_well_formed_completions():
     for text in selection.kept:
         assert CHECK(text, ROW) == 1.0 and r1_format(text, ROW) == 1.0
     assert selection.counts() == {
-        "sampled": 8, "correct": 6, "well_formed": 3, "accepted": 2, "duplicates": 0, "over_cap": 0, "kept": 2,
+        "sampled": 8,
+        "correct": 6,
+        "well_formed": 3,
+        "accepted": 2,
+        "duplicates": 0,
+        "over_cap": 0,
+        "kept": 2,
     }
 
 
@@ -102,9 +108,12 @@ def test_cold_start_prompts_carry_the_few_shot_example_turns():
 
 def test_gsm8k_cold_start_uses_the_worked_solution_without_annotations():
     row = gsm8k_row(
-        {"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
-         "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"},
-        "train.jsonl", 1,
+        {
+            "question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
+            "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72",
+        },
+        "train.jsonl",
+        1,
     )
     think = gsm8k_working(row)
     assert think == "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips."
@@ -129,7 +138,14 @@ def test_stage_sampling_goes_through_the_one_grouped_sampler(tiny_model_dir):
     assert [len(done) for done in sampled] == [3] * 5
     assert all(0 < sample.length <= 6 for done in sampled for sample in done)
     result = evaluate_policy(
-        model, tokenizer, prompts, task.eval_rows, task.correctness, samples=4, max_new_tokens=6, temperature=1.0,
+        model,
+        tokenizer,
+        prompts,
+        task.eval_rows,
+        task.correctness,
+        samples=4,
+        max_new_tokens=6,
+        temperature=1.0,
     )
     assert result["summary"]["samples_per_problem"] == 4 and set(result["summary"]["cons@k"]) == {"1", "2", "4"}
     assert [problem["question"] for problem in result["problems"]] == [row["question"] for row in task.eval_rows]

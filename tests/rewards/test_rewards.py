@@ -418,13 +418,15 @@ from polo.sandbox.runner import SandboxLimits
 
 ATTACK_LIMITS = SandboxLimits(timeout_s=3.0)
 # No constant passes any of these, and each statement test hides what its call should return.
-ADD_ROW = {"tests": ["assert add(1, 2) == 3", "assert abs(add(0.5, 0.25) - 0.75) < 1e-9",
-                     "assert not add(2, 2) != 4 and add(-1, -1) < -1",
-                     "assert isinstance(add(1, 1), int) and add(1, 1) == 2"]}
-MARKER_FROM_FILE = (
-    "import re\n"
-    "MARKER = re.search(r'@@polo-[0-9a-f]+@@', open('/run/polo/main.py').read()).group(0)\n"
-)
+ADD_ROW = {
+    "tests": [
+        "assert add(1, 2) == 3",
+        "assert abs(add(0.5, 0.25) - 0.75) < 1e-9",
+        "assert not add(2, 2) != 4 and add(-1, -1) < -1",
+        "assert isinstance(add(1, 1), int) and add(1, 1) == 2",
+    ]
+}
+MARKER_FROM_FILE = "import re\nMARKER = re.search(r'@@polo-[0-9a-f]+@@', open('/run/polo/main.py').read()).group(0)\n"
 
 
 def code_rewards() -> RewardSet:
@@ -495,8 +497,11 @@ PATCHED_BUILTINS = (
 FD_CLOSER = "import os\nos.closerange(3, 1024)\ndef add(a, b):\n    return a + b\n"
 
 
-@pytest.mark.parametrize("program", [FORGER, FRAME_FORGER, RIGGED_FLOAT, PATCHED_BUILTINS],
-                         ids=["forged-report-lines", "harness-frames", "rigged-float", "patched-builtins"])
+@pytest.mark.parametrize(
+    "program",
+    [FORGER, FRAME_FORGER, RIGGED_FLOAT, PATCHED_BUILTINS],
+    ids=["forged-report-lines", "harness-frames", "rigged-float", "patched-builtins"],
+)
 def test_reward_without_solving_earns_nothing(program):
     assert scored(f"```python\n{program}\n```", ADD_ROW) == (0.0, 0.0)
 
@@ -523,13 +528,22 @@ def test_constant_stubs_earn_nothing_by_default():
 
 REPORT_BOMBS = [
     "[" * 100_000 + "]" * 100_000,  # deep JSON
-    '{"test": 0, "leaves": 5}', '{"test": "0", "leaves": []}', '{"test": 0, "leaves": [["value", 5]]}',
+    '{"test": 0, "leaves": 5}',
+    '{"test": "0", "leaves": []}',
+    '{"test": 0, "leaves": [["value", 5]]}',
     '{"test": 0, "leaves": [["value", "' + "[" * 5000 + '"]]}',  # deep literal
     '{"test": 0, "leaves": [["value", "' + "-" * 9000 + '1"]]}',  # deep unary minus
     '{"test": 0, "leaves": [["value", "' + "9" * 9000 + '"]]}',  # past the int digit limit
-    '{"test": 0, "leaves": [["value", "(1,)*10**9"]]}', '{"test": 0, "leaves": [["nope"]]}',
-    '{"test": 99, "leaves": []}', '{"test": true, "leaves": []}', '{"solution": ["x"], "detail": {}}',
-    '[1, 2]', '"text"', 'null', '{"test": 0, "setup_error": [1]}', "\udcff\x00 not json",
+    '{"test": 0, "leaves": [["value", "(1,)*10**9"]]}',
+    '{"test": 0, "leaves": [["nope"]]}',
+    '{"test": 99, "leaves": []}',
+    '{"test": true, "leaves": []}',
+    '{"solution": ["x"], "detail": {}}',
+    "[1, 2]",
+    '"text"',
+    "null",
+    '{"test": 0, "setup_error": [1]}',
+    "\udcff\x00 not json",
 ]
 
 
@@ -547,22 +561,43 @@ def test_malformed_reports_fail_their_test_and_never_raise():
 
 PARENT_BOMBS = [
     # (program, tests): values the program picks, meeting arithmetic the tests do in the parent.
-    (MARKER_FROM_FILE + "import os, json\nfor bomb in %r:\n    os.write(1, (MARKER + bomb + '\\n').encode())\n"
-     "def add(a, b):\n    return 0\n" % REPORT_BOMBS[:12], ADD_ROW["tests"]),
-    ("def add(a, b):\n    return 10 ** 3000\n",
-     ["assert add(1, 2) ** add(1, 2) == 27", "assert 2 ** add(1, 2) == 8", "assert 1 << add(1, 2) == 8"]),
-    ("def add(a, b):\n    return 'x' * 9000\n", ["assert add(1, 2) * 10 ** 9 == ''", "assert [0] * len(add(1, 2)) * 10 ** 6 == []"]),
-    ("def add(a, b):\n    x = []\n    for _ in range(100000):\n        x = [x]\n    return x\n", ["assert add(1, 2) == 3"]),
-    ("import builtins\ndef boom(*a):\n    raise RecursionError\nbuiltins.repr = boom\ndef add(a, b):\n    return 4\n",
-     ["assert add(1, 2) == 3"]),
-    ("class R:\n    def __repr__(self):\n        return 5\ndef add(a, b):\n    return R()\n", ["assert add(1, 2) == 3"]),
-    ("class S(str):\n    pass\nclass R:\n    def __repr__(self):\n        return S('3')\ndef add(a, b):\n    return R()\n",
-     ["assert add(1, 2) == 3"]),
+    (
+        MARKER_FROM_FILE + "import os, json\nfor bomb in %r:\n    os.write(1, (MARKER + bomb + '\\n').encode())\n"
+        "def add(a, b):\n    return 0\n" % REPORT_BOMBS[:12],
+        ADD_ROW["tests"],
+    ),
+    (
+        "def add(a, b):\n    return 10 ** 3000\n",
+        ["assert add(1, 2) ** add(1, 2) == 27", "assert 2 ** add(1, 2) == 8", "assert 1 << add(1, 2) == 8"],
+    ),
+    (
+        "def add(a, b):\n    return 'x' * 9000\n",
+        ["assert add(1, 2) * 10 ** 9 == ''", "assert [0] * len(add(1, 2)) * 10 ** 6 == []"],
+    ),
+    (
+        "def add(a, b):\n    x = []\n    for _ in range(100000):\n        x = [x]\n    return x\n",
+        ["assert add(1, 2) == 3"],
+    ),
+    (
+        "import builtins\ndef boom(*a):\n    raise RecursionError\nbuiltins.repr = boom\ndef add(a, b):\n    return 4\n",
+        ["assert add(1, 2) == 3"],
+    ),
+    (
+        "class R:\n    def __repr__(self):\n        return 5\ndef add(a, b):\n    return R()\n",
+        ["assert add(1, 2) == 3"],
+    ),
+    (
+        "class S(str):\n    pass\nclass R:\n    def __repr__(self):\n        return S('3')\ndef add(a, b):\n    return R()\n",
+        ["assert add(1, 2) == 3"],
+    ),
 ]
 
 
-@pytest.mark.parametrize("program, tests", PARENT_BOMBS, ids=["forged-bombs", "huge-int", "huge-str", "deep-list",
-                                                              "repr-raises", "repr-not-str", "repr-str-subclass"])
+@pytest.mark.parametrize(
+    "program, tests",
+    PARENT_BOMBS,
+    ids=["forged-bombs", "huge-int", "huge-str", "deep-list", "repr-raises", "repr-not-str", "repr-str-subclass"],
+)
 def test_programs_cannot_crash_or_stall_the_parent(program, tests):
     started = time.monotonic()
     code, fraction = scored(program, {"tests": tests})
@@ -570,7 +605,9 @@ def test_programs_cannot_crash_or_stall_the_parent(program, tests):
     assert time.monotonic() - started < ATTACK_LIMITS.timeout_s + 5
 
 
-@pytest.mark.parametrize("completion", [None, b"def add(a, b): return a + b", "\ud800\x00def add(a, b):\n", "x" * 10**6])
+@pytest.mark.parametrize(
+    "completion", [None, b"def add(a, b): return a + b", "\ud800\x00def add(a, b):\n", "x" * 10**6]
+)
 def test_odd_completions_score_zero(completion):
     assert scored(completion, ADD_ROW) == (0.0, 0.0)
 

@@ -1,9 +1,9 @@
 """One rank of the data-parallel tests, started by `torchrun` from test_data_parallel.py.
 
-    update  BATCH CONFIGS OUT   one `rl_step` per config on this rank's share of a saved batch;
-                                rank 0 saves the updated weights to OUT/<name>.pt
-    train   CONFIG [--interrupt-at N]   `polo.rl.train.train` on a JSON config; with
-                                --interrupt-at, rank 0 receives Ctrl-C during step N
+update  BATCH CONFIGS OUT   one `rl_step` per config on this rank's share of a saved batch;
+                            rank 0 saves the updated weights to OUT/<name>.pt
+train   CONFIG [--interrupt-at N]   `polo.rl.train.train` on a JSON config; with
+                            --interrupt-at, rank 0 receives Ctrl-C during step N
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 
 
 def rank_share_batch(batch, group_size: int):
-    from polo.runtime import distributed as parallel
     from polo.rl.batching import Batch
+    from polo.runtime import distributed as parallel
 
     groups = len(batch.rollouts) // group_size
     mine = parallel.rank_share(list(range(groups)), "groups")
@@ -28,12 +28,12 @@ def rank_share_batch(batch, group_size: int):
 def one_update(batch, config_dict: dict, model_dir: str):
     """Return the weights after one `rl_step` over `batch` (this rank's share of it under torchrun)."""
     from polo.config import load_config
+    from polo.models.loading import frozen_copy, load_policy
     from polo.rl import step as rl_step_module
     from polo.rl.critic import build_critic
     from polo.rl.setup import Run, lr_lambda
     from polo.rl.update import update_modules
     from polo.runtime import distributed as parallel
-    from polo.models.loading import frozen_copy, load_policy
     from polo.runtime.device import CPU
 
     config = load_config(config_dict)
@@ -47,7 +47,23 @@ def one_update(batch, config_dict: dict, model_dir: str):
     critic = build_critic(config, model, optimizer, lr_lambda(config))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     modules = update_modules(model, critic)
-    run = Run(config, CPU, None, None, "", model, tokenizer, reference, optimizer, scheduler, critic, modules, None, None, None)
+    run = Run(
+        config,
+        CPU,
+        None,
+        None,
+        "",
+        model,
+        tokenizer,
+        reference,
+        optimizer,
+        scheduler,
+        critic,
+        modules,
+        None,
+        None,
+        None,
+    )
     share = rank_share_batch(batch, config.algorithm.group_size)
     original = rl_step_module.collect_batch
     rl_step_module.collect_batch = lambda *args, **kwargs: (share, {"reward/mean": float(share.rewards.mean())}, [])

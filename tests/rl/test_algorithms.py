@@ -5,17 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_trainer import final_weights, tiny_config, without_times
 
 from polo import core
 from polo.config import PRESETS, load_config
-from polo.rl import step as rl_step_module
-from polo.models.loading import load_policy
 from polo.generation.cpu_sampler import rollout
+from polo.models.loading import load_policy
+from polo.rl import step as rl_step_module
 from polo.rl.train import train
 from polo.rl.update import policy_update
 from polo.runtime.device import CPU
-
-from test_trainer import final_weights, tiny_config, without_times
 
 
 def digit_share(completion: str, row: dict) -> float:
@@ -61,7 +60,11 @@ def test_dapo_dynamic_sampling_never_trains_on_a_zero_spread_group(tiny_model_di
 
     monkeypatch.setattr(rl_step_module, "collect_batch", recording_collect)
     config = tiny_config(tiny_model_dir, tmp_path / "dapo", eval={"before": False, "after": False})
-    train(config, ["algorithm.name=dapo", "train.steps=4", "train.prompts_per_step=3", "algorithm.max_sampling_rounds=4"], reward_functions={parity: 1.0})
+    train(
+        config,
+        ["algorithm.name=dapo", "train.steps=4", "train.prompts_per_step=3", "algorithm.max_sampling_rounds=4"],
+        reward_functions={parity: 1.0},
+    )
     assert len(batches) == 4
     assert any(metrics["zero_spread_group_fraction"] > 0 for _, metrics in batches)  # the filter had work to do
     for batch, metrics in batches:
@@ -72,7 +75,9 @@ def test_dapo_dynamic_sampling_never_trains_on_a_zero_spread_group(tiny_model_di
 
 
 def test_dapo_masks_truncated_completions_out_of_the_loss(tiny_model_dir):
-    config = load_config(tiny_config(tiny_model_dir, "unused"), ["algorithm.name=dapo", "algorithm.mask_truncated=true"])
+    config = load_config(
+        tiny_config(tiny_model_dir, "unused"), ["algorithm.name=dapo", "algorithm.mask_truncated=true"]
+    )
     model, tokenizer = load_policy(str(tiny_model_dir))
     torch.manual_seed(0)
     batch = rollout(model, tokenizer, ["1+1=", "2+2="], 4, max_new_tokens=6, temperature=1.0)
@@ -93,7 +98,13 @@ def test_dapo_masks_truncated_completions_out_of_the_loss(tiny_model_dir):
 def test_critic_warmup_moves_only_the_critic(layout, tiny_model_dir, tmp_path):
     result = train(
         tiny_config(tiny_model_dir, tmp_path / layout, eval={"before": False, "after": False}),
-        ["algorithm.name=ppo", f"algorithm.critic={layout}", "algorithm.critic_warmup_steps=2", "train.steps=2", "algorithm.critic_learning_rate=1e-2"],
+        [
+            "algorithm.name=ppo",
+            f"algorithm.critic={layout}",
+            "algorithm.critic_warmup_steps=2",
+            "train.steps=2",
+            "algorithm.critic_learning_rate=1e-2",
+        ],
         reward_functions={digit_share: 1.0},
     )
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
@@ -107,7 +118,11 @@ def test_critic_warmup_moves_only_the_critic(layout, tiny_model_dir, tmp_path):
 def test_ppo_resume_restores_the_critic(layout, tiny_model_dir, tmp_path):
     overrides = ["algorithm.name=ppo", f"algorithm.critic={layout}", "algorithm.critic_learning_rate=1e-2"]
     rewards = {digit_share: 1.0}
-    straight = train(tiny_config(tiny_model_dir, tmp_path / "straight", eval={"before": False, "after": False}), overrides + ["train.steps=4"], reward_functions=rewards)
+    straight = train(
+        tiny_config(tiny_model_dir, tmp_path / "straight", eval={"before": False, "after": False}),
+        overrides + ["train.steps=4"],
+        reward_functions=rewards,
+    )
     first = tiny_config(tiny_model_dir, tmp_path / "resumed", eval={"before": False, "after": False})
     train(first, overrides + ["train.steps=2"], reward_functions=rewards)
     resumed = train(first, overrides + ["train.steps=4", "output.resume=true"], reward_functions=rewards)

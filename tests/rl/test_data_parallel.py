@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_trainer import final_weights, tiny_config, without_times
 
 from polo.generation.cpu_sampler import rollout
 from polo.rl.batching import Batch
-from test_trainer import final_weights, tiny_config, without_times
 
 WORKER = Path(__file__).with_name("data_parallel_worker.py")
 
@@ -25,14 +25,24 @@ WORKER = Path(__file__).with_name("data_parallel_worker.py")
 BASE = {
     "task": {"name": "arithmetic", "min_digits": 1, "max_digits": 1, "num_train": 8, "num_eval": 2},
     "sampling": {"max_new_tokens": 8, "temperature": 1.0},
-    "train": {"prompts_per_step": 4, "micro_batch_size": 3, "num_minibatches": 2, "learning_rate": 1e-3, "precision": "fp32", "gradient_checkpointing": False},
+    "train": {
+        "prompts_per_step": 4,
+        "micro_batch_size": 3,
+        "num_minibatches": 2,
+        "learning_rate": 1e-3,
+        "precision": "fp32",
+        "gradient_checkpointing": False,
+    },
 }
 CONFIGS = {
     "grpo_kl": {"algorithm": {"name": "grpo", "group_size": 4, "beta": 0.1, "update_epochs": 2}},
     "dapo": {"algorithm": {"name": "dapo", "group_size": 4, "dynamic_sampling": False}},
     "reinforce_pp": {"algorithm": {"name": "reinforce_pp", "group_size": 4}},
     "ppo": {"algorithm": {"name": "ppo", "group_size": 4, "critic_learning_rate": 1e-3}},
-    "grpo_kl_fsdp": {"algorithm": {"name": "grpo", "group_size": 4, "beta": 0.1, "update_epochs": 2}, "train": {"data_parallel": "fsdp"}},
+    "grpo_kl_fsdp": {
+        "algorithm": {"name": "grpo", "group_size": 4, "beta": 0.1, "update_epochs": 2},
+        "train": {"data_parallel": "fsdp"},
+    },
 }
 
 
@@ -45,7 +55,15 @@ def with_pythonpath(directory: Path) -> dict[str, str]:
 
 def torchrun(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
     env = {**with_pythonpath(WORKER.parent), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", str(WORKER), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={processes}",
+        str(WORKER),
+        *args,
+    ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -64,7 +82,9 @@ def saved_batch(tiny_model_dir, tmp_path_factory):
 
     torch.manual_seed(1)
     model, tokenizer = load_policy(str(tiny_model_dir))
-    prompts = [f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n" for a, b in [(1, 2), (13, 4), (2, 2), (7, 30)]]
+    prompts = [
+        f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n" for a, b in [(1, 2), (13, 4), (2, 2), (7, 30)]
+    ]
     rollouts = rollout(model, tokenizer, prompts, 4, max_new_tokens=8, temperature=1.0)
     assert rollouts.completion_mask.sum(-1).unique().numel() > 1  # lengths differ, so the token counts matter
     rewards = torch.linspace(-1.0, 2.0, len(rollouts))[torch.randperm(len(rollouts))]
@@ -107,7 +127,9 @@ def test_two_processes_update_equals_one_process(tiny_model_dir, saved_batch, tm
 @pytest.mark.parametrize("data_parallel", ["ddp", "fsdp", "ddp_lora"])
 def test_two_process_resume_equals_an_uninterrupted_two_process_run(tiny_model_dir, tmp_path, data_parallel):
     def run(directory: Path, *extra: str, **output) -> subprocess.CompletedProcess:
-        config = tiny_config(tiny_model_dir, directory, output={"save_every": 3, "plots": False, "tensorboard": False, **output})
+        config = tiny_config(
+            tiny_model_dir, directory, output={"save_every": 3, "plots": False, "tensorboard": False, **output}
+        )
         config["train"].update({"prompts_per_step": 4, "data_parallel": data_parallel.removesuffix("_lora")})
         if data_parallel.endswith("_lora"):  # LoRA adapters under DDP, with the KL to the base (adapters off)
             config["model"]["lora"] = {"r": 4, "alpha": 8}
@@ -145,6 +167,8 @@ def test_prompts_per_step_must_split_into_whole_groups(tiny_model_dir, tmp_path)
 
 def test_the_torchrun_helper_puts_the_worker_first_and_keeps_the_pythonpath(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", f"/tmp/site{os.pathsep}/opt/more")
-    assert with_pythonpath(Path("/work/tests"))["PYTHONPATH"] == os.pathsep.join(["/work/tests", "/tmp/site", "/opt/more"])
+    assert with_pythonpath(Path("/work/tests"))["PYTHONPATH"] == os.pathsep.join(
+        ["/work/tests", "/tmp/site", "/opt/more"]
+    )
     monkeypatch.delenv("PYTHONPATH")
     assert with_pythonpath(Path("/work/tests"))["PYTHONPATH"] == "/work/tests"

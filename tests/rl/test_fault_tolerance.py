@@ -14,9 +14,9 @@ import torch
 from test_trainer import final_weights, tiny_config, without_times
 
 from polo.rl import step as rl_step_module
+from polo.rl.train import train
 from polo.runtime import checkpoint as checkpoint_module
 from polo.runtime.checkpoint import SaveError
-from polo.rl.train import train
 from polo.runtime.errors import NonFiniteLossError
 from polo.runtime.metrics import read_metrics
 
@@ -28,7 +28,9 @@ def test_sigkill_between_checkpoints_then_resume_matches_an_uninterrupted_run(ti
     straight = train(tiny_config(tiny_model_dir, tmp_path / "straight", train=steps, eval={"before": False}))
 
     config = tiny_config(tiny_model_dir, tmp_path / "killed", train=steps, eval={"before": False})
-    child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     first_checkpoint = tmp_path / "killed" / "checkpoints" / "step-000002" / "trainer_state.pt"
     deadline = time.time() + 600  # generous: CI machines can be busy
     while not first_checkpoint.exists() and child.poll() is None and time.time() < deadline:
@@ -83,8 +85,12 @@ def test_consecutive_nan_steps_stop_the_run_and_keep_the_last_good_checkpoint(ti
         return real_update(*args, **kwargs)
 
     monkeypatch.setattr(rl_step_module, "policy_update", nan_from_third_call)
-    config = tiny_config(tiny_model_dir, tmp_path / "run", train={"steps": 8, "max_nonfinite_steps": 2}, eval={"before": False})
-    with pytest.raises(NonFiniteLossError, match=r"2 steps in a row had a non-finite loss, stopping at step 4 .*step-000002"):
+    config = tiny_config(
+        tiny_model_dir, tmp_path / "run", train={"steps": 8, "max_nonfinite_steps": 2}, eval={"before": False}
+    )
+    with pytest.raises(
+        NonFiniteLossError, match=r"2 steps in a row had a non-finite loss, stopping at step 4 .*step-000002"
+    ):
         train(config)
     assert [path.name for path in (tmp_path / "run" / "checkpoints").glob("step-*")] == ["step-000002"]
 
@@ -97,7 +103,8 @@ def test_a_raising_reward_can_score_zero_and_be_counted(tiny_model_dir, tmp_path
 
     result = train(
         tiny_config(tiny_model_dir, tmp_path / "run", eval={"before": False, "after": False}),
-        ["train.on_reward_error=zero"], reward_functions={flaky: 1.0},
+        ["train.on_reward_error=zero"],
+        reward_functions={flaky: 1.0},
     )
     rows = [row for row in result.metrics if "reward/flaky/errors" in row]
     assert len(rows) == 4 and sum(row["reward/flaky/errors"] for row in rows) > 0

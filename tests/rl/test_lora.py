@@ -7,14 +7,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_trainer import interrupted_then_resumed, tiny_config, without_times
 
 from polo.config import ConfigError, load_config
-from polo.models.lora import add_adapters, is_adapter_dir
-from polo.models.loading import load_policy
 from polo.finetune.sft import load_sft_config
+from polo.models.loading import load_policy
+from polo.models.lora import add_adapters, is_adapter_dir
 from polo.rl.train import train
-
-from test_trainer import interrupted_then_resumed, tiny_config, without_times
 
 LORA = {"lora": {"r": 4, "alpha": 8}}
 
@@ -27,7 +26,9 @@ def checkpoints(output_dir):
 def test_lora_run_trains_adapters_against_the_base_model(tiny_model_dir, tmp_path, precision):
     """LoRA + KL: step 1 starts at the reference (B = 0), adapters move it away, checkpoints hold fp32 adapters."""
     sections = {
-        "model": LORA, "algorithm": {"beta": 0.1}, "train": {"precision": precision, "steps": 3},
+        "model": LORA,
+        "algorithm": {"beta": 0.1},
+        "train": {"precision": precision, "steps": 3},
         "output": {"save_every": 3, "tensorboard": False, "plots": False},
     }
     result = train(tiny_config(tiny_model_dir, tmp_path / "run", **sections))
@@ -62,7 +63,11 @@ def test_lora_run_trains_adapters_against_the_base_model(tiny_model_dir, tmp_pat
 
 def test_lora_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
     """Ctrl-C during step 3 of a LoRA run, resume from the adapter checkpoint: same metrics, same adapter."""
-    sections = {"model": LORA, "algorithm": {"beta": 0.05}, "output": {"save_every": 3, "tensorboard": False, "plots": False}}
+    sections = {
+        "model": LORA,
+        "algorithm": {"beta": 0.05},
+        "output": {"save_every": 3, "tensorboard": False, "plots": False},
+    }
     straight = train(tiny_config(tiny_model_dir, tmp_path / "straight", **sections))
 
     resumed = interrupted_then_resumed(tiny_config(tiny_model_dir, tmp_path / "resumed", **sections), monkeypatch)

@@ -7,18 +7,17 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_trainer import final_weights, interrupted_then_resumed, tiny_config, without_times
 
 from polo.config import ConfigError, load_config
-from polo.runtime import device as trainer_module
-from polo.models.loading import load_policy
 from polo.kernels.cpu.attention import POLO_ATTENTION
+from polo.models.loading import load_policy
 from polo.models.precision import MasterWeights
 from polo.rl.train import train
+from polo.runtime import device as trainer_module
 from polo.runtime import rates as rates_module
 from polo.runtime.device import autocast_compute, inference_compute, train_compute
 from polo.runtime.rates import MatmulRates
-
-from test_trainer import interrupted_then_resumed, final_weights, tiny_config, without_times
 
 
 def test_master_weights_cast_the_model_and_keep_fp32_copies(tiny_model_dir):
@@ -95,7 +94,9 @@ def test_auto_precision_picks_master_weights_unless_a_critic_is_trained(monkeypa
     ppo = load_config({"algorithm": {"name": "ppo"}, "train": on_cpu})
     assert train_compute(ppo).precision == "bf16" and train_compute(ppo).autocast_dtype == torch.bfloat16
     with pytest.raises(ConfigError, match="bf16_master.*critic"):
-        train_compute(load_config({"algorithm": {"name": "ppo"}, "train": {"precision": "bf16_master", "device": "cpu"}}))
+        train_compute(
+            load_config({"algorithm": {"name": "ppo"}, "train": {"precision": "bf16_master", "device": "cpu"}})
+        )
     monkeypatch.setattr(trainer_module, "cpu_supports_bf16", lambda: False)
     assert train_compute(load_config({"train": on_cpu})).precision == "fp32"
 
@@ -103,7 +104,10 @@ def test_auto_precision_picks_master_weights_unless_a_critic_is_trained(monkeypa
 def test_auto_precision_follows_the_measured_rates_not_the_flags(monkeypatch):
     """A CPU that lists avx512_bf16 but multiplies bf16 at half its fp32 rate (issue 28's Intel VM) trains in fp32."""
     measured(320.0, 167.0, monkeypatch)
-    for section in ({"train": {"precision": "auto", "device": "cpu"}}, {"algorithm": {"name": "ppo"}, "train": {"device": "cpu"}}):
+    for section in (
+        {"train": {"precision": "auto", "device": "cpu"}},
+        {"algorithm": {"name": "ppo"}, "train": {"device": "cpu"}},
+    ):
         compute = train_compute(load_config(section))
         assert compute.precision == "fp32" and "fp32 320 / bf16 167" in compute.basis
     assert autocast_compute("auto", "cpu").precision == "fp32"  # polo sft / rm / dpo
@@ -136,13 +140,18 @@ def test_matmul_rates_are_cached_per_machine_key(tmp_path, monkeypatch):
 
 def test_bf16_master_run_saves_fp32_weights_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
     """Checkpoints hold the fp32 masters (loadable anywhere), and Ctrl-C + resume equals a straight run."""
-    sections = {"train": {"precision": "bf16_master"}, "output": {"save_every": 3, "tensorboard": False, "plots": False}}
+    sections = {
+        "train": {"precision": "bf16_master"},
+        "output": {"save_every": 3, "tensorboard": False, "plots": False},
+    }
     straight = train(tiny_config(tiny_model_dir, tmp_path / "straight", **sections))
     weights = final_weights(tmp_path / "straight")
     assert all(tensor.dtype == torch.float32 for tensor in weights.values())
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
     assert any(not torch.equal(weights[name], initial[name]) for name in initial)  # it trained
-    saved_config = json.loads((sorted((tmp_path / "straight" / "checkpoints").glob("step-*"))[-1] / "config.json").read_text())
+    saved_config = json.loads(
+        (sorted((tmp_path / "straight" / "checkpoints").glob("step-*"))[-1] / "config.json").read_text()
+    )
     assert POLO_ATTENTION not in json.dumps(saved_config)  # a plain transformers checkpoint
     assert saved_config["dtype"] == "float32"  # what from_pretrained(dtype="auto") will load
 

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_trainer import tiny_config
 
 from polo import core
-from polo.config import ConfigError, PRESETS, load_config
-
-from test_trainer import tiny_config
+from polo.config import PRESETS, ConfigError, load_config
 
 USER_MODULE = '''
 """A user's own advantage estimator and policy loss, registered by decorators."""
@@ -67,25 +66,34 @@ def test_grpo_estimator_is_the_group_advantage_on_every_token():
 
 
 def test_unknown_names_list_the_registered_ones(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match="algorithm.advantage_estimator: 'grpoo' is not one of grpo, rloo, reinforce_pp, gae"):
+    with pytest.raises(
+        ConfigError, match="algorithm.advantage_estimator: 'grpoo' is not one of grpo, rloo, reinforce_pp, gae"
+    ):
         load_config({"algorithm": {"advantage_estimator": "grpoo"}})
     with pytest.raises(ConfigError, match="algorithm.policy_loss: cannot import module 'no_such_module'"):
         load_config({"algorithm": {"policy_loss": "no_such_module:plain_pg"}})
     (tmp_path / "empty_plugin.py").write_text("")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match="module 'empty_plugin' registered no advantage estimator named 'mine'; registered: grpo, rloo"):
+    with pytest.raises(
+        ConfigError,
+        match="module 'empty_plugin' registered no advantage estimator named 'mine'; registered: grpo, rloo",
+    ):
         load_config({"algorithm": {"advantage_estimator": "empty_plugin:mine"}})
 
 
 def test_user_registered_estimator_and_loss_train_through_polo_train(tiny_model_dir, tmp_path):
     (tmp_path / "my_algorithms.py").write_text(USER_MODULE)
     recipe = tiny_config(tiny_model_dir, tmp_path / "run", eval={"before": False, "after": False})
-    recipe["algorithm"].update({"advantage_estimator": "my_algorithms:batch_centered", "policy_loss": "my_algorithms:plain_pg"})
+    recipe["algorithm"].update(
+        {"advantage_estimator": "my_algorithms:batch_centered", "policy_loss": "my_algorithms:plain_pg"}
+    )
     recipe["train"].update({"steps": 2})
     recipe["output"].update({"plots": False, "tensorboard": False})
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     polo = Path(sys.executable).with_name("polo")
-    finished = subprocess.run([str(polo), "train", "recipe.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    finished = subprocess.run(
+        [str(polo), "train", "recipe.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert finished.returncode == 0, finished.stderr[-2000:]
     calls = [json.loads(line) for line in (tmp_path / "estimator_calls.jsonl").read_text().splitlines()]
     assert len(calls) == 2  # one batch per step

@@ -40,7 +40,9 @@ def child_env(**variables: str) -> dict:
 
 def recipe(tmp_path: Path, model_dir: Path, name: str, output_dir: Path, **sections) -> Path:
     """Write a tiny `polo train` recipe (no evaluation, nothing but metrics and checkpoints) and return its path."""
-    config = tiny_config(model_dir, output_dir, eval={"before": False, "after": False}, output={**QUIET, "dir": str(output_dir)})
+    config = tiny_config(
+        model_dir, output_dir, eval={"before": False, "after": False}, output={**QUIET, "dir": str(output_dir)}
+    )
     for section, values in sections.items():
         config[section].update(values)
     path = tmp_path / f"{name}.yaml"
@@ -50,7 +52,9 @@ def recipe(tmp_path: Path, model_dir: Path, name: str, output_dir: Path, **secti
 
 def start(*args: str, **variables: str) -> subprocess.Popen:
     """Start `polo args...` with the hook's `variables`; stdout and stderr are captured as text."""
-    return subprocess.Popen([str(POLO), *args], env=child_env(**variables), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [str(POLO), *args], env=child_env(**variables), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def finish(child: subprocess.Popen) -> tuple[int, str, str]:
@@ -117,7 +121,9 @@ def test_a_lock_left_by_a_killed_run_does_not_block_the_next(tiny_model_dir, tmp
 
 def test_sigterm_in_sampling_checkpointing_and_update_then_resume_equals_an_uninterrupted_run(tiny_model_dir, tmp_path):
     """Four processes for one 4-step run: SIGTERM in step 1's sampling, in step 2's checkpoint write, in step 3's update."""
-    straight = train(tiny_config(tiny_model_dir, tmp_path / "straight", eval={"before": False, "after": False}, output=QUIET))
+    straight = train(
+        tiny_config(tiny_model_dir, tmp_path / "straight", eval={"before": False, "after": False}, output=QUIET)
+    )
     run_dir = tmp_path / "stopped"
     path = recipe(tmp_path, tiny_model_dir, "stopped", run_dir)
     resume = ["train", str(path), "output.resume=true"]
@@ -130,7 +136,9 @@ def test_sigterm_in_sampling_checkpointing_and_update_then_resume_equals_an_unin
         status, out, err = finish(start(*args, POLO_TEST_SIGTERM=phase))
         checkpoint = run_dir / "checkpoints" / f"step-{step:06d}"
         assert status == EXIT_STOPPED, (phase, out, err)
-        assert "polo: SIGTERM: stopping after this step and saving a checkpoint (send SIGTERM again to abort now)" in out
+        assert (
+            "polo: SIGTERM: stopping after this step and saving a checkpoint (send SIGTERM again to abort now)" in out
+        )
         assert err.strip().splitlines()[-1] == (
             f"polo: stopped by SIGTERM after step {step}; saved {checkpoint}; resume with: polo train {path} output.resume=true"
         ), (phase, err)
@@ -139,6 +147,8 @@ def test_sigterm_in_sampling_checkpointing_and_update_then_resume_equals_an_unin
 
     status, out, err = finish(start(*resume))
     assert status == 0, err
-    assert without_times(read_metrics(run_dir / "metrics.jsonl")) == without_times(straight.metrics)  # contiguous, no step twice
+    assert without_times(read_metrics(run_dir / "metrics.jsonl")) == without_times(
+        straight.metrics
+    )  # contiguous, no step twice
     a, b = final_weights(tmp_path / "straight"), final_weights(run_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)

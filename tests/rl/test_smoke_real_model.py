@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 from pathlib import Path
+
+import pytest
 
 from polo.rl.train import train
 
@@ -13,8 +14,14 @@ def test_two_grpo_steps_on_the_default_model(tmp_path):
     result = train(
         str(Path(__file__).resolve().parents[2] / "recipes" / "grpo_arith.yaml"),
         [
-            "train.steps=2", "train.prompts_per_step=2", "algorithm.group_size=4", "sampling.max_new_tokens=16",
-            "task.num_eval=8", "algorithm.beta=0.04", f"output.dir={tmp_path}", "output.progress=false",
+            "train.steps=2",
+            "train.prompts_per_step=2",
+            "algorithm.group_size=4",
+            "sampling.max_new_tokens=16",
+            "task.num_eval=8",
+            "algorithm.beta=0.04",
+            f"output.dir={tmp_path}",
+            "output.progress=false",
         ],
     )
     rows = [row for row in result.metrics if "reward/mean" in row]

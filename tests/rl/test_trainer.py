@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from polo.config import load_config
+from polo.data import make_task
+from polo.generation.cpu_sampler import rollout
 from polo.models.loading import load_policy
 from polo.rewards import RewardFunctionError, RewardSet
-from polo.generation.cpu_sampler import rollout
-from polo.data import make_task
 from polo.rl.batching import batch_rows
 from polo.rl.setup import lr_lambda
 from polo.rl.train import train
@@ -32,7 +32,14 @@ def tiny_config(model_dir, output_dir, **sections):
         "rewards": {"correct": 1.0, "tag_count": 0.5},
         "sampling": {"max_new_tokens": 8, "temperature": 1.0},
         "algorithm": {"group_size": 4},
-        "train": {"steps": 4, "prompts_per_step": 2, "micro_batch_size": 3, "learning_rate": 1e-3, "precision": "fp32", "seed": 3},
+        "train": {
+            "steps": 4,
+            "prompts_per_step": 2,
+            "micro_batch_size": 3,
+            "learning_rate": 1e-3,
+            "precision": "fp32",
+            "seed": 3,
+        },
         "eval": {"batch_size": 4, "max_new_tokens": 6},
         "output": {"dir": str(output_dir), "save_every": 2, "progress": False, "tensorboard": True, "plots": True},
     }
@@ -76,15 +83,37 @@ def test_train_writes_metrics_checkpoints_and_plots(tiny_model_dir, tmp_path):
     rows = [row for row in result.metrics if "reward/mean" in row]
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     expected = {
-        "reward/mean", "reward/std", "reward/correct/mean", "reward/tag_count/mean", "accuracy",
-        "completion_length/mean", "completion_length/min", "completion_length/max", "truncated_fraction",
-        "kl", "entropy", "clip_fraction/low", "clip_fraction/high", "zero_spread_group_fraction", "grad_norm",
-        "learning_rate", "time/generation", "time/reward", "time/update", "tokens_per_second",
+        "reward/mean",
+        "reward/std",
+        "reward/correct/mean",
+        "reward/tag_count/mean",
+        "accuracy",
+        "completion_length/mean",
+        "completion_length/min",
+        "completion_length/max",
+        "truncated_fraction",
+        "kl",
+        "entropy",
+        "clip_fraction/low",
+        "clip_fraction/high",
+        "zero_spread_group_fraction",
+        "grad_norm",
+        "learning_rate",
+        "time/generation",
+        "time/reward",
+        "time/update",
+        "tokens_per_second",
     }
     assert expected <= set(rows[0]), expected - set(rows[0])
     assert all(row["kl"] >= 0 for row in rows)
     assert rows[-1]["kl"] > 0  # the policy has moved away from the reference
-    assert 1 <= rows[0]["completion_length/min"] <= rows[0]["completion_length/mean"] <= rows[0]["completion_length/max"] <= 8
+    assert (
+        1
+        <= rows[0]["completion_length/min"]
+        <= rows[0]["completion_length/mean"]
+        <= rows[0]["completion_length/max"]
+        <= 8
+    )
     evals = [row for row in result.metrics if "eval/accuracy" in row]
     assert [row["step"] for row in evals] == [0, 4]
     assert result.eval_before is not None and 0.0 <= result.eval_after["accuracy"] <= 1.0
@@ -168,7 +197,10 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny_model_dir):
     results = []
     for mode in ("grpo", "bnpo", "dr_grpo"):
         for micro in (8, 3):
-            config = load_config(tiny_config(tiny_model_dir, "unused"), [f"train.micro_batch_size={micro}", f"algorithm.loss_aggregation={mode}"])
+            config = load_config(
+                tiny_config(tiny_model_dir, "unused"),
+                [f"train.micro_batch_size={micro}", f"algorithm.loss_aggregation={mode}"],
+            )
             probe, _ = load_policy(str(tiny_model_dir))
             optimizer = torch.optim.SGD(probe.parameters(), lr=0.0)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -198,7 +230,9 @@ def test_raising_reward_names_function_and_sample(tiny_model_dir, tmp_path):
         raise KeyError("oops")
 
     with pytest.raises(RewardFunctionError, match="broken_reward") as error:
-        train(tiny_config(tiny_model_dir, tmp_path / "run", eval={"before": False}), reward_functions={broken_reward: 1.0})
+        train(
+            tiny_config(tiny_model_dir, tmp_path / "run", eval={"before": False}), reward_functions={broken_reward: 1.0}
+        )
     assert "sample" in str(error.value)
 
 
@@ -211,7 +245,9 @@ def test_batch_rows_walks_epochs_deterministically():
 
 
 def test_learning_rate_warmup_then_schedule(tiny_model_dir):
-    config = load_config(tiny_config(tiny_model_dir, "unused"), ["train.warmup_steps=3", "train.lr_schedule=linear", "train.steps=10"])
+    config = load_config(
+        tiny_config(tiny_model_dir, "unused"), ["train.warmup_steps=3", "train.lr_schedule=linear", "train.steps=10"]
+    )
     multiplier = lr_lambda(config)
     assert [multiplier(step) for step in range(3)] == pytest.approx([0.25, 0.5, 0.75])
     assert multiplier(3) == pytest.approx(1.0) and multiplier(10) == pytest.approx(0.0)
@@ -229,12 +265,17 @@ def test_reward_set_used_by_trainer_scores_groups(tiny_model_dir):
 
 
 def test_metrics_file_is_json_lines(tiny_model_dir, tmp_path):
-    result = train(tiny_config(tiny_model_dir, tmp_path / "run", train={"steps": 1}, eval={"before": False, "after": False}))
+    result = train(
+        tiny_config(tiny_model_dir, tmp_path / "run", train={"steps": 1}, eval={"before": False, "after": False})
+    )
     lines = (result.output_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["step"] == 1
 
 
 def test_kl_is_zero_while_the_policy_equals_the_reference(tiny_model_dir, tmp_path):
     """With one pass per batch, step 1 is scored before any update: the k3 KL is exactly 0."""
-    result = train(tiny_config(tiny_model_dir, tmp_path / "run", train={"steps": 1}, eval={"before": False, "after": False}), ["algorithm.beta=0.1"])
+    result = train(
+        tiny_config(tiny_model_dir, tmp_path / "run", train={"steps": 1}, eval={"before": False, "after": False}),
+        ["algorithm.beta=0.1"],
+    )
     assert result.metrics[0]["kl"] == pytest.approx(0.0, abs=1e-6)

@@ -51,7 +51,14 @@ def tiny_run_config(model_dir, output_dir) -> dict:
         "rewards": {"correct": 1.0},
         "sampling": {"max_new_tokens": 6, "temperature": 1.0},
         "algorithm": {"group_size": 4, "beta": 0.1},
-        "train": {"steps": 4, "prompts_per_step": 2, "micro_batch_size": 4, "learning_rate": 1e-3, "precision": "fp32", "seed": 3},
+        "train": {
+            "steps": 4,
+            "prompts_per_step": 2,
+            "micro_batch_size": 4,
+            "learning_rate": 1e-3,
+            "precision": "fp32",
+            "seed": 3,
+        },
         "eval": {"before": False, "after": False},
         "output": {"dir": str(output_dir), "save_every": 3, "progress": False, "tensorboard": False, "plots": False},
     }
@@ -82,7 +89,9 @@ def test_load_trainer_state_maps_every_tensor_to_the_cpu(tmp_path, monkeypatch):
     assert state["step"] == 3 and all(tensor.device.type == "cpu" for tensor in state["rng"]["cuda"])
 
 
-def test_a_checkpoint_with_a_cuda_rng_state_resumes_on_the_cpu_like_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_checkpoint_with_a_cuda_rng_state_resumes_on_the_cpu_like_an_uninterrupted_run(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     from polo.rl import train as trainer
 
     straight = trainer.train(tiny_run_config(tiny_model_dir, tmp_path / "straight"))
@@ -106,6 +115,9 @@ def test_a_checkpoint_with_a_cuda_rng_state_resumes_on_the_cpu_like_an_uninterru
         return [{key: value for key, value in row.items() if not key.startswith(TIME_KEYS)} for row in rows]
 
     assert timeless(resumed.metrics) == timeless(straight.metrics)
-    final = [load_file(str(run / "checkpoints" / "step-000004" / "model.safetensors")) for run in (tmp_path / "straight", tmp_path / "resumed")]
+    final = [
+        load_file(str(run / "checkpoints" / "step-000004" / "model.safetensors"))
+        for run in (tmp_path / "straight", tmp_path / "resumed")
+    ]
     assert all(torch.equal(final[0][name], final[1][name]) for name in final[0])
     assert json.loads((tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4

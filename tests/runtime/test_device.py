@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from polo.config import ConfigError, load_config
-from polo.runtime.device import CPU, PRECISIONS, Compute, autocast_compute, memory_metrics, resolve_device, train_compute
+from polo.runtime.device import (
+    CPU,
+    PRECISIONS,
+    Compute,
+    autocast_compute,
+    memory_metrics,
+    resolve_device,
+    train_compute,
+)
 
 
 @pytest.mark.parametrize("name", PRECISIONS)

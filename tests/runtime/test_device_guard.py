@@ -26,7 +26,15 @@ def rl_config(model_dir: Path, output_dir: Path, **algorithm) -> dict:
         "sampling": {"max_new_tokens": 8, "temperature": 1.0},
         # beta > 0 and two epochs: the reference and the old log-probs are scored too
         "algorithm": {"group_size": 4, "beta": 0.1, "update_epochs": 2, **algorithm},
-        "train": {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 4, "learning_rate": 1e-3, "precision": "fp32", "seed": 3, "device": "cpu"},
+        "train": {
+            "steps": 1,
+            "prompts_per_step": 2,
+            "micro_batch_size": 4,
+            "learning_rate": 1e-3,
+            "precision": "fp32",
+            "seed": 3,
+            "device": "cpu",
+        },
         "eval": {"batch_size": 4, "max_new_tokens": 6},
         "output": {"dir": str(output_dir), "save_every": 1, "progress": False, "tensorboard": False, "plots": False},
     }
@@ -46,7 +54,8 @@ def guarded_rl_step(config: dict, overrides: list[str] | None = None) -> tuple[d
 
 
 @pytest.mark.parametrize(
-    "overrides", [["train.precision=fp32"], ["train.precision=bf16_master"], ["train.precision=bf16_master", "model.lora.r=4"]],
+    "overrides",
+    [["train.precision=fp32"], ["train.precision=bf16_master"], ["train.precision=bf16_master", "model.lora.r=4"]],
     ids=["fp32", "bf16_master", "lora"],
 )
 def test_a_whole_grpo_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path, overrides):
@@ -68,11 +77,14 @@ def test_an_sft_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path):
     from polo.finetune.sft import SFTObjective, encode_demonstrations, load_sft_config
     from polo.models.loading import load_policy
 
-    config = load_sft_config({
-        "model": {"name": str(tiny_model_dir)}, "data": {"train_path": "unused.jsonl"},
-        "train": {"max_steps": 1, "batch_size": 4, "micro_batch_size": 2, "device": "cpu", "precision": "fp32"},
-        "output": {"dir": str(tmp_path / "sft"), "tensorboard": False, "progress": False},
-    })
+    config = load_sft_config(
+        {
+            "model": {"name": str(tiny_model_dir)},
+            "data": {"train_path": "unused.jsonl"},
+            "train": {"max_steps": 1, "batch_size": 4, "micro_batch_size": 2, "device": "cpu", "precision": "fp32"},
+            "output": {"dir": str(tmp_path / "sft"), "tensorboard": False, "progress": False},
+        }
+    )
     model, tokenizer = load_policy(str(tiny_model_dir))
     demos = [Demonstration(({"role": "user", "content": f"What is {i} + 1?"},), f"{i + 1}") for i in range(4)]
     examples = encode_demonstrations(tokenizer, demos, None, 64)
@@ -89,41 +101,56 @@ def test_a_dpo_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path):
     from polo.finetune.reward_model import encode_rankings
     from polo.models.loading import load_policy
 
-    config = load_dpo_config({
-        "model": {"name": str(tiny_model_dir)}, "data": {"train_path": "unused.jsonl"},
-        "train": {"max_steps": 1, "batch_size": 2, "micro_batch_size": 3, "device": "cpu", "precision": "fp32", "learning_rate": 1e-3},
-        "output": {"dir": str(tmp_path / "dpo"), "tensorboard": False, "progress": False},
-    })
+    config = load_dpo_config(
+        {
+            "model": {"name": str(tiny_model_dir)},
+            "data": {"train_path": "unused.jsonl"},
+            "train": {
+                "max_steps": 1,
+                "batch_size": 2,
+                "micro_batch_size": 3,
+                "device": "cpu",
+                "precision": "fp32",
+                "learning_rate": 1e-3,
+            },
+            "output": {"dir": str(tmp_path / "dpo"), "tensorboard": False, "progress": False},
+        }
+    )
     model, tokenizer = load_policy(str(tiny_model_dir))
     prompt = ({"role": "user", "content": "Say 1."},)
     examples = encode_rankings(tokenizer, [Ranking(prompt, ("1", "2", "3")), Ranking(prompt, ("one", "two"))], None, 64)
     with implicit_device_guard():
         examples = with_reference_logps(model, examples, tokenizer.pad_token_id, 2, CPU)  # the frozen reference's pass
-        rows, _, _ = fit(model, examples, DPOObjective(tokenizer.pad_token_id, 0.1, device=CPU.device), config, compute=CPU)
+        rows, _, _ = fit(
+            model, examples, DPOObjective(tokenizer.pad_token_id, 0.1, device=CPU.device), config, compute=CPU
+        )
     assert rows[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # log 2: the policy starts as its reference
 
 
 def test_an_eval_batch_names_the_device_of_every_tensor(tiny_model_dir):
     """A `polo eval` batch: greedy decoding of held-out prompts through the sampler, scored."""
-    from polo.data import make_task
     from polo.config import load_config
-    from polo.data import instruction_for
+    from polo.data import instruction_for, make_task
     from polo.evaluation.evaluate import greedy_accuracy
     from polo.models.loading import load_policy
 
-    config = load_config({"model": {"name": str(tiny_model_dir)}, "task": {"name": "arithmetic", "num_train": 4, "num_eval": 4}})
+    config = load_config(
+        {"model": {"name": str(tiny_model_dir)}, "task": {"name": "arithmetic", "num_train": 4, "num_eval": 4}}
+    )
     task = make_task(config)
     model, tokenizer = load_policy(str(tiny_model_dir))
     prompts = task.prompts(tokenizer, task.eval_rows, instruction_for(config, task), None)
     with implicit_device_guard():
-        result = greedy_accuracy(model, tokenizer, prompts, task.eval_rows, task.correctness, max_new_tokens=6, batch_size=4, compute=CPU)
+        result = greedy_accuracy(
+            model, tokenizer, prompts, task.eval_rows, task.correctness, max_new_tokens=6, batch_size=4, compute=CPU
+        )
     assert 0.0 <= result["accuracy"] <= 1.0
 
 
 def planted_in(module, source: str, name: str):
     """Return function `name` defined by `source` as if it were written in `module`'s file (the guard reads the caller's file)."""
     namespace = dict(vars(module))
-    exec(compile(source, module.__file__, "exec"), namespace)  # noqa: S102 - test-only code planted in a known file
+    exec(compile(source, module.__file__, "exec"), namespace)
     return namespace[name]
 
 
@@ -153,10 +180,16 @@ def test_an_allocation_that_slips_through_lands_on_meta_and_a_device_mix_fails()
     with implicit_device_guard():
         slipped = torch.zeros(3)  # called from a test, not from polo: not checked, but it holds no data
         assert slipped.device.type == "meta"
-        with pytest.raises(DeviceMixError, match=r"Tensor.add\(\) mixes tensors on cpu, meta at .*test_device_guard.py:\d+"):
+        with pytest.raises(
+            DeviceMixError, match=r"Tensor.add\(\) mixes tensors on cpu, meta at .*test_device_guard.py:\d+"
+        ):
             torch.ones(3, device=CPU.device) + slipped
-        torch.ones(3, device=CPU.device) + torch.tensor(1.0, device=CPU.device)  # a 0-dim CPU scalar mixes with anything, as in torch
-        assert torch.ones(2, device=CPU.device).to("meta").device.type == "meta"  # moving between devices is what `to` is for
+        torch.ones(3, device=CPU.device) + torch.tensor(
+            1.0, device=CPU.device
+        )  # a 0-dim CPU scalar mixes with anything, as in torch
+        assert (
+            torch.ones(2, device=CPU.device).to("meta").device.type == "meta"
+        )  # moving between devices is what `to` is for
     assert torch.zeros(1).device == CPU.device  # the default device is back
 
 

@@ -63,7 +63,9 @@ def test_a_group_that_cannot_reduce_host_tensors_is_refused(monkeypatch):
 
 def test_ddp_is_given_the_parameters_gpu(monkeypatch):
     built = []
-    monkeypatch.setattr(nn.parallel, "DistributedDataParallel", lambda module, **options: built.append(options) or module)
+    monkeypatch.setattr(
+        nn.parallel, "DistributedDataParallel", lambda module, **options: built.append(options) or module
+    )
     parallel.data_parallel(nn.Linear(2, 2), find_unused_parameters=True)
     monkeypatch.setattr(parallel, "model_device", lambda module: torch.device("cuda", 3))
     parallel.data_parallel(nn.Linear(2, 2))
@@ -74,11 +76,14 @@ def test_ddp_is_given_the_parameters_gpu(monkeypatch):
 def test_fsdp_shards_onto_a_mesh_of_the_models_device(monkeypatch, tiny_model_dir):
     import torch.distributed.device_mesh as device_mesh
     import torch.distributed.fsdp as fsdp
+
     from polo.models.loading import load_policy
 
     model, _ = load_policy(str(tiny_model_dir))
     meshes, sharded = [], []
-    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda device_type, shape: meshes.append((device_type, shape)) or device_type)
+    monkeypatch.setattr(
+        device_mesh, "init_device_mesh", lambda device_type, shape: meshes.append((device_type, shape)) or device_type
+    )
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, mesh: sharded.append((type(module).__name__, mesh)))
     monkeypatch.setattr(parallel, "model_device", lambda module: torch.device("cuda", 0))
     parallel.shard_model(model)

@@ -18,11 +18,15 @@ def test_the_lock_file_names_its_holder_and_a_second_lock_is_refused_in_one_line
     with owned_run_dir(run_dir):
         holder = LockHolder.parse((run_dir / LOCK_FILE).read_text())
         assert (holder.pid, holder.host) == (str(os.getpid()), socket.gethostname()) and holder.started != "unknown"
-        with pytest.raises(RunDirLockedError) as refused:  # flock locks an open file, so the same process is refused too
+        with pytest.raises(
+            RunDirLockedError
+        ) as refused:  # flock locks an open file, so the same process is refused too
             RunDirLock(run_dir).acquire()
     message = str(refused.value)
     assert "\n" not in message
-    assert message.startswith(f"output.dir {run_dir} is in use by another polo run (pid {os.getpid()} on {socket.gethostname()}, ")
+    assert message.startswith(
+        f"output.dir {run_dir} is in use by another polo run (pid {os.getpid()} on {socket.gethostname()}, "
+    )
     assert message.endswith("wait for it to finish, or pick another output.dir")
 
 
@@ -83,14 +87,23 @@ def test_a_stop_signal_is_a_request_shared_by_nested_requests_and_a_second_one_s
         assert not fresh.requested
         signal.raise_signal(signal.SIGHUP)
         assert fresh.signum == signal.SIGHUP
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert (
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
 
 
 def test_a_stopped_run_says_where_it_stopped_and_exits_with_its_status(tmp_path):
     stopped = RunStopped(signal.SIGTERM, 3, tmp_path / "step-000003")
     assert str(stopped) == f"stopped by SIGTERM after step 3; saved {tmp_path / 'step-000003'}"
     assert stopped.exit_status == EXIT_STOPPED == 75 and isinstance(stopped, KeyboardInterrupt)
-    assert str(stopped.in_stage("b_reason")) == f"stopped by SIGTERM in stage b_reason after step 3; saved {tmp_path / 'step-000003'}"
+    assert (
+        str(stopped.in_stage("b_reason"))
+        == f"stopped by SIGTERM in stage b_reason after step 3; saved {tmp_path / 'step-000003'}"
+    )
     assert str(RunStopped(signal.SIGHUP, 0, None)) == "stopped by SIGHUP before the first step"
-    assert str(RunStopped(signal.SIGTERM, None, None, where="a_cold_start")) == "stopped by SIGTERM after stage a_cold_start finished"
+    assert (
+        str(RunStopped(signal.SIGTERM, None, None, where="a_cold_start"))
+        == "stopped by SIGTERM after stage a_cold_start finished"
+    )
     assert RunStopped(signal.SIGINT, 2, None).exit_status == 130

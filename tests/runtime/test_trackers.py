@@ -25,12 +25,21 @@ from polo.runtime.metrics import MetricsLogger, read_metrics
 from polo.runtime.trackers import SINKS, Trackers, logs_tables, mlflow_key
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "rl"))
-from test_trainer import tiny_config  # noqa: E402
+from test_trainer import tiny_config
 
 POLO = Path(sys.executable).with_name("polo")
 TRACKER_VARIABLES = (
-    "WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME", "MLFLOW_TRACKING_URI",
-    "MLFLOW_EXPERIMENT_NAME", "TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL", "TRACKIO_DATASET_ID", "TRACKIO_BUCKET_ID",
+    "WANDB_MODE",
+    "WANDB_DIR",
+    "WANDB_PROJECT",
+    "WANDB_RUN_ID",
+    "WANDB_RESUME",
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_EXPERIMENT_NAME",
+    "TRACKIO_SPACE_ID",
+    "TRACKIO_SERVER_URL",
+    "TRACKIO_DATASET_ID",
+    "TRACKIO_BUCKET_ID",
 )
 ROWS = [  # three steps of a run: the second with a non-finite number, as a diverging step logs it
     {"step": 1, "reward/mean": 0.25, "accuracy": 0.5, "loss": 1.5, "learning_rate": 1e-3},
@@ -64,7 +73,9 @@ def offline(monkeypatch):
     attempts, connect = [], socket.socket.connect
 
     def local_only(sock, address):
-        if sock.family == socket.AF_UNIX or (isinstance(address, tuple) and address[0] in ("127.0.0.1", "localhost", "::1")):
+        if sock.family == socket.AF_UNIX or (
+            isinstance(address, tuple) and address[0] in ("127.0.0.1", "localhost", "::1")
+        ):
             return connect(sock, address)
         attempts.append(address)
         raise OSError(f"test: no network ({address})")
@@ -74,7 +85,9 @@ def offline(monkeypatch):
     assert not attempts, f"a tracker tried the network: {attempts}"
 
 
-def log_run(output_dir: Path, report_to: list[str], project: str, completions_at=(1, 2), run_name: str | None = "tiny") -> None:
+def log_run(
+    output_dir: Path, report_to: list[str], project: str, completions_at=(1, 2), run_name: str | None = "tiny"
+) -> None:
     trackers = Trackers(report_to, project, run_name, {"train": {"steps": 3}})
     logger = MetricsLogger(output_dir, 3, progress=False, trackers=trackers)
     for row in ROWS:
@@ -93,7 +106,8 @@ def same(a, b) -> bool:
 
 def same_rows(got: list[list], expected: list[list]) -> bool:
     return len(got) == len(expected) and all(
-        len(g) == len(e) and all(same(x, y) if isinstance(y, float) else x == y for x, y in zip(g, e)) for g, e in zip(got, expected)
+        len(g) == len(e) and all(same(x, y) if isinstance(y, float) else x == y for x, y in zip(g, e))
+        for g, e in zip(got, expected)
     )
 
 
@@ -102,6 +116,7 @@ def table(step: int) -> list[list]:
 
 
 # ---- wandb: history from the offline run's .wandb file (a LevelDB-style log of protobuf records) ----
+
 
 def wandb_records(path: Path):
     """Yield the `Record`s of a `.wandb` file: a 7-byte header, then 32 KiB blocks of (crc, length, type) chunks."""
@@ -113,11 +128,11 @@ def wandb_records(path: Path):
         if block - position % block < 7:  # too little room left for a chunk header: the block is padded
             position += block - position % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
         if kind == 0:  # zero padding to the end of the block
             position += block - position % block
             continue
-        pending += data[position + 7:position + 7 + length]
+        pending += data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # a whole record, or the last chunk of one
             record = wandb_internal_pb2.Record()
@@ -129,7 +144,7 @@ def wandb_records(path: Path):
 def has_exit_record(path: Path) -> bool:
     try:
         return any(record.WhichOneof("record_type") == "exit" for record in wandb_records(path))
-    except Exception:  # noqa: BLE001 - a record still being written
+    except Exception:
         return False
 
 
@@ -165,11 +180,16 @@ def test_wandb_runs_offline_in_the_output_dir_and_keeps_scalars_and_tables(tmp_p
         columns, data = wandb_table(run_dir, history[step - 1])
         assert columns == ["step", *COMPLETIONS[0]] and data == table(step)
     assert "completions/path" not in history[2]  # no table at step 3
-    run = next(record.run for record in wandb_records(next(run_dir.glob("run-*.wandb"))) if record.WhichOneof("record_type") == "run")
+    run = next(
+        record.run
+        for record in wandb_records(next(run_dir.glob("run-*.wandb")))
+        if record.WhichOneof("record_type") == "run"
+    )
     assert (run.project, run.display_name) == ("polo-test", "tiny")
 
 
 # ---- mlflow: MlflowClient on the sqlite store, the tables as JSON artifacts ----
+
 
 def mlflow_run(output_dir: Path, experiment: str):
     from mlflow.tracking import MlflowClient
@@ -186,7 +206,9 @@ def mlflow_table(client, run, path: str) -> tuple[list, list]:
 
 def test_mlflow_writes_a_sqlite_store_in_the_output_dir_and_keeps_scalars_and_tables(tmp_path):
     output_dir = tmp_path / "mlflow-run"
-    log_run(output_dir, ["mlflow"], "polo-test", completions_at=(1, 2, 3, 101), run_name=None)  # 101: a second table file
+    log_run(
+        output_dir, ["mlflow"], "polo-test", completions_at=(1, 2, 3, 101), run_name=None
+    )  # 101: a second table file
 
     client, run = mlflow_run(output_dir, "polo-test")
     assert run.info.run_name == "mlflow-run" and run.info.status == "FINISHED"  # named after the output directory
@@ -195,13 +217,19 @@ def test_mlflow_writes_a_sqlite_store_in_the_output_dir_and_keeps_scalars_and_ta
         assert [step for step, _ in history] == [1, 2, 3]
         assert all(same(value, row[key]) for (_, value), row in zip(history, ROWS))
     assert run.data.params["train.steps"] == "3"
-    assert mlflow_table(client, run, "completions/steps_000001-000100.json") == (["step", *COMPLETIONS[0]], table(1) + table(2) + table(3))
+    assert mlflow_table(client, run, "completions/steps_000001-000100.json") == (
+        ["step", *COMPLETIONS[0]],
+        table(1) + table(2) + table(3),
+    )
     assert mlflow_table(client, run, "completions/steps_000101-000200.json")[1] == table(101)
     assert run.info.artifact_uri.startswith((output_dir / "mlruns").as_uri())
-    assert mlflow_key("reward/my.rewards:fn <lambda>/mean") == "reward/my.rewards:fn _lambda_/mean"  # what mlflow accepts
+    assert (
+        mlflow_key("reward/my.rewards:fn <lambda>/mean") == "reward/my.rewards:fn _lambda_/mean"
+    )  # what mlflow accepts
 
 
 # ---- trackio: its local database, read with its own storage class ----
+
 
 def trackio_logs(project: str, run: str) -> list[dict]:
     from trackio.sqlite_storage import SQLiteStorage
@@ -221,19 +249,26 @@ def test_trackio_keeps_scalars_and_tables_in_its_local_database(tmp_path, tracki
     assert [row["step"] for row in tables] == [1, 2]
     for row in tables:
         assert row["completions"]["_type"] == "trackio.table"
-        assert row["completions"]["_value"] == [dict(zip(["step", *COMPLETIONS[0]], values)) for values in table(row["step"])]
+        assert row["completions"]["_value"] == [
+            dict(zip(["step", *COMPLETIONS[0]], values)) for values in table(row["step"])
+        ]
     assert any(Path(trackio_dir).glob(f"{project}.*"))  # in TRACKIO_DIR, not the user's home
 
 
 # ---- the logger, the configuration and the command line ----
+
 
 def test_tensorboard_is_the_default_and_output_tensorboard_false_removes_it(tmp_path):
     config = load_config({"output": {"dir": str(tmp_path / "a")}})
     assert config.output.report_to == ["tensorboard"] and not logs_tables(config.output.report_to)
     MetricsLogger(tmp_path / "a", 1, progress=False, trackers=Trackers.of(config)).close()
     assert (tmp_path / "a" / "tensorboard").is_dir()
-    config = load_config({"output": {"dir": str(tmp_path / "b"), "tensorboard": False, "report_to": ["tensorboard", "jsonl"]}})
-    logger = MetricsLogger(tmp_path / "b", 1, 0, config.output.tensorboard, progress=False, trackers=Trackers.of(config))
+    config = load_config(
+        {"output": {"dir": str(tmp_path / "b"), "tensorboard": False, "report_to": ["tensorboard", "jsonl"]}}
+    )
+    logger = MetricsLogger(
+        tmp_path / "b", 1, 0, config.output.tensorboard, progress=False, trackers=Trackers.of(config)
+    )
     logger.log({"step": 1, "reward/mean": 1.0})
     logger.close()
     assert logger.sinks == [] and not (tmp_path / "b" / "tensorboard").exists()
@@ -249,12 +284,17 @@ def test_an_unknown_tracker_is_one_line_naming_the_valid_ones():
     assert str(error.value) == "output.report_to: 'neptune' is not one of tensorboard, jsonl, wandb, trackio, mlflow"
 
 
-@pytest.mark.parametrize(("tracker", "package"), [("wandb", "wandb"), ("trackio", "trackio"), ("mlflow", "mlflow"), ("mlflow", "sqlalchemy")])
+@pytest.mark.parametrize(
+    ("tracker", "package"), [("wandb", "wandb"), ("trackio", "trackio"), ("mlflow", "mlflow"), ("mlflow", "sqlalchemy")]
+)
 def test_a_missing_tracker_package_is_one_line_naming_the_extra(monkeypatch, tracker, package):
     monkeypatch.setitem(sys.modules, package, None)  # importlib's find_spec now reports it missing
     with pytest.raises(ConfigError) as error:
         load_config({"output": {"report_to": [tracker]}})
-    assert str(error.value) == f"output.report_to includes {tracker} but the {package} package is not installed: pip install 'polo[{tracker}]'"
+    assert (
+        str(error.value)
+        == f"output.report_to includes {tracker} but the {package} package is not installed: pip install 'polo[{tracker}]'"
+    )
     if package == "sqlalchemy":  # only mlflow's local store needs it
         monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
         load_config({"output": {"report_to": [tracker]}})
@@ -265,11 +305,22 @@ def test_polo_train_stops_on_a_missing_tracker_before_the_model_loads(tmp_path):
     site.mkdir()
     (site / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(json.dumps({"model": {"name": str(tmp_path / "no-model-here")}, "output": {"dir": str(tmp_path / "run")}}))
+    recipe.write_text(
+        json.dumps({"model": {"name": str(tmp_path / "no-model-here")}, "output": {"dir": str(tmp_path / "run")}})
+    )
     # Prepended: some machines (the GPU one) find installed packages through PYTHONPATH.
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH", "")]))}
-    result = subprocess.run([str(POLO), "train", str(recipe), "output.report_to=[tensorboard,wandb]"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300, env=environment)
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH", "")])),
+    }
+    result = subprocess.run(
+        [str(POLO), "train", str(recipe), "output.report_to=[tensorboard,wandb]"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
+    )
     assert result.returncode != 0
     assert result.stderr.splitlines() == [
         "polo: error: output.report_to includes wandb but the wandb package is not installed: pip install 'polo[wandb]'"
@@ -307,12 +358,21 @@ def test_a_tracker_that_fails_on_a_table_is_warned_about_once_and_the_run_goes_o
 
 # ---- end to end: a tiny run reports to all three, each store holds what metrics.jsonl holds ----
 
+
 def test_a_training_run_reports_scalars_and_completions_to_wandb_mlflow_and_trackio(tiny_model_dir, tmp_path):
     from polo.rl.train import train
 
     project = f"polo-e2e-{uuid.uuid4().hex[:8]}"
-    output = {"report_to": ["wandb", "mlflow", "trackio"], "tensorboard": False, "plots": False, "project": project, "run_name": "tiny"}
-    config = tiny_config(tiny_model_dir, tmp_path / "run", output=output, train={"steps": 2}, eval={"before": False, "after": True})
+    output = {
+        "report_to": ["wandb", "mlflow", "trackio"],
+        "tensorboard": False,
+        "plots": False,
+        "project": project,
+        "run_name": "tiny",
+    }
+    config = tiny_config(
+        tiny_model_dir, tmp_path / "run", output=output, train={"steps": 2}, eval={"before": False, "after": True}
+    )
     result = train(config)
     rows = {row["step"]: row for row in result.metrics if "reward/mean" in row}
     assert sorted(rows) == [1, 2]
@@ -321,7 +381,9 @@ def test_a_training_run_reports_scalars_and_completions_to_wandb_mlflow_and_trac
     run_dir, history = wandb_run(result.output_dir)
     wandb_rows = {row["_step"]: row for row in history}
     mlflow_client, mlflow_run_ = mlflow_run(result.output_dir, project)
-    mlflow_rewards = {metric.step: metric.value for metric in mlflow_client.get_metric_history(mlflow_run_.info.run_id, "reward/mean")}
+    mlflow_rewards = {
+        metric.step: metric.value for metric in mlflow_client.get_metric_history(mlflow_run_.info.run_id, "reward/mean")
+    }
     logs = trackio_logs(project, "tiny")
     trackio_rewards = {row["step"]: row["reward/mean"] for row in logs if "reward/mean" in row}
     for step, row in rows.items():
@@ -341,7 +403,7 @@ def test_a_training_run_reports_scalars_and_completions_to_wandb_mlflow_and_trac
         for entry in as_dicts:  # the total is the weighted sum of the functions (correct 1.0, tag_count 0.5)
             assert same(entry["reward"], entry["reward/correct"] + 0.5 * entry["reward/tag_count"])
         for group in range(2):  # GRPO's advantages are centred within each group
-            assert abs(sum(entry["advantage"] for entry in as_dicts[4 * group:4 * group + 4])) < 1e-4
+            assert abs(sum(entry["advantage"] for entry in as_dicts[4 * group : 4 * group + 4])) < 1e-4
         assert same_rows([values for values in mlflow_data if values[0] == step], data)  # mlflow's JSON keeps 10 digits
         assert trackio_tables[step] == as_dicts
 
@@ -354,17 +416,34 @@ def test_completion_rows_average_token_level_advantages_and_follow_the_kept_grou
     from polo.rl.step import completion_rows
 
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]])
-    rollouts = Rollouts(torch.ones(4, 2, dtype=torch.long), torch.ones(4, 2), torch.ones(4, 3, dtype=torch.long), mask,
-                        torch.zeros(4, dtype=torch.bool), ["a", "b", "c", "d"], group_size=2)
-    batch = Batch(rollouts, torch.tensor([1.0, 0.0, 0.5, 0.25]), ["p0", "p1"], {"correct": torch.tensor([1.0, 0.0, 1.0, 0.0])})
+    rollouts = Rollouts(
+        torch.ones(4, 2, dtype=torch.long),
+        torch.ones(4, 2),
+        torch.ones(4, 3, dtype=torch.long),
+        mask,
+        torch.zeros(4, dtype=torch.bool),
+        ["a", "b", "c", "d"],
+        group_size=2,
+    )
+    batch = Batch(
+        rollouts, torch.tensor([1.0, 0.0, 0.5, 0.25]), ["p0", "p1"], {"correct": torch.tensor([1.0, 0.0, 1.0, 0.0])}
+    )
     advantages = torch.tensor([[1.0, 3.0, 99.0], [0.0, 0.0, 3.0], [-2.0, 99.0, 99.0], [0.0, 1.0, 99.0]])  # 99: padding
     rows = completion_rows(batch, advantages * mask)
     assert [row["advantage"] for row in rows] == [2.0, 1.0, -2.0, 0.5]
     assert [(row["prompt"], row["completion"], row["reward"], row["reward/correct"]) for row in rows] == [
-        ("p0", "a", 1.0, 1.0), ("p0", "b", 0.0, 0.0), ("p1", "c", 0.5, 1.0), ("p1", "d", 0.25, 0.0),
+        ("p0", "a", 1.0, 1.0),
+        ("p0", "b", 0.0, 0.0),
+        ("p1", "c", 0.5, 1.0),
+        ("p1", "d", 0.25, 0.0),
     ]
     assert list(rows[0]) == ["prompt", "completion", "reward", "reward/correct", "advantage"]
-    assert completion_rows(Batch(rollouts, batch.rewards, batch.prompts), advantages)[0].keys() == {"prompt", "completion", "reward", "advantage"}
+    assert completion_rows(Batch(rollouts, batch.rewards, batch.prompts), advantages)[0].keys() == {
+        "prompt",
+        "completion",
+        "reward",
+        "advantage",
+    }
     assert align_groups(batch, 2).columns is batch.columns  # one process: unchanged
     from polo.rl import batching
 

@@ -17,13 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from polo.sandbox import bwrap, runner as sandbox
+from polo.sandbox import bwrap
+from polo.sandbox import runner as sandbox
 from polo.sandbox.runner import SandboxLimits, detect_isolation, run_python
 
 # Small limits keep every case fast and harmless.
-LIMITS = SandboxLimits(timeout_s=2.0, cpu_seconds=2, memory_bytes=256 * 2**20,
-                       file_size_bytes=2**20, max_processes=8, max_open_files=32,
-                       max_output_bytes=64 * 2**10)
+LIMITS = SandboxLimits(
+    timeout_s=2.0,
+    cpu_seconds=2,
+    memory_bytes=256 * 2**20,
+    file_size_bytes=2**20,
+    max_processes=8,
+    max_open_files=32,
+    max_output_bytes=64 * 2**10,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +47,16 @@ def sandbox_processes() -> list[int]:
         if not entry.name.isdigit():
             continue
         try:
-            uid_line = next(line for line in (entry / "status").read_text().splitlines()
-                            if line.startswith("Uid:"))
+            uid_line = next(line for line in (entry / "status").read_text().splitlines() if line.startswith("Uid:"))
             uid = int(uid_line.split()[1])
             if os.geteuid() == 0:
                 sandboxed = uid >= sandbox._THROWAWAY_ID_BASE
             else:
-                sandboxed = (uid == os.geteuid() and (entry / "ns/pid").stat().st_ino != my_pid_namespace
-                             and b"/run/polo/main.py" in (entry / "cmdline").read_bytes())
+                sandboxed = (
+                    uid == os.geteuid()
+                    and (entry / "ns/pid").stat().st_ino != my_pid_namespace
+                    and b"/run/polo/main.py" in (entry / "cmdline").read_bytes()
+                )
         except (OSError, StopIteration):
             continue
         if sandboxed:
@@ -147,8 +156,11 @@ def test_file_size_limit_and_private_working_directory():
 
 
 def test_writing_outside_its_directory_fails(tmp_path, isolation):
-    targets = [tmp_path / "escaped", Path(os.path.expanduser("~")) / "polo-sandbox-escaped",
-               Path("/work/polo-sandbox-escaped") if Path("/work").is_dir() else tmp_path / "x2"]
+    targets = [
+        tmp_path / "escaped",
+        Path(os.path.expanduser("~")) / "polo-sandbox-escaped",
+        Path("/work/polo-sandbox-escaped") if Path("/work").is_dir() else tmp_path / "x2",
+    ]
     program = "import sys\nfor path in sys.argv[1:] or %r:\n" % [str(t) for t in targets] + (
         "    try:\n"
         "        open(path, 'w').write('pwned')\n"
@@ -174,8 +186,7 @@ def test_parent_environment_secrets_are_invisible(monkeypatch, isolation):
     program = (
         "import os\n"
         "print(dict(os.environ))\n"
-        "for pid in [p for p in os.listdir('/proc') if p.isdigit()] + ['%d']:\n" % os.getpid()
-        + "    try:\n"
+        "for pid in [p for p in os.listdir('/proc') if p.isdigit()] + ['%d']:\n" % os.getpid() + "    try:\n"
         "        print(open('/proc/%s/environ' % pid, 'rb').read())\n"
         "    except OSError:\n"
         "        pass\n"
@@ -184,8 +195,10 @@ def test_parent_environment_secrets_are_invisible(monkeypatch, isolation):
     assert result.ok, result.reason
     assert secret.encode() not in result.stdout
     if not (isolation.private_proc or isolation.throwaway_uid):
-        print("documented: without a private /proc or separate uid, /proc/<pid>/environ of the "
-              "parent's user could be read; the check above found none readable here")
+        print(
+            "documented: without a private /proc or separate uid, /proc/<pid>/environ of the "
+            "parent's user could be read; the check above found none readable here"
+        )
 
 
 def test_network_connection_fails(isolation):
@@ -220,11 +233,13 @@ def test_printing_a_gigabyte_is_cut_off():
 
 
 def test_killing_its_parent_does_not_reach_the_caller(isolation):
-    for program in ("import os, signal, time\nos.kill(os.getppid(), signal.SIGKILL)\ntime.sleep(10)",
-                    "import os, signal, time\nos.killpg(os.getpgid(0), signal.SIGKILL)\ntime.sleep(10)",
-                    "import os, signal, time\nos.kill(-1, signal.SIGKILL)\ntime.sleep(10)",
-                    "import os, signal, time\nfor s in (signal.SIGINT, signal.SIGTERM, signal.SIGSTOP):\n"
-                    "    os.kill(os.getppid(), s)\ntime.sleep(10)"):
+    for program in (
+        "import os, signal, time\nos.kill(os.getppid(), signal.SIGKILL)\ntime.sleep(10)",
+        "import os, signal, time\nos.killpg(os.getpgid(0), signal.SIGKILL)\ntime.sleep(10)",
+        "import os, signal, time\nos.kill(-1, signal.SIGKILL)\ntime.sleep(10)",
+        "import os, signal, time\nfor s in (signal.SIGINT, signal.SIGTERM, signal.SIGSTOP):\n"
+        "    os.kill(os.getppid(), s)\ntime.sleep(10)",
+    ):
         started = time.monotonic()
         result = run_python(program, SandboxLimits(timeout_s=1.0))
         # The runner is the PID namespace's init (pid 1): as a throwaway uid the signal is refused
@@ -232,12 +247,17 @@ def test_killing_its_parent_does_not_reach_the_caller(isolation):
         # for it). Either the program dies of the error, or it sleeps into the timeout; the runner
         # lives on to report it (never "runner_died").
         assert result.status in ("exit", "timeout"), result.reason
-        assert result.status == "timeout" or b"PermissionError" in result.stderr or b"ProcessLookupError" in result.stderr
+        assert (
+            result.status == "timeout" or b"PermissionError" in result.stderr or b"ProcessLookupError" in result.stderr
+        )
         assert time.monotonic() - started < 2
     if isolation.pid_namespace or isolation.throwaway_uid:
         # Aim at the caller's real pid: out of sight (PID namespace) or not permitted (uid).
-        result = run_python("import os, signal\ntry:\n    os.kill(%d, signal.SIGKILL)\n"
-                            "except OSError as exc:\n    print(type(exc).__name__)\n" % os.getpid(), LIMITS)
+        result = run_python(
+            "import os, signal\ntry:\n    os.kill(%d, signal.SIGKILL)\n"
+            "except OSError as exc:\n    print(type(exc).__name__)\n" % os.getpid(),
+            LIMITS,
+        )
         assert result.stdout.strip() in (b"ProcessLookupError", b"PermissionError")
     # Still here: this test process survived every attempt.
     assert os.getpid() > 0
@@ -281,8 +301,12 @@ def package_directories() -> list[str]:
     import sysconfig
 
     paths = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
-    paths |= {os.path.join(sysconfig.get_paths()["stdlib"], "site-packages"), site.getusersitepackages(),
-              "/usr/lib/python3/dist-packages", "/usr/local/lib/python%d.%d/dist-packages" % sys.version_info[:2]}
+    paths |= {
+        os.path.join(sysconfig.get_paths()["stdlib"], "site-packages"),
+        site.getusersitepackages(),
+        "/usr/lib/python3/dist-packages",
+        "/usr/local/lib/python%d.%d/dist-packages" % sys.version_info[:2],
+    }
     paths |= set(getattr(site, "getsitepackages", list)())
     return sorted(paths)
 
@@ -291,8 +315,18 @@ def test_the_file_system_holds_only_the_interpreter_and_its_scratch():
     program = (
         "import os, sys\n"
         "print(sorted(os.listdir('/')))\n"
-        "for path in sys.argv[1:] or %r:\n" % [str(ANSWER_KEY), str(Path.cwd()), "/etc/passwd", "/etc/shadow",
-                                                os.path.expanduser("~"), "/home", "/work", "/sys/kernel", "/var"]
+        "for path in sys.argv[1:] or %r:\n"
+        % [
+            str(ANSWER_KEY),
+            str(Path.cwd()),
+            "/etc/passwd",
+            "/etc/shadow",
+            os.path.expanduser("~"),
+            "/home",
+            "/work",
+            "/sys/kernel",
+            "/var",
+        ]
         + "    try:\n"
         "        if os.path.isdir(path):\n"
         "            print('LISTED', path, *os.listdir(path))\n"
@@ -300,7 +334,8 @@ def test_the_file_system_holds_only_the_interpreter_and_its_scratch():
         "            print('READ', path, open(path, 'rb').read(1))\n"
         "    except OSError as exc:\n"
         "        print('refused', path, type(exc).__name__)\n"
-        "for path in %r:\n" % package_directories()
+        "for path in %r:\n"
+        % package_directories()
         + "    print('packages', path, os.listdir(path) if os.path.isdir(path) else 'absent')\n"
         "found = [os.path.join(root, name) for root, _, names in os.walk('/') if not root.startswith('/proc')\n"
         "         for name in names if 'code_problems' in name or 'site-packages' in root or 'dist-packages' in root\n"
@@ -437,7 +472,8 @@ def test_dangerous_syscalls_are_refused():
     program = (
         "import ctypes, os\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
-        "for name, (number, args) in %r.items():\n" % SYSCALL_ATTEMPTS
+        "for name, (number, args) in %r.items():\n"
+        % SYSCALL_ATTEMPTS
         + "    args = [ctypes.create_string_buffer(128) if a == 'buffer' else a for a in args]\n"
         "    result = libc.syscall(number, *args)\n"
         "    print(name, '|', result, '|', ctypes.get_errno())\n"
@@ -518,8 +554,11 @@ def test_an_unusable_tool_is_one_clear_line(monkeypatch):
     # a run that scores 0 ("runner_died") for every completion.
     files, _ = bwrap.python_files()
     monkeypatch.setattr(bwrap, "python_files", lambda: (files, ()))
-    with pytest.raises(sandbox.SandboxError, match=r"^the code sandbox cannot run on this machine: its Python "
-                       r"\(/\S+\) did not start inside the sandbox \(exit status 1: Fatal Python error") as info:
+    with pytest.raises(
+        sandbox.SandboxError,
+        match=r"^the code sandbox cannot run on this machine: its Python "
+        r"\(/\S+\) did not start inside the sandbox \(exit status 1: Fatal Python error",
+    ) as info:
         run_python("pass", LIMITS)
     assert "\n" not in str(info.value)
 
@@ -543,11 +582,13 @@ def test_user_namespace_failures_are_recognised_and_explained():
         "/proc/sys/kernel/unprivileged_userns_clone": ("0", "sysctl -w kernel.unprivileged_userns_clone=1"),
         "/proc/sys/user/max_user_namespaces": ("0", "sysctl -w user.max_user_namespaces=15000"),
         "/sys/module/user_namespace/parameters/enable": ("N", "user_namespace.enable=1"),
-        "/proc/sys/kernel/apparmor_restrict_unprivileged_userns": ("1", "kernel.apparmor_restrict_unprivileged_userns=0"),
+        "/proc/sys/kernel/apparmor_restrict_unprivileged_userns": (
+            "1",
+            "kernel.apparmor_restrict_unprivileged_userns=0",
+        ),
     }
     for path, (value, advice) in cases.items():
         text = bwrap.user_namespace_advice({path: value}.get)
         assert advice in text and "\n" not in text, text
     # Nothing disabled that can be seen: a policy around the process (a container) refuses it.
     assert "container" in bwrap.user_namespace_advice({}.get)
-

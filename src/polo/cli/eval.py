@@ -34,30 +34,77 @@ def add_parsers(subcommands) -> None:
             "and the mean response length; per-problem results go to eval.json."
         ),
     )
-    eval_parser.add_argument("--model", default=None, help=f"a local Hugging Face causal-LM directory, a built-in name or a Hub id org/name[@revision] (default: {DEFAULT_MODEL}, or the recipe's model)")
-    eval_parser.add_argument("--task", default=None, help="arith | gsm8k | jsonl:FILE (default: arith, or the recipe's task)")
-    eval_parser.add_argument("--recipe", default=None, help="take the task, prompt and model from a recipe YAML or a run directory (its config.yaml)")
-    eval_parser.add_argument("--samples", "-k", type=int, default=None, help="completions per problem, K (default 16; 1 with --greedy)")
-    eval_parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default 0.6, DeepSeek-R1's evaluation setting)")
+    eval_parser.add_argument(
+        "--model",
+        default=None,
+        help=f"a local Hugging Face causal-LM directory, a built-in name or a Hub id org/name[@revision] (default: {DEFAULT_MODEL}, or the recipe's model)",
+    )
+    eval_parser.add_argument(
+        "--task", default=None, help="arith | gsm8k | jsonl:FILE (default: arith, or the recipe's task)"
+    )
+    eval_parser.add_argument(
+        "--recipe",
+        default=None,
+        help="take the task, prompt and model from a recipe YAML or a run directory (its config.yaml)",
+    )
+    eval_parser.add_argument(
+        "--samples", "-k", type=int, default=None, help="completions per problem, K (default 16; 1 with --greedy)"
+    )
+    eval_parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.6,
+        help="sampling temperature (default 0.6, DeepSeek-R1's evaluation setting)",
+    )
     eval_parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
     eval_parser.add_argument("--greedy", action="store_true", help="one deterministic (greedy) answer per problem")
     eval_parser.add_argument("--limit", type=int, default=None, help="evaluate the first N held-out problems only")
-    eval_parser.add_argument("--max-new-tokens", type=int, default=None, help="completion budget (default: 32 arith, 256 gsm8k/jsonl, or the recipe's eval setting)")
+    eval_parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="completion budget (default: 32 arith, 256 gsm8k/jsonl, or the recipe's eval setting)",
+    )
     eval_parser.add_argument("--batch-size", type=int, default=64, help="sequences generated together (default 64)")
-    eval_parser.add_argument("--data-dir", default=None, help=f"GSM8K folder holding test.jsonl (default: ${GSM8K_ENV}, else ../shared/data/gsm8k)")
-    eval_parser.add_argument("--answer-in-tags", action="store_true", help="R1 form: ask for <think>/<answer> tags; only an <answer> block counts")
-    eval_parser.add_argument("--checker", default="math_verify", help="jsonl tasks: math_verify | exact_number | exact_string")
+    eval_parser.add_argument(
+        "--data-dir",
+        default=None,
+        help=f"GSM8K folder holding test.jsonl (default: ${GSM8K_ENV}, else ../shared/data/gsm8k)",
+    )
+    eval_parser.add_argument(
+        "--answer-in-tags",
+        action="store_true",
+        help="R1 form: ask for <think>/<answer> tags; only an <answer> block counts",
+    )
+    eval_parser.add_argument(
+        "--checker", default="math_verify", help="jsonl tasks: math_verify | exact_number | exact_string"
+    )
     eval_parser.add_argument("--prompt-field", default="question", help="jsonl tasks: the field holding the problem")
-    eval_parser.add_argument("--answer-field", default="answer", help="jsonl tasks: the field holding the reference answer")
-    eval_parser.add_argument("--instruction", default=None, help="prompt template with {question} (default: the task's)")
+    eval_parser.add_argument(
+        "--answer-field", default="answer", help="jsonl tasks: the field holding the reference answer"
+    )
+    eval_parser.add_argument(
+        "--instruction", default=None, help="prompt template with {question} (default: the task's)"
+    )
     eval_parser.add_argument("--system-prompt", default=None)
-    eval_parser.add_argument("--reward-model", default=None, metavar="PATH[?normalize]",
-                             help="also score every sample with this reward model (polo rm); reports its mean over all, correct and wrong samples")
+    eval_parser.add_argument(
+        "--reward-model",
+        default=None,
+        metavar="PATH[?normalize]",
+        help="also score every sample with this reward model (polo rm); reports its mean over all, correct and wrong samples",
+    )
     eval_parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    eval_parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"), help="auto: bf16 autocast where the CPU supports it")
+    eval_parser.add_argument(
+        "--precision",
+        default="auto",
+        choices=("auto", "fp32", "bf16"),
+        help="auto: bf16 autocast where the CPU supports it",
+    )
     eval_parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA when available)")
     eval_parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    eval_parser.add_argument("--output", "-o", default="eval.json", help="where to write the per-problem results (default eval.json)")
+    eval_parser.add_argument(
+        "--output", "-o", default="eval.json", help="where to write the per-problem results (default eval.json)"
+    )
     eval_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     eval_parser.set_defaults(eval_cli_command="eval")
 
@@ -68,7 +115,9 @@ def add_parsers(subcommands) -> None:
     )
     report_parser.add_argument("run_dir")
     report_parser.add_argument("--output", "-o", default=None, help="HTML path (default RUN_DIR/report.html)")
-    report_parser.add_argument("--sample-steps", type=int, default=4, help="how many steps to show best/worst completions for (default 4)")
+    report_parser.add_argument(
+        "--sample-steps", type=int, default=4, help="how many steps to show best/worst completions for (default 4)"
+    )
     report_parser.set_defaults(eval_cli_command="report")
 
 
@@ -124,7 +173,7 @@ def parse_task_name(task: str) -> tuple[str, str | None]:
     if task == "gsm8k":
         return "gsm8k", None
     if task.startswith("jsonl:") and len(task) > len("jsonl:"):
-        return "jsonl", task[len("jsonl:"):]
+        return "jsonl", task[len("jsonl:") :]
     raise EvalArgumentError(f"--task {task!r} is not one of {', '.join(TASK_NAMES)}")
 
 
@@ -163,8 +212,13 @@ def build_eval_task(args: argparse.Namespace):
         if args.checker not in CHECKERS:
             raise EvalArgumentError(f"--checker {args.checker!r} is not one of {', '.join(CHECKERS)}")
         task = jsonl_task(
-            path, path, prompt_field=args.prompt_field, answer_field=args.answer_field,
-            num_train=0, answer_in_tags=tags, checker=args.checker,
+            path,
+            path,
+            prompt_field=args.prompt_field,
+            answer_field=args.answer_field,
+            num_train=0,
+            answer_in_tags=tags,
+            checker=args.checker,
         )
         label = f"jsonl ({path}, {args.checker})"
     return task, label, args.instruction, args.system_prompt, args.model or DEFAULT_MODEL, DEFAULT_MAX_NEW_TOKENS[name]
@@ -184,7 +238,12 @@ def check_numbers(args: argparse.Namespace) -> int:
         raise EvalArgumentError(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise EvalArgumentError(f"--top-p must be in (0, 1], got {args.top_p}")
-    for flag, value in (("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size), ("--threads", args.threads)):
+    for flag, value in (
+        ("--limit", args.limit),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--batch-size", args.batch_size),
+        ("--threads", args.threads),
+    ):
         if value is not None and value < 1:
             raise EvalArgumentError(f"{flag} must be >= 1, got {value}")
     return samples
@@ -214,7 +273,9 @@ def evaluate_to_file(args: argparse.Namespace) -> int:
     rows = task.eval_rows
     if args.limit is not None:
         if args.limit > len(rows):
-            raise EvalArgumentError(f"--limit {args.limit} is more than the {len(rows)} held-out problems of {task_label}")
+            raise EvalArgumentError(
+                f"--limit {args.limit} is more than the {len(rows)} held-out problems of {task_label}"
+            )
         rows = rows[: args.limit]
     if not rows:
         raise EvalArgumentError(f"{task_label} has no held-out problems to evaluate")
@@ -233,9 +294,19 @@ def evaluate_to_file(args: argparse.Namespace) -> int:
     model, tokenizer = load_for_sampling(model_name, compute)
     prompts = task.prompts(tokenizer, rows, instruction, system_prompt)
     settings = {
-        "model": model_name, "task": task_label, "num_problems": len(rows), "samples": samples,
-        "greedy": args.greedy, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
-        "precision": compute.precision, "device": str(compute.device), "seed": args.seed, "batch_size": args.batch_size, "reward_model": args.reward_model,
+        "model": model_name,
+        "task": task_label,
+        "num_problems": len(rows),
+        "samples": samples,
+        "greedy": args.greedy,
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_new_tokens": max_new_tokens,
+        "precision": compute.precision,
+        "device": str(compute.device),
+        "seed": args.seed,
+        "batch_size": args.batch_size,
+        "reward_model": args.reward_model,
     }
     print(
         f"polo eval: {model_name} on {task_label}: {len(rows)} problems x {samples} "
@@ -245,8 +316,17 @@ def evaluate_to_file(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     result = evaluate_policy(
-        model, tokenizer, prompts, rows, task.correctness, samples=samples, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, batch_size=args.batch_size, compute=compute,
+        model,
+        tokenizer,
+        prompts,
+        rows,
+        task.correctness,
+        samples=samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        batch_size=args.batch_size,
+        compute=compute,
         progress=not args.no_progress,
     )
     if reward_model is not None:
@@ -276,9 +356,14 @@ def format_summary(summary: dict, max_new_tokens: int) -> str:
         ("mean response length", f"{summary['mean_response_length']:.1f} tokens"),
         (f"truncated at {max_new_tokens} tokens", f"{summary['truncated']:.3f}"),
         *(
-            [("reward model score, mean (correct / wrong samples)",
-              f"{summary['reward_model_mean']:.3f} ({summary['reward_model_mean_correct']:.3f} / {summary['reward_model_mean_wrong']:.3f})")]
-            if "reward_model_mean" in summary else []
+            [
+                (
+                    "reward model score, mean (correct / wrong samples)",
+                    f"{summary['reward_model_mean']:.3f} ({summary['reward_model_mean_correct']:.3f} / {summary['reward_model_mean_wrong']:.3f})",
+                )
+            ]
+            if "reward_model_mean" in summary
+            else []
         ),
         ("problems", str(summary["num_problems"])),
         ("wall time", f"{summary['wall_time_s']:.0f} s"),

@@ -13,14 +13,24 @@ from polo.runtime.device import DEVICE_HELP
 
 def add_parser(subcommands) -> None:
     """Add the `pipeline` subcommand to an argparse subparsers object."""
-    help_text = "run a multi-stage recipe (R1: cold-start SFT, GRPO, rejection-sampling SFT, GRPO), each stage a polo run"
+    help_text = (
+        "run a multi-stage recipe (R1: cold-start SFT, GRPO, rejection-sampling SFT, GRPO), each stage a polo run"
+    )
     parser = subcommands.add_parser(
-        "pipeline", help=help_text,
-        description=help_text + ". A finished stage is skipped when the pipeline runs again; an interrupted GRPO stage continues. See docs/r1.md.",
+        "pipeline",
+        help=help_text,
+        description=help_text
+        + ". A finished stage is skipped when the pipeline runs again; an interrupted GRPO stage continues. See docs/r1.md.",
     )
     parser.add_argument("recipe", help="path to a pipeline recipe (e.g. recipes/r1_arith.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. pipeline.dir=runs/r1 stages.reason.train.steps=10")
-    parser.add_argument("--device", default=None, help=f"{DEVICE_HELP}; the same as pipeline.device=... (default: the recipe's)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="dotted.key=value overrides, e.g. pipeline.dir=runs/r1 stages.reason.train.steps=10",
+    )
+    parser.add_argument(
+        "--device", default=None, help=f"{DEVICE_HELP}; the same as pipeline.device=... (default: the recipe's)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

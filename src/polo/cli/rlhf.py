@@ -36,7 +36,9 @@ def add_parsers(subcommands) -> None:
         parser = subcommands.add_parser(name, help=help_text, description=help_text)
         parser.add_argument("recipe", help=f"path to a YAML recipe (e.g. recipes/rlhf_{name}.yaml)")
         parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=10")
-        parser.add_argument("--device", default=None, help=f"{DEVICE_HELP}; the same as train.device=... (default: the recipe's)")
+        parser.add_argument(
+            "--device", default=None, help=f"{DEVICE_HELP}; the same as train.device=... (default: the recipe's)"
+        )
         parser.set_defaults(rlhf_command=name)
 
     data_parser = subcommands.add_parser(
@@ -49,22 +51,45 @@ def add_parsers(subcommands) -> None:
         ),
     )
     data_parser.add_argument("out_dir")
-    data_parser.add_argument("--recipe", default=None, help="an RL recipe (polo train) whose arithmetic task settings and instruction to use (default: the built-in defaults, those of recipes/rlhf_rl.yaml)")
-    data_parser.add_argument("--seed", type=int, default=0, help="shuffles problems into splits and picks wrong answers and wordings (default 0)")
+    data_parser.add_argument(
+        "--recipe",
+        default=None,
+        help="an RL recipe (polo train) whose arithmetic task settings and instruction to use (default: the built-in defaults, those of recipes/rlhf_rl.yaml)",
+    )
+    data_parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="shuffles problems into splits and picks wrong answers and wordings (default 0)",
+    )
     data_parser.add_argument("--num-sft", type=int, default=1000, help="SFT demonstrations (default 1000)")
     data_parser.add_argument("--num-sft-eval", type=int, default=100, help="held-out SFT demonstrations (default 100)")
-    data_parser.add_argument("--num-comparisons", type=int, default=3000, help="comparisons, the correct answer over a wrong one (default 3000)")
+    data_parser.add_argument(
+        "--num-comparisons",
+        type=int,
+        default=3000,
+        help="comparisons, the correct answer over a wrong one (default 3000)",
+    )
     data_parser.add_argument("--num-comparisons-eval", type=int, default=200, help="held-out comparisons (default 200)")
-    data_parser.add_argument("--mistakes", type=mistake_list, default=["carry"],
-                             help="kinds of wrong answer in the comparisons, cycled problem by problem, comma-separated: "
-                             "carry (the carry into the tens forgotten or added), tens (the tens digit off by one the other way), "
-                             "units (off by one) (default: carry)")
+    data_parser.add_argument(
+        "--mistakes",
+        type=mistake_list,
+        default=["carry"],
+        help="kinds of wrong answer in the comparisons, cycled problem by problem, comma-separated: "
+        "carry (the carry into the tens forgotten or added), tens (the tens digit off by one the other way), "
+        "units (off by one) (default: carry)",
+    )
     sampled = data_parser.add_argument_group(
         "comparisons of a model's own answers",
         "with --from-model, write preferences_train/eval.jsonl from the model's samples on the RL task's training "
         "problems instead, each correct sample ranked above a wrong one by the task's checker (any task of the recipe)",
     )
-    sampled.add_argument("--from-model", default=None, metavar="MODEL", help="a causal-LM directory, built-in name or Hub id org/name to sample")
+    sampled.add_argument(
+        "--from-model",
+        default=None,
+        metavar="MODEL",
+        help="a causal-LM directory, built-in name or Hub id org/name to sample",
+    )
     sampled.add_argument("--samples", type=int, default=8, help="samples per prompt (default 8, the RL group size)")
     sampled.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0, as in RL)")
     sampled.add_argument("--num-prompts", type=int, default=1500, help="training prompts to sample (default 1500)")
@@ -110,8 +135,8 @@ def _print_change(label: str, result, key: str) -> None:
 def make_preferences(args: argparse.Namespace) -> int:
     """Write the built-in arithmetic data set for the RL task of `--recipe` (or the default task)."""
     from polo.config import ConfigError, load_config
-    from polo.data.preferences import write_arithmetic_preferences
     from polo.data import instruction_for, make_task
+    from polo.data.preferences import write_arithmetic_preferences
 
     config = load_config(args.recipe)
     if args.from_model is not None:
@@ -119,11 +144,19 @@ def make_preferences(args: argparse.Namespace) -> int:
     if config.task.name != "arithmetic":
         raise ConfigError(f"make-preferences builds arithmetic data; the recipe's task.name is {config.task.name!r}")
     if config.task.answer_in_tags:
-        raise ConfigError("make-preferences writes plain answers ('47 + 38 = 85'); the recipe sets task.answer_in_tags=true")
+        raise ConfigError(
+            "make-preferences writes plain answers ('47 + 38 = 85'); the recipe sets task.answer_in_tags=true"
+        )
     task = make_task(config)  # the RL run's own task: its held-out problems are left out
     paths = write_arithmetic_preferences(
-        args.out_dir, task, instruction=instruction_for(config, task), seed=args.seed, num_sft=args.num_sft,
-        num_sft_eval=args.num_sft_eval, num_comparisons=args.num_comparisons, num_comparisons_eval=args.num_comparisons_eval,
+        args.out_dir,
+        task,
+        instruction=instruction_for(config, task),
+        seed=args.seed,
+        num_sft=args.num_sft,
+        num_sft_eval=args.num_sft_eval,
+        num_comparisons=args.num_comparisons,
+        num_comparisons_eval=args.num_comparisons_eval,
         mistakes=args.mistakes,
     )
     for path in paths.values():
@@ -137,15 +170,17 @@ def sampled_preferences(args: argparse.Namespace, config) -> int:
     from pathlib import Path
 
     from polo.config import ConfigError
+    from polo.data import instruction_for, make_task
     from polo.data.preferences import write_jsonl
     from polo.finetune.sampled_preferences import check_sampling_request, sampled_preference_data
-    from polo.data import instruction_for, make_task
     from polo.generation.grouped import load_for_sampling
     from polo.runtime.device import inference_compute
 
     task = make_task(config)
     if not 0 < args.temperature < float("inf"):  # NaN fails this too
-        raise ConfigError(f"make-preferences --from-model: --temperature must be > 0 and finite (samples must differ), got {args.temperature}")
+        raise ConfigError(
+            f"make-preferences --from-model: --temperature must be > 0 and finite (samples must differ), got {args.temperature}"
+        )
     try:  # before the model loads: a bad count costs nothing
         check_sampling_request(task, args.num_prompts, args.num_prompts_eval, args.samples, args.max_pairs)
     except ValueError as error:
@@ -153,10 +188,20 @@ def sampled_preferences(args: argparse.Namespace, config) -> int:
     compute = inference_compute("auto", args.device)
     model, tokenizer = load_for_sampling(args.from_model, compute)
     splits, stats = sampled_preference_data(
-        model, tokenizer, task, instruction=instruction_for(config, task), system_prompt=config.task.system_prompt,
-        num_prompts=args.num_prompts, num_prompts_eval=args.num_prompts_eval, samples=args.samples,
-        temperature=args.temperature, max_new_tokens=config.sampling.max_new_tokens, max_pairs=args.max_pairs,
-        seed=args.seed, compute=compute, progress=True,
+        model,
+        tokenizer,
+        task,
+        instruction=instruction_for(config, task),
+        system_prompt=config.task.system_prompt,
+        num_prompts=args.num_prompts,
+        num_prompts_eval=args.num_prompts_eval,
+        samples=args.samples,
+        temperature=args.temperature,
+        max_new_tokens=config.sampling.max_new_tokens,
+        max_pairs=args.max_pairs,
+        seed=args.seed,
+        compute=compute,
+        progress=True,
     )
     out_dir = Path(args.out_dir)
     for name, rows in splits.items():

@@ -17,7 +17,25 @@ from polo.config.schema import (
 from polo.config.validation import check_at_least_one, check_choices, check_lora, validate
 
 __all__ = [
-    "AlgorithmConfig", "Config", "ConfigError", "EvalConfig", "LoraSettings", "ModelConfig", "OutputConfig", "PRESETS",
-    "SamplingConfig", "TaskConfig", "TrainConfig", "apply_overrides", "apply_preset", "build_dataclass", "check_at_least_one",
-    "check_choices", "check_lora", "config_to_dict", "load_config", "read_recipe", "validate",
+    "AlgorithmConfig",
+    "Config",
+    "ConfigError",
+    "EvalConfig",
+    "LoraSettings",
+    "ModelConfig",
+    "OutputConfig",
+    "PRESETS",
+    "SamplingConfig",
+    "TaskConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "apply_preset",
+    "build_dataclass",
+    "check_at_least_one",
+    "check_choices",
+    "check_lora",
+    "config_to_dict",
+    "load_config",
+    "read_recipe",
+    "validate",
 ]

@@ -18,11 +18,11 @@ from polo.config.presets import apply_preset
 from polo.config.schema import Config, ConfigError
 from polo.config.validation import validate
 
+
 def _type_name(annotation: Any) -> str:
     if isinstance(annotation, type):
         return annotation.__name__
     return str(annotation).replace("typing.", "")
-
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
@@ -85,7 +85,6 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported field type {_type_name(annotation)}")
 
 
-
 def _build(cls: type, values: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     valid = [f.name for f in dataclasses.fields(cls)]
@@ -93,16 +92,16 @@ def _build(cls: type, values: dict, prefix: str = "") -> Any:
     for name, value in values.items():
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in hints:
-            raise ConfigError(f"unknown config key {key!r}; valid keys{' in ' + prefix if prefix else ''}: {', '.join(valid)}")
+            raise ConfigError(
+                f"unknown config key {key!r}; valid keys{' in ' + prefix if prefix else ''}: {', '.join(valid)}"
+            )
         kwargs[name] = _coerce(value, hints[name], key)
     return cls(**kwargs)
-
 
 
 def config_to_dict(config: Config) -> dict:
     """Return the configuration as plain nested dicts (for YAML, JSON and TensorBoard)."""
     return dataclasses.asdict(config)
-
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -124,7 +123,6 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-
 def read_recipe(recipe: str | Path | dict | None, overrides: list[str] | None = None) -> dict:
     """Return a recipe (YAML path, mapping or None) as a plain dict with the overrides applied."""
     if recipe is None:
@@ -144,11 +142,9 @@ def read_recipe(recipe: str | Path | dict | None, overrides: list[str] | None = 
     return apply_overrides(data, overrides or [])
 
 
-
 def build_dataclass(cls: type, data: dict) -> Any:
     """Return an instance of the dataclass `cls` built from nested dicts, every key and type checked."""
     return _build(cls, data)
-
 
 
 def load_config(recipe: str | Path | dict | None = None, overrides: list[str] | None = None) -> Config:

@@ -26,7 +26,9 @@ def import_user_module(module_name: str, key: str) -> ModuleType:
     except ModuleNotFoundError as error:
         if error.name is None or not (module_name == error.name or module_name.startswith(error.name + ".")):
             raise  # a missing dependency inside the user's module is their bug and keeps its traceback
-        raise ConfigError(f"{key}: cannot import module {module_name!r} (looked in the current directory and on sys.path)") from error
+        raise ConfigError(
+            f"{key}: cannot import module {module_name!r} (looked in the current directory and on sys.path)"
+        ) from error
 
 
 def check_registered(key: str, value: str, registry: Registry) -> None:

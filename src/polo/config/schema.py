@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-
 class ConfigError(ValueError):
     """A recipe or override that does not fit the configuration schema."""
 
@@ -22,7 +21,9 @@ class LoraSettings:
     r: int = 0  # adapter rank; 0 = full fine-tuning (the default)
     alpha: float = 32.0  # the adapter's update is scaled by alpha / r
     dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # module names, or all-linear (every linear layer but the LM head)
+    target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"]
+    )  # module names, or all-linear (every linear layer but the LM head)
 
 
 @dataclass
@@ -79,7 +80,9 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
-    sampler: str = "auto"  # auto | kv_cache | static: auto is the static-cache sampler on CUDA, the KV-cache one on the CPU
+    sampler: str = (
+        "auto"  # auto | kv_cache | static: auto is the static-cache sampler on CUDA, the KV-cache one on the CPU
+    )
 
 
 @dataclass
@@ -132,7 +135,9 @@ class TrainConfig:
     lr_schedule: str = "constant"  # constant | linear | cosine (after warm-up)
     max_grad_norm: float = 1.0
     seed: int = 0
-    precision: str = "auto"  # auto | fp32 | bf16 (autocast) | bf16_master (bf16 weights, fp32 masters); see polo.models.precision
+    precision: str = (
+        "auto"  # auto | fp32 | bf16 (autocast) | bf16_master (bf16 weights, fp32 masters); see polo.models.precision
+    )
     device: str = "auto"  # auto | cpu | cuda | cuda:N; auto is CUDA when available (polo.runtime.device)
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     # Recompute activations in backward: with micro-batches of 32 as fast as 16 without it, at 60% of the memory.
@@ -176,7 +181,9 @@ class OutputConfig:
     # Trackers the metrics go to, besides metrics.jsonl (always written): any of tensorboard, jsonl,
     # wandb, trackio, mlflow (polo.runtime.trackers; wandb, trackio and mlflow need polo's extras).
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    project: str | None = None  # the trackers' project (mlflow: experiment); null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME if set, else polo
+    project: str | None = (
+        None  # the trackers' project (mlflow: experiment); null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME if set, else polo
+    )
     run_name: str | None = None  # the trackers' run name; null: the output directory's name
     plots: bool = True
     progress: bool = True
@@ -198,5 +205,3 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
-
-

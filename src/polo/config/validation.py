@@ -69,7 +69,9 @@ HUB_REPO_ID = re.compile(r"(?!.*(?:--|\.\.))(?=[^/]{1,96}/[^/]{1,96}$)\w(?:[\w.-
 def check_hub_repo(key: str, repo_id: str | None) -> None:
     """Raise `ConfigError` when `repo_id` (None: not set) is not a Hub repository id `org/name`."""
     if repo_id is not None and not HUB_REPO_ID.fullmatch(repo_id):
-        raise ConfigError(f"{key}: {repo_id!r} is not a Hugging Face Hub repo id; use org/name (letters, digits, '-', '_', '.')")
+        raise ConfigError(
+            f"{key}: {repo_id!r} is not a Hugging Face Hub repo id; use org/name (letters, digits, '-', '_', '.')"
+        )
 
 
 def float_settings(config: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
@@ -103,7 +105,9 @@ def check_floats(config: Any, ranges: dict[str, str]) -> None:
     for key, value in float_settings(config):
         spec = ranges.get(key)
         if not _within(spec, value):
-            accepted = "a finite number" if spec is None else f"in {spec}" if spec[0] in "[(" else f"a finite number {spec}"
+            accepted = (
+                "a finite number" if spec is None else f"in {spec}" if spec[0] in "[(" else f"a finite number {spec}"
+            )
             raise ConfigError(f"{key} must be {accepted}, got {value!r}")
 
 
@@ -123,14 +127,22 @@ def check_output_dir(key: str, directory: str) -> None:
             if candidate.is_dir():
                 return
             if candidate == path:
-                raise ConfigError(f"{key}: {directory} is a file, not a directory; name a directory (it is made if missing)")
-            raise ConfigError(f"{key}: {directory} cannot be made, {candidate} is a file; name a directory (it is made if missing)")
+                raise ConfigError(
+                    f"{key}: {directory} is a file, not a directory; name a directory (it is made if missing)"
+                )
+            raise ConfigError(
+                f"{key}: {directory} cannot be made, {candidate} is a file; name a directory (it is made if missing)"
+            )
 
 
 # output.report_to: every tracker polo reports to (polo.runtime.trackers has a sink for each), and
 # the packages it needs beyond polo's own, which the polo extra of the same name installs.
 TRACKER_PACKAGES: dict[str, tuple[str, ...]] = {
-    "tensorboard": (), "jsonl": (), "wandb": ("wandb",), "trackio": ("trackio",), "mlflow": ("mlflow", "pandas"),
+    "tensorboard": (),
+    "jsonl": (),
+    "wandb": ("wandb",),
+    "trackio": ("trackio",),
+    "mlflow": ("mlflow", "pandas"),
 }
 MLFLOW_LOCAL_STORE = ("sqlalchemy", "alembic")  # mlflow's sqlite store in the output directory (no MLFLOW_TRACKING_URI)
 
@@ -141,7 +153,9 @@ def check_trackers(report_to: list[str]) -> None:
         if name not in TRACKER_PACKAGES:
             raise ConfigError(f"output.report_to: {name!r} is not one of {', '.join(TRACKER_PACKAGES)}")
     for name in dict.fromkeys(report_to):
-        needed = TRACKER_PACKAGES[name] + (MLFLOW_LOCAL_STORE if name == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI") else ())
+        needed = TRACKER_PACKAGES[name] + (
+            MLFLOW_LOCAL_STORE if name == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI") else ()
+        )
         for package in needed:
             if importlib.util.find_spec(package) is None:
                 raise ConfigError(
@@ -158,7 +172,9 @@ def check_lora(lora: LoraSettings) -> None:
     if not 0.0 <= lora.dropout < 1.0:
         raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
     if lora.r and not lora.target_modules:
-        raise ConfigError("model.lora.target_modules is empty; name modules (e.g. [q_proj, v_proj]) or use [all-linear]")
+        raise ConfigError(
+            "model.lora.target_modules is empty; name modules (e.g. [q_proj, v_proj]) or use [all-linear]"
+        )
 
 
 def check_device(key: str, device: str) -> None:
@@ -185,29 +201,34 @@ def check_at_least_one(values: dict[str, int]) -> None:
 
 def check_sizes(config: Config) -> None:
     """Raise `ConfigError` for the first count or size out of its range."""
-    check_at_least_one({
-        "algorithm.group_size": config.algorithm.group_size,
-        "algorithm.update_epochs": config.algorithm.update_epochs,
-        "algorithm.max_sampling_rounds": config.algorithm.max_sampling_rounds,
-        "train.prompts_per_step": config.train.prompts_per_step,
-        "train.num_minibatches": config.train.num_minibatches,
-        "train.micro_batch_size": config.train.micro_batch_size,
-        "train.max_nonfinite_steps": config.train.max_nonfinite_steps,
-        "sampling.max_new_tokens": config.sampling.max_new_tokens,
-        "eval.batch_size": config.eval.batch_size,
-        "output.keep_checkpoints": config.output.keep_checkpoints,
-    })
+    check_at_least_one(
+        {
+            "algorithm.group_size": config.algorithm.group_size,
+            "algorithm.update_epochs": config.algorithm.update_epochs,
+            "algorithm.max_sampling_rounds": config.algorithm.max_sampling_rounds,
+            "train.prompts_per_step": config.train.prompts_per_step,
+            "train.num_minibatches": config.train.num_minibatches,
+            "train.micro_batch_size": config.train.micro_batch_size,
+            "train.max_nonfinite_steps": config.train.max_nonfinite_steps,
+            "sampling.max_new_tokens": config.sampling.max_new_tokens,
+            "eval.batch_size": config.eval.batch_size,
+            "output.keep_checkpoints": config.output.keep_checkpoints,
+        }
+    )
     check_counts({"train.threads": config.train.threads, "eval.max_new_tokens": config.eval.max_new_tokens}, 1)
-    check_counts({
-        "train.steps": config.train.steps,
-        "train.warmup_steps": config.train.warmup_steps,
-        "algorithm.critic_warmup_steps": config.algorithm.critic_warmup_steps,
-        "task.num_train": config.task.num_train,
-        "task.num_eval": config.task.num_eval,
-        "eval.every": config.eval.every,
-        "output.save_every": config.output.save_every,
-        "train.max_rollbacks": config.train.max_rollbacks,
-    }, 0)
+    check_counts(
+        {
+            "train.steps": config.train.steps,
+            "train.warmup_steps": config.train.warmup_steps,
+            "algorithm.critic_warmup_steps": config.algorithm.critic_warmup_steps,
+            "task.num_train": config.task.num_train,
+            "task.num_eval": config.task.num_eval,
+            "eval.every": config.eval.every,
+            "output.save_every": config.output.save_every,
+            "train.max_rollbacks": config.train.max_rollbacks,
+        },
+        0,
+    )
 
 
 def validate(config: Config) -> None:
@@ -229,8 +250,14 @@ def validate(config: Config) -> None:
             "use full fine-tuning (model.lora.r=0)"
         )
     if config.model.lora.r and config.train.data_parallel == "fsdp":
-        raise ConfigError("model.lora.r > 0 is not supported with train.data_parallel=fsdp (the adapters are small: use ddp)")
-    if config.algorithm.group_size < 2 and config.algorithm.scale_rewards and config.algorithm.advantage_estimator == "grpo":
+        raise ConfigError(
+            "model.lora.r > 0 is not supported with train.data_parallel=fsdp (the adapters are small: use ddp)"
+        )
+    if (
+        config.algorithm.group_size < 2
+        and config.algorithm.scale_rewards
+        and config.algorithm.advantage_estimator == "grpo"
+    ):
         raise ConfigError("algorithm.group_size must be at least 2 for group-relative advantages")
     if config.train.prompts_per_step % config.train.num_minibatches:
         raise ConfigError(
@@ -240,8 +267,12 @@ def validate(config: Config) -> None:
     if config.algorithm.advantage_estimator == "rloo" and config.algorithm.group_size < 2:
         raise ConfigError("algorithm.group_size must be at least 2 for the RLOO leave-one-out baseline")
     if config.algorithm.kl_in_reward and not estimator.token_level:
-        token_level = [name for name in core.ADVANTAGE_ESTIMATORS.names() if core.ADVANTAGE_ESTIMATORS.entry(name).token_level]
-        raise ConfigError(f"algorithm.kl_in_reward needs a token-level estimator (advantage_estimator {' or '.join(token_level)})")
+        token_level = [
+            name for name in core.ADVANTAGE_ESTIMATORS.names() if core.ADVANTAGE_ESTIMATORS.entry(name).token_level
+        ]
+        raise ConfigError(
+            f"algorithm.kl_in_reward needs a token-level estimator (advantage_estimator {' or '.join(token_level)})"
+        )
     if config.algorithm.kl_in_reward and config.algorithm.beta == 0:
         raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (the KL coefficient in the reward)")
     if not config.rewards:

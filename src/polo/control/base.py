@@ -96,7 +96,11 @@ class OnPolicyAlgorithm:
             yield from self.minibatches(num_transitions)
 
     def gradient_step(
-        self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, flat: nn.Parameter, clip_groups: list[nn.Parameter] | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        loss: torch.Tensor,
+        flat: nn.Parameter,
+        clip_groups: list[nn.Parameter] | None = None,
     ) -> torch.Tensor:
         """Backpropagate `loss`, clip gradient norms (if configured), step; return the pre-clip norm of `flat`.
 
@@ -121,7 +125,9 @@ class OnPolicyAlgorithm:
         for _ in range(self.train.epochs):
             for index in self.minibatches(batch.num_transitions):
                 values = self.policy.value(batch.observations[index])
-                per_step = value_loss(column(values), column(values.detach()), column(returns[index]), all_valid(values), None)
+                per_step = value_loss(
+                    column(values), column(values.detach()), column(returns[index]), all_valid(values), None
+                )
                 loss = masked_mean(per_step, all_valid(values))
                 self.gradient_step(optimizer, loss, self.policy.flat_critic)
                 losses.append(loss.detach())

@@ -157,18 +157,20 @@ def load_control_config(recipe: str | Path | dict | None = None, overrides: list
 def validate(config: ControlConfig) -> None:
     """Raise `ConfigError` for values that have the right type but make no sense."""
     check_choices(config, _CHOICES)
-    check_at_least_one({
-        "env.num_envs": config.env.num_envs,
-        "train.total_steps": config.train.total_steps,
-        "train.rollout_steps": config.train.rollout_steps,
-        "train.episodes_per_update": config.train.episodes_per_update,
-        "train.epochs": config.train.epochs,
-        "train.threads": config.train.threads,
-        "train.solve_window": config.train.solve_window,
-        "algorithm.cg_iterations": config.algorithm.cg_iterations,
-        "algorithm.line_search_steps": config.algorithm.line_search_steps,
-        "output.log_every": config.output.log_every,
-    })
+    check_at_least_one(
+        {
+            "env.num_envs": config.env.num_envs,
+            "train.total_steps": config.train.total_steps,
+            "train.rollout_steps": config.train.rollout_steps,
+            "train.episodes_per_update": config.train.episodes_per_update,
+            "train.epochs": config.train.epochs,
+            "train.threads": config.train.threads,
+            "train.solve_window": config.train.solve_window,
+            "algorithm.cg_iterations": config.algorithm.cg_iterations,
+            "algorithm.line_search_steps": config.algorithm.line_search_steps,
+            "output.log_every": config.output.log_every,
+        }
+    )
     if config.train.minibatch_size < 0:
         raise ConfigError(f"train.minibatch_size must be >= 0 (0: whole batch), got {config.train.minibatch_size}")
     check_floats(config, _FLOAT_RANGES)

@@ -21,7 +21,9 @@ from polo.core.kl import kl_k3
 from polo.core.losses import masked_mean, ppo_clip_loss
 
 
-def episode_group_advantages(batch: Batch, group_size: int, scale_by_std: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def episode_group_advantages(
+    batch: Batch, group_size: int, scale_by_std: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (per-step advantages `(M,)`, episode returns `(S,)`) for a batch of whole episodes.
 
     The batch's segments must be whole episodes, groups of `group_size` contiguous.
@@ -42,7 +44,9 @@ class GRPO(OnPolicyAlgorithm):
     def update(self, batch: Batch, progress: float) -> dict[str, float]:
         learning_rate = self.set_learning_rates([self.optimizer], progress)
         clip_range = self.scheduled(self.algorithm.clip_range, self.algorithm.clip_schedule, progress)
-        advantages, episode_returns = episode_group_advantages(batch, self.algorithm.group_size, self.algorithm.scale_by_std)
+        advantages, episode_returns = episode_group_advantages(
+            batch, self.algorithm.group_size, self.algorithm.scale_by_std
+        )
         sums = torch.zeros(4)
         steps = 0
         for _ in range(self.train.epochs):
@@ -56,7 +60,9 @@ class GRPO(OnPolicyAlgorithm):
                 )
                 policy_loss = masked_mean(per_step, mask)
                 entropy = self.policy.entropy(outputs).mean()
-                self.gradient_step(self.optimizer, policy_loss - self.algorithm.entropy_coef * entropy, self.policy.flat_actor)
+                self.gradient_step(
+                    self.optimizer, policy_loss - self.algorithm.entropy_coef * entropy, self.policy.flat_actor
+                )
                 with torch.no_grad():
                     clipped = (stats["clip_low_count"] + stats["clip_high_count"]) / stats["token_count"]
                     sums += torch.stack([policy_loss, entropy, kl_k3(old_logprobs, logprobs).mean(), clipped]).detach()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from polo.runtime.metrics import read_metrics
 from polo.evaluation.plots import _save, _series
+from polo.runtime.metrics import read_metrics
 
 DIAGNOSTICS = ("loss/policy", "loss/value", "entropy", "approx_kl", "clip_fraction", "explained_variance", "kl")
 

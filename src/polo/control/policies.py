@@ -68,7 +68,9 @@ class DiagonalGaussian:
         return per_row.expand(mean.shape[0])
 
     @staticmethod
-    def kl(old_mean: torch.Tensor, mean: torch.Tensor, old_log_std: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
+    def kl(
+        old_mean: torch.Tensor, mean: torch.Tensor, old_log_std: torch.Tensor, log_std: torch.Tensor
+    ) -> torch.Tensor:
         """Return KL(π_old ‖ π) `(batch,)` = Σ_d [log σ_d/σ_old,d + (σ_old,d² + (μ_old,d − μ_d)²) / 2σ_d² − ½]."""
         variance = torch.exp(2 * log_std)
         per_dim = log_std - old_log_std + (torch.exp(2 * old_log_std) + (old_mean - mean).pow(2)) / (2 * variance) - 0.5

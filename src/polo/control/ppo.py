@@ -35,7 +35,12 @@ class PPO(OnPolicyAlgorithm):
     def advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Return flat (advantages, value targets) `(M,)` by GAE over the batch's episode segments."""
         advantages, returns = gae_advantages(
-            batch.rewards, batch.pad(batch.values), batch.mask, self.algorithm.gamma, self.algorithm.gae_lambda, batch.last_values
+            batch.rewards,
+            batch.pad(batch.values),
+            batch.mask,
+            self.algorithm.gamma,
+            self.algorithm.gae_lambda,
+            batch.last_values,
         )
         return batch.flatten(advantages), batch.flatten(returns)
 
@@ -73,10 +78,16 @@ class PPO(OnPolicyAlgorithm):
             "gradient_steps": len(stats_sums),
         }
 
-    def _minibatch_step(self, batch, advantages, returns, index, clip_range, normalize_each, use_entropy) -> torch.Tensor:
+    def _minibatch_step(
+        self, batch, advantages, returns, index, clip_range, normalize_each, use_entropy
+    ) -> torch.Tensor:
         """Take one gradient step on a minibatch (None: the whole batch); return its detached stats `(4,)`."""
         pick = (lambda values: values) if index is None else (lambda values: values[index])
-        observations, old_logprobs, minibatch_advantages = pick(batch.observations), pick(batch.old_logprobs), pick(advantages)
+        observations, old_logprobs, minibatch_advantages = (
+            pick(batch.observations),
+            pick(batch.old_logprobs),
+            pick(advantages),
+        )
         if normalize_each:
             minibatch_advantages = normalize(minibatch_advantages)
         outputs = self.policy.actor(observations)

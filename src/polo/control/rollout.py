@@ -97,7 +97,9 @@ def _observations(values: np.ndarray) -> np.ndarray:
 class StepCollector:
     """Collects `num_steps` steps of every copy; episodes carry over from one call to the next."""
 
-    def __init__(self, env: gym.vector.VectorEnv, actions: ActionSpec, tracker: EpisodeTracker, num_steps: int, seed: int):
+    def __init__(
+        self, env: gym.vector.VectorEnv, actions: ActionSpec, tracker: EpisodeTracker, num_steps: int, seed: int
+    ):
         self.env = env
         self.actions = actions
         self.tracker = tracker
@@ -138,7 +140,9 @@ class StepCollector:
 class EpisodeCollector:
     """Runs every copy for exactly one episode, each reset from its own seed, until all have ended."""
 
-    def __init__(self, env: gym.vector.VectorEnv, actions: ActionSpec, tracker: EpisodeTracker, max_steps: int = 100_000):
+    def __init__(
+        self, env: gym.vector.VectorEnv, actions: ActionSpec, tracker: EpisodeTracker, max_steps: int = 100_000
+    ):
         self.env = env
         self.actions = actions
         self.tracker = tracker
@@ -153,7 +157,9 @@ class EpisodeCollector:
         observations, actions, rewards, terminated, done, valid = [], [], [], [], [], []
         while active.any():
             if len(rewards) >= self.max_steps:
-                raise RuntimeError(f"an episode ran past {self.max_steps} steps; does the environment have a time limit?")
+                raise RuntimeError(
+                    f"an episode ran past {self.max_steps} steps; does the environment have a time limit?"
+                )
             observations.append(current)
             action = policy.act(current)
             actions.append(action)
@@ -256,7 +262,9 @@ def build_batch(rollout: Rollout, policy, reward_scale: float = 1.0) -> Batch:
         old_logprobs = policy.log_prob(policy.actor(observations), actions)
         values = last_values = None
         if policy.critic is not None:
-            all_values = policy.value(torch.from_numpy(rollout.observations.reshape(-1, rollout.observations.shape[-1])))
+            all_values = policy.value(
+                torch.from_numpy(rollout.observations.reshape(-1, rollout.observations.shape[-1]))
+            )
             all_values = all_values.reshape(steps + 1, num_envs)
             values = all_values[time_index, env_index]
             last_time, last_env = time_index[last], env_index[last]

@@ -116,9 +116,13 @@ def _run(config: ControlConfig, write_files: bool) -> ControlResult:
             batch = build_batch(rollout, policy, config.env.reward_scale)
             metrics = algorithm.update(batch, progress)
             updates += 1
-            if logger is not None and (updates % output.log_every == 0 or tracker.env_steps >= train_config.total_steps):
+            if logger is not None and (
+                updates % output.log_every == 0 or tracker.env_steps >= train_config.total_steps
+            ):
                 logger.log(_metrics_row(tracker, updates, episodes_before, started, metrics))
-                logger.advance(min(tracker.env_steps, train_config.total_steps), {"return": tracker.recent_mean() or 0.0})
+                logger.advance(
+                    min(tracker.env_steps, train_config.total_steps), {"return": tracker.recent_mean() or 0.0}
+                )
             if train_config.stop_at_target and tracker.solved_at_step is not None:
                 break
     finally:
@@ -177,9 +181,7 @@ def _open_logger(config: ControlConfig, output_dir: Path, num_envs: int) -> Metr
     return logger
 
 
-def _metrics_row(
-    tracker: EpisodeTracker, updates: int, episodes_before: int, started: float, metrics: dict
-) -> dict:
+def _metrics_row(tracker: EpisodeTracker, updates: int, episodes_before: int, started: float, metrics: dict) -> dict:
     """Return the metrics row for the latest update: episodes it finished, throughput, the algorithm's metrics."""
     elapsed = time.perf_counter() - started
     new_returns = tracker.returns[episodes_before:]

@@ -104,7 +104,12 @@ class TRPO(OnPolicyAlgorithm):
     def update(self, batch: Batch, progress: float) -> dict[str, float]:
         learning_rate = self.set_learning_rates([self.critic_optimizer], progress)
         advantages, returns = gae_advantages(
-            batch.rewards, batch.pad(batch.values), batch.mask, self.algorithm.gamma, self.algorithm.gae_lambda, batch.last_values
+            batch.rewards,
+            batch.pad(batch.values),
+            batch.mask,
+            self.algorithm.gamma,
+            self.algorithm.gae_lambda,
+            batch.last_values,
         )
         advantages, returns = batch.flatten(advantages), batch.flatten(returns)
         if self.algorithm.normalize_advantages:

@@ -14,6 +14,19 @@ from polo.core.advantages import (
     zero_spread_groups,
 )
 from polo.core.distributed import all_reduce_sum, global_count
+from polo.core.kl import KL_ESTIMATORS, kl_estimate, kl_k1, kl_k2, kl_k3
+from polo.core.losses import (
+    AGGREGATIONS,
+    aggregate_loss,
+    entropy_from_logits,
+    gspo_loss,
+    masked_mean,
+    masked_sum,
+    ppo_clip_loss,
+    value_loss,
+    vanilla_pg_loss,
+)
+from polo.core.preference import dpo_loss, pairwise_loss
 from polo.core.registry import (
     ADVANTAGE_ESTIMATORS,
     LOSS_AGGREGATIONS,
@@ -26,20 +39,13 @@ from polo.core.registry import (
     register_policy_loss,
 )
 from polo.core.schedules import lr_multiplier
-from polo.core.preference import dpo_loss, pairwise_loss
 from polo.core.shaping import overlong_penalty
-from polo.core.trpo import backtracking_line_search, conjugate_gradient, fisher_vector_product, flat_grad, trust_region_step
-from polo.core.kl import KL_ESTIMATORS, kl_estimate, kl_k1, kl_k2, kl_k3
-from polo.core.losses import (
-    AGGREGATIONS,
-    aggregate_loss,
-    entropy_from_logits,
-    gspo_loss,
-    masked_mean,
-    masked_sum,
-    ppo_clip_loss,
-    value_loss,
-    vanilla_pg_loss,
+from polo.core.trpo import (
+    backtracking_line_search,
+    conjugate_gradient,
+    fisher_vector_product,
+    flat_grad,
+    trust_region_step,
 )
 
 __all__ = [

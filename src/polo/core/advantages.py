@@ -52,8 +52,7 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         raise ValueError(f"group_size must be a positive integer, got {group_size}")
     if rewards.numel() % group_size != 0:
         raise ValueError(
-            f"batch size {rewards.numel()} is not divisible by group_size {group_size}; "
-            "a batch must hold whole groups"
+            f"batch size {rewards.numel()} is not divisible by group_size {group_size}; a batch must hold whole groups"
         )
     return rewards.reshape(-1, group_size)
 
@@ -268,7 +267,9 @@ def explained_variance(predicted: torch.Tensor, target: torch.Tensor, mask: torc
 @register_advantage("grpo")
 def grpo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, None]:
     """Return GRPO's (r_i − mean_G r) / (std_G r + ε) on every token of completion i (Dr. GRPO: no std)."""
-    advantages = group_advantages(inputs.rewards, inputs.group_size, scale_by_std=settings.scale_rewards, eps=settings.advantage_eps)
+    advantages = group_advantages(
+        inputs.rewards, inputs.group_size, scale_by_std=settings.scale_rewards, eps=settings.advantage_eps
+    )
     return expand_to_tokens(advantages, inputs.mask), None
 
 

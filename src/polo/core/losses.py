@@ -251,5 +251,7 @@ def entropy_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = N
     probs = torch.exp(logits - logsumexp.unsqueeze(-1))
     # A −inf logit (a banned token) has p = 0, and 0·(−inf) is NaN in value and gradient:
     # such terms contribute 0.
-    finite_logits = torch.where(torch.isfinite(logits), logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+    finite_logits = torch.where(
+        torch.isfinite(logits), logits, torch.zeros((), dtype=logits.dtype, device=logits.device)
+    )
     return logsumexp - (probs * finite_logits).sum(dim=-1)

@@ -52,8 +52,10 @@ def dpo_loss(
     `rewards/margins`, and the fraction with r_w > r_l its `rewards/accuracies`.
     """
     _check_pairs(
-        policy_chosen_logps=policy_chosen_logps, policy_rejected_logps=policy_rejected_logps,
-        reference_chosen_logps=reference_chosen_logps, reference_rejected_logps=reference_rejected_logps,
+        policy_chosen_logps=policy_chosen_logps,
+        policy_rejected_logps=policy_rejected_logps,
+        reference_chosen_logps=reference_chosen_logps,
+        reference_rejected_logps=reference_rejected_logps,
     )
     if not beta > 0:
         raise ValueError(f"beta must be > 0 (the strength of the KL anchor to the reference), got {beta}")

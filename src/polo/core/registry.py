@@ -93,7 +93,9 @@ LOSS_AGGREGATIONS = Registry("loss aggregation")
 KL_ESTIMATORS = Registry("KL estimator")
 
 
-def register_advantage(name: str, *, needs_critic: bool = False, token_level: bool = False) -> Callable[[Callable], Callable]:
+def register_advantage(
+    name: str, *, needs_critic: bool = False, token_level: bool = False
+) -> Callable[[Callable], Callable]:
     """Register an advantage estimator `(AdvantageInputs, settings) -> (advantages, returns | None)`."""
     return ADVANTAGE_ESTIMATORS.register(name, needs_critic=needs_critic, token_level=token_level)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: float, penalty: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    lengths: torch.Tensor, max_length: int, buffer_length: float, penalty: float = 1.0
+) -> torch.Tensor:
     """Return DAPO's soft overlong punishment `(batch,)`, a reward term in [−penalty, 0].
 
                   ⎧ 0                                   |y| ≤ L_max − L_cache

@@ -14,7 +14,7 @@ and the surrogate improves. Parameters are handled as one flat vector of n numbe
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,9 +33,9 @@ def flat_grad(
     grads = torch.autograd.grad(
         output, list(params), create_graph=create_graph, retain_graph=retain_graph, allow_unused=True
     )
-    return torch.cat([
-        (torch.zeros_like(param) if grad is None else grad).reshape(-1) for grad, param in zip(grads, params)
-    ])
+    return torch.cat(
+        [(torch.zeros_like(param) if grad is None else grad).reshape(-1) for grad, param in zip(grads, params)]
+    )
 
 
 def fisher_vector_product(
@@ -53,7 +53,9 @@ def fisher_vector_product(
     Shapes: kl_grad (n,), vector (n,) → (n,).
     """
     if kl_grad.shape != vector.shape:
-        raise ValueError(f"kl_grad {tuple(kl_grad.shape)} and vector {tuple(vector.shape)} must have the same shape (n,)")
+        raise ValueError(
+            f"kl_grad {tuple(kl_grad.shape)} and vector {tuple(vector.shape)} must have the same shape (n,)"
+        )
     directional = (kl_grad * vector.detach()).sum()
     return flat_grad(directional, params, retain_graph=True) + damping * vector
 

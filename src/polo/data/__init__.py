@@ -73,14 +73,31 @@ __all__ = [
 TASK_OPTIONS = {
     "arithmetic": ("seed", "operators", "min_digits", "max_digits", "num_train", "num_eval", "answer_in_tags"),
     "gsm8k": ("train_path", "eval_path", "num_train", "num_eval", "answer_in_tags"),
-    "jsonl": ("train_path", "eval_path", "prompt_field", "answer_field", "num_train", "num_eval", "answer_in_tags", "checker"),
+    "jsonl": (
+        "train_path",
+        "eval_path",
+        "prompt_field",
+        "answer_field",
+        "num_train",
+        "num_eval",
+        "answer_in_tags",
+        "checker",
+    ),
     "hf": (
-        "path", "subset", "split", "eval_split", "eval_path", "prompt_field", "answer_field", "num_train", "num_eval",
-        "answer_in_tags", "checker",
+        "path",
+        "subset",
+        "split",
+        "eval_split",
+        "eval_path",
+        "prompt_field",
+        "answer_field",
+        "num_train",
+        "num_eval",
+        "answer_in_tags",
+        "checker",
     ),
     "code": ("num_train", "num_eval", "seed"),
 }
-
 
 
 def make_task(config: Config, train_dataset: object = None, eval_dataset: object = None) -> Task:
@@ -97,10 +114,14 @@ def make_task(config: Config, train_dataset: object = None, eval_dataset: object
     passed = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
     passed = {key: value for key, value in passed.items() if value is not None}
     if passed and task_config.name not in ("hf", TaskConfig.name):
-        raise ConfigError(f"task.name is {task_config.name!r} but {' and '.join(passed)} was passed; datasets make the hf task (task.name: hf)")
+        raise ConfigError(
+            f"task.name is {task_config.name!r} but {' and '.join(passed)} was passed; datasets make the hf task (task.name: hf)"
+        )
     name = "hf" if passed else task_config.name
     if name in ("jsonl", "hf") and task_config.checker not in CHECKERS:
-        raise ConfigError(f"task.checker: {task_config.checker!r} is not one of {', '.join(CHECKERS)} (`polo train --help` says what each accepts)")
+        raise ConfigError(
+            f"task.checker: {task_config.checker!r} is not one of {', '.join(CHECKERS)} (`polo train --help` says what each accepts)"
+        )
     keys = TASK_OPTIONS.get(name, ())
     options = {key: getattr(task_config, key) for key in keys if getattr(task_config, key) is not None}
     options.update(passed)
@@ -122,7 +143,9 @@ def _few_shot_pairs(task_config) -> tuple[tuple[str, str], ...]:
     for index, example in enumerate(task_config.few_shot):
         for side in ("question", "response"):
             if not getattr(example, side).strip():
-                raise ConfigError(f"task.few_shot[{index}].{side} is empty; each example needs a question and a response")
+                raise ConfigError(
+                    f"task.few_shot[{index}].{side} is empty; each example needs a question and a response"
+                )
     return tuple((example.question, example.response) for example in task_config.few_shot)
 
 

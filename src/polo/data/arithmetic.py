@@ -8,8 +8,8 @@ import operator
 import random
 from collections.abc import Callable, Sequence
 
-from polo.rewards.answers import exact_number
 from polo.data.base import Task, default_instruction
+from polo.rewards.answers import exact_number
 
 OPERATIONS: dict[str, Callable[[int, int], int]] = {
     "+": operator.add,
@@ -58,9 +58,7 @@ def _enumerate_and_sample(
     return rng.sample(list(itertools.product(operands, operators, operands)), count)
 
 
-def draw_problems(
-    seed: int, count: int, operators: Sequence[str], min_digits: int, max_digits: int
-) -> list[Problem]:
+def draw_problems(seed: int, count: int, operators: Sequence[str], min_digits: int, max_digits: int) -> list[Problem]:
     """Return ``count`` distinct (a, operator, b) problems, deterministic in ``seed``."""
     rng = random.Random(seed)
     space = count_problems(operators, min_digits, max_digits)
@@ -82,22 +80,15 @@ def problem_row(problem: Problem) -> dict:
     }
 
 
-def _check_settings(
-    operators: Sequence[str], min_digits: int, max_digits: int, num_train: int, num_eval: int
-) -> None:
+def _check_settings(operators: Sequence[str], min_digits: int, max_digits: int, num_train: int, num_eval: int) -> None:
     """Raise ValueError naming the first setting outside what the generator accepts."""
     if isinstance(operators, str) or not operators:
-        raise ValueError(
-            f"operators must be a non-empty list such as ['+', '-'], got {operators!r}"
-        )
+        raise ValueError(f"operators must be a non-empty list such as ['+', '-'], got {operators!r}")
     unknown = [op for op in operators if op not in OPERATIONS]
     if unknown:
         raise ValueError(f"unknown operators {unknown}; valid operators: {list(OPERATIONS)}")
     if not 1 <= min_digits <= max_digits:
-        raise ValueError(
-            f"need 1 <= min_digits <= max_digits, got min_digits={min_digits}, "
-            f"max_digits={max_digits}"
-        )
+        raise ValueError(f"need 1 <= min_digits <= max_digits, got min_digits={min_digits}, max_digits={max_digits}")
     for label, size in (("num_train", num_train), ("num_eval", num_eval)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"{label} must be an integer >= 0, got {size!r}")

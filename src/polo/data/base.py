@@ -25,6 +25,7 @@ from polo.generation.prompts import (  # noqa: F401  (re-exported: tasks own the
     format_prompt,
 )
 
+
 class TaskDataError(ValueError):
     """A task data file holds a row that cannot be used; the message names file and line.
 
@@ -91,13 +92,9 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise TaskDataError(
-                    path, line_number, f"invalid JSON ({exc.msg} at column {exc.colno})"
-                ) from exc
+                raise TaskDataError(path, line_number, f"invalid JSON ({exc.msg} at column {exc.colno})") from exc
             if not isinstance(row, dict):
-                raise TaskDataError(
-                    path, line_number, f"expected a JSON object, got {type(row).__name__}"
-                )
+                raise TaskDataError(path, line_number, f"expected a JSON object, got {type(row).__name__}")
             rows.append((line_number, row))
     if not rows:
         raise TaskDataError(path, None, "file holds no rows")
@@ -110,7 +107,8 @@ def _decoded(raw: bytes, path: Path, line_number: int) -> str:
         return raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
     except UnicodeDecodeError as exc:
         raise TaskDataError(
-            path, line_number,
+            path,
+            line_number,
             f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line); save the file as UTF-8",
         ) from None
 
@@ -124,16 +122,12 @@ def text_field(
     ``unit`` is TaskDataError's ("row" for a dataset).
     """
     if field not in row:
-        raise TaskDataError(
-            path, line, f"missing field {field!r}; fields present: {sorted(row)}", unit
-        )
+        raise TaskDataError(path, line, f"missing field {field!r}; fields present: {sorted(row)}", unit)
     value = row[field]
     accepted = (str, int, float) if allow_numbers else (str,)
     if isinstance(value, bool) or not isinstance(value, accepted):
         kinds = "a string or a number" if allow_numbers else "a string"
-        raise TaskDataError(
-            path, line, f"field {field!r} must be {kinds}, got {type(value).__name__} {value!r}", unit
-        )
+        raise TaskDataError(path, line, f"field {field!r} must be {kinds}, got {type(value).__name__} {value!r}", unit)
     return str(value)
 
 

@@ -19,8 +19,7 @@ CODE_PROBLEMS_PATH = Path(__file__).parent / "problems" / "code_problems.jsonl"
 DEFAULT_NUM_EVAL = 10
 
 CODE_INSTRUCTION = (
-    "{question}\n\n"
-    "Reply with the complete function in a single ```python code block, with no example usage."
+    "{question}\n\nReply with the complete function in a single ```python code block, with no example usage."
 )
 
 
@@ -30,9 +29,7 @@ def code_row(row: dict, path: str | Path, line: int) -> dict:
         text_field(row, name, path, line)
     tests = row.get("tests")
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
-        raise TaskDataError(
-            path, line, f"field 'tests' must be a non-empty list of assert statements, got {tests!r}"
-        )
+        raise TaskDataError(path, line, f"field 'tests' must be a non-empty list of assert statements, got {tests!r}")
     for test in tests:
         try:
             parse_test(test)

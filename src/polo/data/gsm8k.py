@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from polo.rewards.answers import math_verify_answer
 from polo.data.base import (
     Task,
     TaskDataError,
@@ -14,6 +13,7 @@ from polo.data.base import (
     read_jsonl,
     text_field,
 )
+from polo.rewards.answers import math_verify_answer
 
 FINAL_ANSWER_MARK = "####"
 
@@ -25,9 +25,7 @@ def final_answer(solution: str, path: str | Path, line: int) -> str:
     # GSM8K writes thousands as "1,000"; references are compared as plain numbers.
     answer = solution.rpartition(FINAL_ANSWER_MARK)[2].strip().replace(",", "")
     if not answer:
-        raise TaskDataError(
-            path, line, f"empty final answer after {FINAL_ANSWER_MARK!r} in 'answer'"
-        )
+        raise TaskDataError(path, line, f"empty final answer after {FINAL_ANSWER_MARK!r} in 'answer'")
     return answer
 
 

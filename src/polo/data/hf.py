@@ -47,7 +47,9 @@ def _load_local(path: Path, eval_path: str | None) -> Any:
     import datasets
 
     if eval_path is not None and not path.is_file():
-        raise ConfigError(f"task.eval_path: with task.name=hf it names the eval data file beside a task.path data file; task.path {path} is a directory")
+        raise ConfigError(
+            f"task.eval_path: with task.name=hf it names the eval data file beside a task.path data file; task.path {path} is a directory"
+        )
     if path.is_dir() and any((path / name).is_file() for name in ("dataset_dict.json", "state.json")):
         return datasets.load_from_disk(str(path))
     if path.is_dir():
@@ -61,7 +63,9 @@ def _load_local(path: Path, eval_path: str | None) -> Any:
         files[DEFAULT_EVAL_SPLIT] = str(Path(eval_path).expanduser())
     builder = BUILDERS.get(path.suffix.lower())
     if builder is None:
-        raise ConfigError(f"task.path: {path} is not a data file datasets reads; use one ending in {', '.join(BUILDERS)}, or a directory")
+        raise ConfigError(
+            f"task.path: {path} is not a data file datasets reads; use one ending in {', '.join(BUILDERS)}, or a directory"
+        )
     return datasets.load_dataset(builder, data_files=files)
 
 
@@ -71,20 +75,24 @@ def load_splits(path: str, subset: str | None = None, eval_path: str | None = No
 
     local = Path(path).expanduser()
     if subset is not None and local.exists():
-        raise ConfigError(f"task.subset: {subset!r} names a configuration of a Hub dataset; task.path {path} is local (set task.subset: null)")
+        raise ConfigError(
+            f"task.subset: {subset!r} names a configuration of a Hub dataset; task.path {path} is local (set task.subset: null)"
+        )
     if local.exists():
         try:
             loaded = _load_local(local, eval_path)
         except (ConfigError, TaskDataError):
             raise
-        except Exception as error:  # noqa: BLE001 - datasets' parse errors come in many types; one line names the file
+        except Exception as error:
             raise TaskDataError(path, None, f"datasets could not read it: {type(error).__name__}: {error}") from error
     elif _HUB_ID.fullmatch(path) is None or local.suffix.lower() in BUILDERS:
-        raise ConfigError(f"task.path: {path} is neither a local file or directory nor a Hugging Face Hub dataset id (owner/name)")
+        raise ConfigError(
+            f"task.path: {path} is neither a local file or directory nor a Hugging Face Hub dataset id (owner/name)"
+        )
     else:
         try:
             loaded = datasets.load_dataset(path, subset)
-        except Exception as error:  # noqa: BLE001 - offline, unknown id, gated, missing subset: all one line
+        except Exception as error:
             raise ConfigError(
                 f"task.path: {path} is not a local file or directory, and loading it from the Hugging Face Hub failed: "
                 f"{type(error).__name__}: {error}"
@@ -100,7 +108,9 @@ def pick_splits(splits: dict[str, Any], split: str, eval_split: str | None, sour
     if eval_split is None:
         return splits[split], splits.get(DEFAULT_EVAL_SPLIT) if split != DEFAULT_EVAL_SPLIT else None
     if eval_split not in splits:
-        raise ConfigError(f"task.eval_split: {eval_split!r} is not a split of {source}; its splits: {names} (null: {DEFAULT_EVAL_SPLIT!r} if present, else held-out train rows)")
+        raise ConfigError(
+            f"task.eval_split: {eval_split!r} is not a split of {source}; its splits: {names} (null: {DEFAULT_EVAL_SPLIT!r} if present, else held-out train rows)"
+        )
     if eval_split == split:
         raise ConfigError(f"task.eval_split: {eval_split!r} is also task.split; held-out rows must not be trained on")
     return splits[split], splits[eval_split]
@@ -110,12 +120,16 @@ def numbered_rows(data: Any, source: str) -> list[tuple[int, Any]]:
     """Return ``(row index, row)`` for a ``datasets.Dataset`` or a list of dicts; refuse anything else in one line."""
     if isinstance(data, Mapping):
         splits = f" (splits {sorted(data)})" if all(hasattr(value, "column_names") for value in data.values()) else ""
-        raise ConfigError(f"{source} is a mapping{splits}; pass one split, e.g. train_dataset=dataset['train'], eval_dataset=dataset['test']")
+        raise ConfigError(
+            f"{source} is a mapping{splits}; pass one split, e.g. train_dataset=dataset['train'], eval_dataset=dataset['test']"
+        )
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
         return list(enumerate(data))
     if hasattr(data, "column_names") and hasattr(data, "__len__") and hasattr(data, "to_list"):
         return list(enumerate(data.to_list()))  # a datasets.Dataset: one dict per row, converted in one batch
-    raise ConfigError(f"{source} must be a datasets.Dataset or a list of dicts, got {type(data).__name__} (a streaming IterableDataset cannot be used)")
+    raise ConfigError(
+        f"{source} must be a datasets.Dataset or a list of dicts, got {type(data).__name__} (a streaming IterableDataset cannot be used)"
+    )
 
 
 def dataset_rows(data: Any, source: str, prompt_field: str, answer_field: str, checker_name: str) -> list[dict]:
@@ -129,7 +143,12 @@ def dataset_rows(data: Any, source: str, prompt_field: str, answer_field: str, c
 
 
 def split_train_eval(
-    train: list[dict], held_out: list[dict] | None, num_train: int | None, num_eval: int | None, source: str, eval_source: str
+    train: list[dict],
+    held_out: list[dict] | None,
+    num_train: int | None,
+    num_eval: int | None,
+    source: str,
+    eval_source: str,
 ) -> tuple[list[dict], list[dict]]:
     """Return (train rows, eval rows): the eval split's first ``num_eval``, else the last ``num_eval`` train rows held out."""
     if held_out is not None:
@@ -171,7 +190,9 @@ def hf_task(
     if train_dataset is not None:
         for key, value in (("task.path", path), ("task.eval_path", eval_path)):
             if value is not None:
-                raise ConfigError(f"{key} is {value!r} and a train_dataset was passed too; pass one ({key}: null with train_dataset)")
+                raise ConfigError(
+                    f"{key} is {value!r} and a train_dataset was passed too; pass one ({key}: null with train_dataset)"
+                )
         train = dataset_rows(train_dataset, "train_dataset", *fields)
         held_out = None if eval_dataset is None else dataset_rows(eval_dataset, "eval_dataset", *fields)
         source, eval_source = "train_dataset", "eval_dataset"
@@ -184,13 +205,21 @@ def hf_task(
             "trained on such datasets: pass the same ones again"
         )
     else:
-        train_split, eval_split_data = pick_splits(load_splits(str(path), subset, eval_path), split, eval_split, str(path))
+        train_split, eval_split_data = pick_splits(
+            load_splits(str(path), subset, eval_path), split, eval_split, str(path)
+        )
         train = dataset_rows(train_split, f"{path} split {split!r}", *fields)
         eval_source = f"{path} split {eval_split or DEFAULT_EVAL_SPLIT!r}"
         held_out = None if eval_split_data is None else dataset_rows(eval_split_data, eval_source, *fields)
         source = f"{path} split {split!r}"
     train_rows, eval_rows = split_train_eval(train, held_out, num_train, num_eval, source, eval_source)
-    return Task(name="hf", train_rows=train_rows, eval_rows=eval_rows, correctness=correctness, instruction=default_instruction(answer_in_tags))
+    return Task(
+        name="hf",
+        train_rows=train_rows,
+        eval_rows=eval_rows,
+        correctness=correctness,
+        instruction=default_instruction(answer_in_tags),
+    )
 
 
 # ---------------------------------------------------------------- datasets passed from Python: the record in config.yaml

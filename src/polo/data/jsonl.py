@@ -5,9 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-# Imported under another name: jsonl_task's ``checker`` parameter would shadow it.
-from polo.rewards.answers import CHECKERS, parse_number
-from polo.rewards.answers import checker as bind_checker
 from polo.data.base import (
     Task,
     TaskDataError,
@@ -17,10 +14,12 @@ from polo.data.base import (
     text_field,
 )
 
+# Imported under another name: jsonl_task's ``checker`` parameter would shadow it.
+from polo.rewards.answers import CHECKERS, parse_number
+from polo.rewards.answers import checker as bind_checker
 
-def task_row(
-    row: dict, prompt_field: str, answer_field: str, path: str | Path, line: int, unit: str = "line"
-) -> dict:
+
+def task_row(row: dict, prompt_field: str, answer_field: str, path: str | Path, line: int, unit: str = "line") -> dict:
     """Return a task row with the prompt and answer fields renamed to "question" and "answer".
 
     The one row contract of user data, from a jsonl file (`read_task_jsonl`) or a Hugging Face
@@ -43,7 +42,12 @@ def task_row(
 
 
 def task_rows(
-    numbered_rows: Iterable[tuple[int, Mapping]], prompt_field: str, answer_field: str, checker_name: str, path: str | Path, unit: str = "line"
+    numbered_rows: Iterable[tuple[int, Mapping]],
+    prompt_field: str,
+    answer_field: str,
+    checker_name: str,
+    path: str | Path,
+    unit: str = "line",
 ) -> list[dict]:
     """Return the task rows of ``(line or row index, raw row)`` pairs, each through `task_row`, checked for the checker."""
     rows = [(line, task_row(row, prompt_field, answer_field, path, line, unit)) for line, row in numbered_rows]
@@ -52,7 +56,8 @@ def task_rows(
         for line, row in rows:
             if parse_number(row["answer"]) is None:
                 raise TaskDataError(
-                    path, line,
+                    path,
+                    line,
                     f"answer {row['answer']!r} is not a number, which checker 'exact_number' needs; "
                     "use checker 'math_verify' or 'exact_string'",
                     unit,
@@ -60,9 +65,7 @@ def task_rows(
     return [row for _, row in rows]
 
 
-def read_task_jsonl(
-    path: str | Path, prompt_field: str, answer_field: str, checker_name: str
-) -> list[dict]:
+def read_task_jsonl(path: str | Path, prompt_field: str, answer_field: str, checker_name: str) -> list[dict]:
     """Return the task rows of one user jsonl file, validated for the chosen checker."""
     return task_rows(read_jsonl(path), prompt_field, answer_field, checker_name, path)
 
@@ -87,11 +90,15 @@ def jsonl_task(
         name="jsonl",
         train_rows=first_rows(
             read_task_jsonl(train_path, prompt_field, answer_field, checker),
-            num_train, f"jsonl train {train_path}", "task.num_train",
+            num_train,
+            f"jsonl train {train_path}",
+            "task.num_train",
         ),
         eval_rows=first_rows(
             read_task_jsonl(eval_path, prompt_field, answer_field, checker),
-            num_eval, f"jsonl eval {eval_path}", "task.num_eval",
+            num_eval,
+            f"jsonl eval {eval_path}",
+            "task.num_eval",
         ),
         correctness=correctness,
         instruction=default_instruction(answer_in_tags),

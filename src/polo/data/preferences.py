@@ -72,12 +72,22 @@ def _messages(value: Any, field: str, path: str | Path, line: int) -> tuple[dict
     if isinstance(value, str):
         return ({"role": "user", "content": value},)
     if not isinstance(value, list) or not value:
-        raise TaskDataError(path, line, f"field {field!r} must be a string or a non-empty list of chat messages, got {type(value).__name__} {value!r}")
+        raise TaskDataError(
+            path,
+            line,
+            f"field {field!r} must be a string or a non-empty list of chat messages, got {type(value).__name__} {value!r}",
+        )
     messages = []
     for index, message in enumerate(value):
-        if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(message.get("content"), str):
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in ROLES
+            or not isinstance(message.get("content"), str)
+        ):
             raise TaskDataError(
-                path, line, f"{field}[{index}] must be {{\"role\": one of {list(ROLES)}, \"content\": a string}}, got {message!r}"
+                path,
+                line,
+                f'{field}[{index}] must be {{"role": one of {list(ROLES)}, "content": a string}}, got {message!r}',
             )
         messages.append({"role": message["role"], "content": message["content"]})
     return tuple(messages)
@@ -88,7 +98,9 @@ def _text(row: dict, field: str, path: str | Path, line: int) -> str:
     if field not in row:
         raise TaskDataError(path, line, f"missing field {field!r}; fields present: {sorted(row)}")
     if not isinstance(row[field], str):
-        raise TaskDataError(path, line, f"field {field!r} must be a string, got {type(row[field]).__name__} {row[field]!r}")
+        raise TaskDataError(
+            path, line, f"field {field!r} must be a string, got {type(row[field]).__name__} {row[field]!r}"
+        )
     return row[field]
 
 
@@ -97,16 +109,24 @@ def demonstration_from_row(row: dict, path: str | Path, line: int) -> Demonstrat
     if "messages" in row:
         messages = _messages(row["messages"], "messages", path, line)
         if len(messages) < 2 or messages[-1]["role"] != "assistant":
-            raise TaskDataError(path, line, "field 'messages' must end with an assistant message (the reply to learn) after at least one other message")
+            raise TaskDataError(
+                path,
+                line,
+                "field 'messages' must end with an assistant message (the reply to learn) after at least one other message",
+            )
         prompt = messages[:-1]
         response = messages[-1]["content"]
     elif "prompt" in row:
         prompt = _messages(row["prompt"], "prompt", path, line)
         response = _text(row, "response", path, line)
     else:
-        raise TaskDataError(path, line, f"a demonstration needs 'prompt' and 'response', or 'messages'; fields present: {sorted(row)}")
+        raise TaskDataError(
+            path, line, f"a demonstration needs 'prompt' and 'response', or 'messages'; fields present: {sorted(row)}"
+        )
     if prompt[-1]["role"] != "user":
-        raise TaskDataError(path, line, f"the prompt must end with a user message, got a {prompt[-1]['role']!r} message")
+        raise TaskDataError(
+            path, line, f"the prompt must end with a user message, got a {prompt[-1]['role']!r} message"
+        )
     return Demonstration(prompt, response)
 
 
@@ -116,18 +136,26 @@ def ranking_from_row(row: dict, path: str | Path, line: int) -> Ranking:
         raise TaskDataError(path, line, f"missing field 'prompt'; fields present: {sorted(row)}")
     messages = _messages(row["prompt"], "prompt", path, line)
     if messages[-1]["role"] != "user":
-        raise TaskDataError(path, line, f"the prompt must end with a user message, got a {messages[-1]['role']!r} message")
+        raise TaskDataError(
+            path, line, f"the prompt must end with a user message, got a {messages[-1]['role']!r} message"
+        )
     if "ranked" in row:
         ranked = row["ranked"]
         if not isinstance(ranked, list) or len(ranked) < 2 or not all(isinstance(text, str) for text in ranked):
-            raise TaskDataError(path, line, f"field 'ranked' must be a list of at least 2 strings, best first, got {ranked!r}")
+            raise TaskDataError(
+                path, line, f"field 'ranked' must be a list of at least 2 strings, best first, got {ranked!r}"
+            )
         responses = tuple(ranked)
     elif "chosen" in row or "rejected" in row:
         responses = (_text(row, "chosen", path, line), _text(row, "rejected", path, line))
     else:
-        raise TaskDataError(path, line, f"a comparison needs 'chosen' and 'rejected', or 'ranked'; fields present: {sorted(row)}")
+        raise TaskDataError(
+            path, line, f"a comparison needs 'chosen' and 'rejected', or 'ranked'; fields present: {sorted(row)}"
+        )
     if len(set(responses)) != len(responses):
-        raise TaskDataError(path, line, "a ranking holds the same response twice; a response cannot be preferred to itself")
+        raise TaskDataError(
+            path, line, "a ranking holds the same response twice; a response cannot be preferred to itself"
+        )
     return Ranking(messages, responses)
 
 
@@ -144,6 +172,7 @@ def read_rankings(path: str | Path, limit: int | None = None) -> list[Ranking]:
 
 
 # ---------------------------------------------------------------- the built-in arithmetic set
+
 
 def concise_answer(a: int, op: str, b: int, value: int) -> str:
     """Return the short answer form the default model already uses: "47 + 38 = 85"."""
@@ -187,7 +216,9 @@ def wrong_answer(a: int, op: str, b: int, mistake: str, rng: random.Random) -> i
     return wrong if wrong >= 0 else value + abs(step)
 
 
-def arithmetic_comparison(prompt: str, problem: tuple[int, str, int], rng: random.Random, mistake: str = "carry") -> dict:
+def arithmetic_comparison(
+    prompt: str, problem: tuple[int, str, int], rng: random.Random, mistake: str = "carry"
+) -> dict:
     """Return a comparison row for one problem: the correct answer over the same answer with `mistake`.
 
     Both are in the concise form the SFT demonstrations teach ("47 + 38 = 85" over "47 + 38 = 75"):
@@ -198,8 +229,11 @@ def arithmetic_comparison(prompt: str, problem: tuple[int, str, int], rng: rando
     value = OPERATIONS[op](a, b)
     wrong = wrong_answer(a, op, b, mistake, rng)
     return {
-        "prompt": prompt, "chosen": concise_answer(a, op, b, value), "rejected": concise_answer(a, op, b, wrong),
-        "answer": str(value), "mistake": mistake,
+        "prompt": prompt,
+        "chosen": concise_answer(a, op, b, value),
+        "rejected": concise_answer(a, op, b, wrong),
+        "answer": str(value),
+        "mistake": mistake,
     }
 
 
@@ -233,7 +267,12 @@ def arithmetic_preference_data(
     template = task.instruction if instruction is None else instruction
     held_out = {row["question"] for row in task.eval_rows}
     rows = [row for row in task.train_rows if row["question"] not in held_out]  # disjoint already; made explicit
-    sizes = {"sft_train": num_sft, "sft_eval": num_sft_eval, "preferences_train": num_comparisons, "preferences_eval": num_comparisons_eval}
+    sizes = {
+        "sft_train": num_sft,
+        "sft_eval": num_sft_eval,
+        "preferences_train": num_comparisons,
+        "preferences_eval": num_comparisons_eval,
+    }
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"{name}: the number of rows must be an integer >= 0, got {size!r}")
@@ -252,7 +291,13 @@ def arithmetic_preference_data(
             a, b = row["operands"]
             prompt = fill_instruction(template, row["question"])
             if name.startswith("sft"):
-                out.append({"prompt": prompt, "response": concise_answer(a, row["operator"], b, int(row["answer"])), "answer": row["answer"]})
+                out.append(
+                    {
+                        "prompt": prompt,
+                        "response": concise_answer(a, row["operator"], b, int(row["answer"])),
+                        "answer": row["answer"],
+                    }
+                )
             else:
                 mistake = mistakes[len(out) % len(mistakes)]
                 out.append(arithmetic_comparison(prompt, (a, row["operator"], b), rng, mistake))
@@ -301,6 +346,6 @@ def comparisons_from_samples(
     wrong = sorted({text for text, score in samples if score <= 0.5})
     pairs = [(chosen, rejected) for chosen in right for rejected in wrong]
     picked = rng.sample(pairs, min(max_pairs, len(pairs)))
-    return [{"prompt": prompt, "chosen": chosen, "rejected": rejected, "source": "samples"} for chosen, rejected in picked]
-
-
+    return [
+        {"prompt": prompt, "chosen": chosen, "rejected": rejected, "source": "samples"} for chosen, rejected in picked
+    ]

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from polo.generation.grouped import Completion, sample_groups
+from polo.generation.rollouts import Sampler
 from polo.rewards.answers import (
     _math_verify_timeout,
     answer_region,
@@ -38,8 +40,6 @@ from polo.rewards.answers import (
     math_verify_answer,
 )
 from polo.rewards.format import r1_format
-from polo.generation.grouped import Completion, sample_groups
-from polo.generation.rollouts import Sampler
 from polo.runtime.device import CPU, Compute
 
 AnswerKey = Callable[[str], "str | None"]
@@ -139,7 +139,7 @@ def math_answer_key(completion: str, answer_in_tags: bool = False) -> str | None
 
             return str(sympy.nsimplify(expression, rational=True))
         return str(expression)
-    except Exception:  # noqa: BLE001 - sympy can fail on odd parses; the raw text still votes
+    except Exception:
         return str(parsed[-1])
 
 
@@ -187,14 +187,16 @@ def score_problem(
     samples = []
     for completion in completions:
         text = completion.text
-        samples.append({
-            "completion": text,
-            "correct": float(correctness(text, row)),
-            "format": r1_format(text, row),
-            "answer": answer_key(text),
-            "length": completion.length,
-            "truncated": completion.truncated,
-        })
+        samples.append(
+            {
+                "completion": text,
+                "correct": float(correctness(text, row)),
+                "format": r1_format(text, row),
+                "answer": answer_key(text),
+                "length": completion.length,
+                "truncated": completion.truncated,
+            }
+        )
     correct = [sample["correct"] for sample in samples]
     answers = [sample["answer"] for sample in samples]
     num_correct = sum(1 for value in correct if value > 0.5)
@@ -269,8 +271,17 @@ def evaluate_policy(
         raise ValueError(f"every k must be in [1, samples={samples}], got {bad}")
     answer_key = answer_key_for(correctness) if answer_key is None else answer_key
     completions = sample_groups(
-        model, tokenizer, prompts, samples, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_p=top_p, batch_size=batch_size, compute=compute, sampler=sampler, progress=progress,
+        model,
+        tokenizer,
+        prompts,
+        samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        batch_size=batch_size,
+        compute=compute,
+        sampler=sampler,
+        progress=progress,
         description="polo eval",
     )
     problems = [score_problem(row, done, correctness, answer_key, ks) for row, done in zip(rows, completions)]
@@ -279,7 +290,9 @@ def evaluate_policy(
     return {"summary": summarize(problems), "problems": problems}
 
 
-def add_reward_scores(result: dict, reward: Callable[[Sequence[str], Sequence[dict]], list[float]], name: str = "reward_model") -> dict:
+def add_reward_scores(
+    result: dict, reward: Callable[[Sequence[str], Sequence[dict]], list[float]], name: str = "reward_model"
+) -> dict:
     """Score every sample of an `evaluate_policy` result with a batched reward function; return `result`.
 
     Each sample gets `name` (its score), each problem `<name>_mean` and the summary `<name>_mean`
@@ -330,17 +343,29 @@ def greedy_accuracy(
     if len(prompts) != len(rows):
         raise ValueError(f"got {len(prompts)} prompts for {len(rows)} rows")
     completions = sample_groups(
-        model, tokenizer, prompts, 1, max_new_tokens=max_new_tokens, temperature=0.0,
-        batch_size=batch_size, compute=compute, sampler=sampler,
+        model,
+        tokenizer,
+        prompts,
+        1,
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        batch_size=batch_size,
+        compute=compute,
+        sampler=sampler,
     )
     scores, samples = [], []
     for row, (completion,) in zip(rows, completions):
         score = float(correctness(completion.text, row))
         scores.append(score)
         if len(samples) < 8:
-            samples.append({
-                "question": row.get("question"), "answer": row.get("answer"), "completion": completion.text, "score": score,
-            })
+            samples.append(
+                {
+                    "question": row.get("question"),
+                    "answer": row.get("answer"),
+                    "completion": completion.text,
+                    "score": score,
+                }
+            )
     count = max(len(scores), 1)
     return {
         "accuracy": sum(scores) / count,

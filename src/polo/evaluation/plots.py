@@ -56,7 +56,9 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     figure, axis = plt.subplots(figsize=(7, 4))
     steps, values = _series(train_rows, "reward/mean")
     axis.plot(steps, values, label="total reward", linewidth=2)
-    for key in sorted(k for k in train_rows[-1] if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2):
+    for key in sorted(
+        k for k in train_rows[-1] if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2
+    ):
         steps, values = _series(train_rows, key)
         axis.plot(steps, values, label=key.split("/")[1], alpha=0.7)
     axis.set(xlabel="step", ylabel="reward (mean over batch)", title="Reward")

@@ -103,7 +103,9 @@ def plot_noisy(axis, steps: list[float], values: list[float], label: str, color:
         return
     window = max(3, len(values) // 12)
     line = axis.plot(steps, values, alpha=0.3, color=color, linewidth=1)[0]
-    axis.plot(steps, running_mean(values, window), color=line.get_color(), linewidth=2, label=f"{label} ({window}-step mean)")
+    axis.plot(
+        steps, running_mean(values, window), color=line.get_color(), linewidth=2, label=f"{label} ({window}-step mean)"
+    )
 
 
 def figure_png(figure) -> str:
@@ -165,7 +167,14 @@ def reward_figure(train_rows: list[dict]) -> str | None:
     steps, total = series(train_rows, "reward/mean")
     if not steps:
         return None
-    names = sorted({key.split("/")[1] for row in train_rows for key in row if key.startswith("reward/") and key.endswith("/mean") and key.count("/") == 2})
+    names = sorted(
+        {
+            key.split("/")[1]
+            for row in train_rows
+            for key in row
+            if key.startswith("reward/") and key.endswith("/mean") and key.count("/") == 2
+        }
+    )
     figure, axis = new_figure()
     plot_noisy(axis, steps, total, "total (weighted)", "black")
     for name in names:
@@ -183,7 +192,15 @@ def kl_figure(train_rows: list[dict]) -> str | None:
     if steps:
         plot_noisy(axis, steps, kl, "KL to the reference", "#8172b3")
     else:
-        axis.text(0.5, 0.5, "no KL logged\n(β = 0: no reference model)", ha="center", va="center", transform=axis.transAxes, color="#666")
+        axis.text(
+            0.5,
+            0.5,
+            "no KL logged\n(β = 0: no reference model)",
+            ha="center",
+            va="center",
+            transform=axis.transAxes,
+            color="#666",
+        )
         axis.set_xticks([])
         axis.set_yticks([])
     finish(axis, "KL(policy ‖ reference)", "per token")
@@ -241,11 +258,15 @@ def facts_html(config_text: str | None, train_rows: list[dict], evals: list[tupl
         text = f"{first[1].get('accuracy', float('nan')):.3f}"
         if len(evals) > 1:
             text += f" → {last_eval[1].get('accuracy', float('nan')):.3f}"
-        facts.append((f"held-out greedy accuracy (step {first[0]}" + (f" → {last_eval[0]})" if len(evals) > 1 else ")"), text))
+        facts.append(
+            (f"held-out greedy accuracy (step {first[0]}" + (f" → {last_eval[0]})" if len(evals) > 1 else ")"), text)
+        )
     seconds = sum(row.get("time/step", 0.0) or 0.0 for row in train_rows)
     if seconds:
         facts.append(("training time", f"{seconds / 60:.1f} min"))
-    boxes = "".join(f'<div class="fact"><b>{escape(value)}</b><span>{escape(label)}</span></div>' for label, value in facts)
+    boxes = "".join(
+        f'<div class="fact"><b>{escape(value)}</b><span>{escape(label)}</span></div>' for label, value in facts
+    )
     return f'<div class="facts">{boxes}</div>'
 
 
@@ -261,8 +282,8 @@ def sample_card(sample: dict) -> str:
     css = kind if kind in ("best", "worst") else ""
     return (
         f'<div class="sample {css}"><h4>{escape(kind or "sample")}</h4><div class="meta">{meta}</div>'
-        f'<details><summary>prompt</summary><pre>{escape(sample.get("prompt", ""))}</pre></details>'
-        f'<pre>{escape(sample.get("completion", ""))}</pre></div>'
+        f"<details><summary>prompt</summary><pre>{escape(sample.get('prompt', ''))}</pre></details>"
+        f"<pre>{escape(sample.get('completion', ''))}</pre></div>"
     )
 
 
@@ -275,7 +296,7 @@ def samples_html(samples: list[dict], sample_steps: int) -> str:
     parts = []
     for step in pick_steps(sorted(by_step), sample_steps):
         chosen = sorted(by_step[step], key=lambda sample: {"best": 0, "worst": 1}.get(sample.get("kind"), 2))[:2]
-        parts.append(f"<h3>Step {step}</h3><div class=\"step\">{''.join(sample_card(sample) for sample in chosen)}</div>")
+        parts.append(f'<h3>Step {step}</h3><div class="step">{"".join(sample_card(sample) for sample in chosen)}</div>')
     return "".join(parts)
 
 
@@ -328,7 +349,12 @@ def build_report(run_dir: str | Path, sample_steps: int = 4) -> str:
         reward_figure(train_rows),
         kl_figure(train_rows),
         single_series_figure(train_rows, {"entropy": "policy entropy"}, "Entropy", "nats per token"),
-        single_series_figure(train_rows, {"clip_fraction/low": "low", "clip_fraction/high": "high"}, "Clipped token fraction", "fraction of tokens"),
+        single_series_figure(
+            train_rows,
+            {"clip_fraction/low": "low", "clip_fraction/high": "high"},
+            "Clipped token fraction",
+            "fraction of tokens",
+        ),
         single_series_figure(train_rows, {"grad_norm": "before clipping"}, "Gradient norm", "L2 norm"),
     ]
     images = "".join(f'<img alt="training curve" src="data:image/png;base64,{png}">' for png in figures if png)
@@ -337,19 +363,27 @@ def build_report(run_dir: str | Path, sample_steps: int = 4) -> str:
         f'<div class="meta">{escape(run_dir.resolve())}</div>',
         facts_html(config_text, train_rows, evals),
         "<h2>Curves</h2>",
-        f'<div class="figures">{images}</div>' if images else '<p class="note">metrics.jsonl holds no training rows yet.</p>',
+        f'<div class="figures">{images}</div>'
+        if images
+        else '<p class="note">metrics.jsonl holds no training rows yet.</p>',
     ]
     if evals:
         body += ["<h2>Held-out evaluations</h2>", eval_table_html(evals)]
     body.append("<h2>Sample completions</h2>")
     if samples:
-        body += ['<p class="note">Best and worst completion (by total reward) of a few steps.</p>', samples_html(samples, sample_steps)]
+        body += [
+            '<p class="note">Best and worst completion (by total reward) of a few steps.</p>',
+            samples_html(samples, sample_steps),
+        ]
     else:
         body.append('<p class="note">No samples.jsonl in this run.</p>')
     held_out = eval_samples_html(evals)
     if held_out:
         body += ["<h3>Held-out greedy completions</h3>", held_out]
-    body += ["<h2>Config</h2>", f"<pre>{escape(config_text)}</pre>" if config_text else '<p class="note">No config.yaml in this run.</p>']
+    body += [
+        "<h2>Config</h2>",
+        f"<pre>{escape(config_text)}</pre>" if config_text else '<p class="note">No config.yaml in this run.</p>',
+    ]
     title = f"polo report: {run_dir.resolve().name}"
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'

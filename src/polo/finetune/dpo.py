@@ -30,6 +30,7 @@ import torch
 
 from polo import core
 from polo.config import ConfigError, ModelConfig, config_to_dict
+from polo.data.preferences import read_rankings
 from polo.finetune.fit import (
     DataConfig,
     Example,
@@ -38,19 +39,18 @@ from polo.finetune.fit import (
     FinetuneTrainConfig,
     collate_rankings,
     evaluate_objective,
+    finetune_run,
     fit,
     load_finetune_config,
     pair_indices,
-    finetune_run,
     prepare_run,
     ranking_logprobs,
     save_model,
     score_sequences,
     write_summary,
 )
-from polo.models.loading import enable_activation_checkpointing
-from polo.data.preferences import read_rankings
 from polo.finetune.reward_model import encode_rankings, num_pairs
+from polo.models.loading import enable_activation_checkpointing
 from polo.runtime.device import CPU, Compute
 
 
@@ -101,9 +101,13 @@ class DPOObjective:
         """Return (Σ loss over the pairs, summed statistics with TRL's names)."""
         batch = collate_rankings(examples, self.pad_id, self.device)
         logps = ranking_logprobs(model, batch)
-        reference = torch.tensor([value for example in examples for value in example.reference_logps], dtype=logps.dtype, device=logps.device)
+        reference = torch.tensor(
+            [value for example in examples for value in example.reference_logps], dtype=logps.dtype, device=logps.device
+        )
         better, worse = pair_indices(examples, logps.device)
-        losses, chosen_rewards, rejected_rewards = core.dpo_loss(logps[better], logps[worse], reference[better], reference[worse], self.beta)
+        losses, chosen_rewards, rejected_rewards = core.dpo_loss(
+            logps[better], logps[worse], reference[better], reference[worse], self.beta
+        )
         chosen_nll = -logps[better] / batch.response_mask.sum(-1)[better].clamp(min=1)  # per token
         if self.nll_weight:
             losses = losses + self.nll_weight * chosen_nll
@@ -121,7 +125,9 @@ class DPOObjective:
         return losses.sum(), stats
 
 
-def with_reference_logps(model, examples: Sequence[Example], pad_id: int, micro_batch_size: int, compute: Compute) -> list[Example]:
+def with_reference_logps(
+    model, examples: Sequence[Example], pad_id: int, micro_batch_size: int, compute: Compute
+) -> list[Example]:
     """Return the examples with `reference_logps` = log π_ref(y|x) of each response under `model` (no gradient)."""
     scores = score_sequences(ranking_logprobs, model, examples, pad_id, micro_batch_size, compute)
     return [replace(example, reference_logps=tuple(values)) for example, values in zip(examples, scores)]
@@ -138,9 +144,15 @@ def dpo(config: DPOConfig | str | Path | dict | None = None, overrides: list[str
         model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
         model = model.to(compute.device)
         data, micro, pad_id = config.data, config.train.micro_batch_size, tokenizer.pad_token_id
-        train_examples = encode_rankings(tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length)
+        train_examples = encode_rankings(
+            tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length
+        )
         eval_examples = (
-            encode_rankings(tokenizer, read_rankings(data.eval_path, data.num_eval), data.system_prompt, data.max_length) if data.eval_path else []
+            encode_rankings(
+                tokenizer, read_rankings(data.eval_path, data.num_eval), data.system_prompt, data.max_length
+            )
+            if data.eval_path
+            else []
         )
         # The reference is the starting model: score every response with it before the first update.
         train_examples = with_reference_logps(model, train_examples, pad_id, micro, compute)
@@ -148,13 +160,23 @@ def dpo(config: DPOConfig | str | Path | dict | None = None, overrides: list[str
         if config.train.gradient_checkpointing:
             enable_activation_checkpointing(model)
         objective = DPOObjective(pad_id, config.dpo.beta, config.dpo.nll_weight, compute.device)
-        evaluate = (lambda: evaluate_objective(model, eval_examples, objective, micro, compute)) if eval_examples else None
+        evaluate = (
+            (lambda: evaluate_objective(model, eval_examples, objective, micro, compute)) if eval_examples else None
+        )
         rows, before, after = fit(
-            model, train_examples, objective, config, compute=compute, evaluate=evaluate, name="polo dpo",
+            model,
+            train_examples,
+            objective,
+            config,
+            compute=compute,
+            evaluate=evaluate,
+            name="polo dpo",
             headline=("loss", "rewards/accuracies", "rewards/margins"),
         )
         output_dir = Path(config.output.dir)
         model_dir = save_model(model, tokenizer, output_dir / "final")
         seconds = time.perf_counter() - started
         write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
-        return FinetuneResult(output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds)
+        return FinetuneResult(
+            output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds
+        )

@@ -33,19 +33,18 @@ from typing import Any, Protocol
 import torch
 
 from polo import core
-from polo.core.schedules import lr_multiplier
-from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
 from polo.config import ConfigError, build_dataclass, check_at_least_one, check_choices, config_to_dict, read_recipe
 from polo.config.validation import check_counts, check_device, check_floats, check_output_dir
+from polo.core.schedules import lr_multiplier
 from polo.kernels import supports_fused_logprobs, token_logprobs
-from polo.runtime.checkpoint import claim_output_dir, staged_directory
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
+from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
+from polo.runtime.checkpoint import claim_output_dir, staged_directory
 from polo.runtime.device import CPU, Compute, autocast_compute
 from polo.runtime.distributed import is_main_process
 from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
 from polo.runtime.run_lock import owned_run_dir
-
 
 # ---------------------------------------------------------------- recipe sections
 
@@ -123,12 +122,14 @@ def validate_finetune(config: Any) -> None:
     """Raise `ConfigError` for the first shared-section value that has the right type but makes no sense."""
     check_choices(config, _CHOICES)
     train = config.train
-    check_at_least_one({
-        "train.epochs": train.epochs,
-        "train.batch_size": train.batch_size,
-        "train.micro_batch_size": train.micro_batch_size,
-        "data.max_length": config.data.max_length,
-    })
+    check_at_least_one(
+        {
+            "train.epochs": train.epochs,
+            "train.batch_size": train.batch_size,
+            "train.micro_batch_size": train.micro_batch_size,
+            "data.max_length": config.data.max_length,
+        }
+    )
     lora = getattr(getattr(config, "model", None), "lora", None)
     if lora is not None and lora.r:
         raise ConfigError(
@@ -162,7 +163,9 @@ class Example:
 
 def response_logprobs(model, batch: TokenBatch) -> torch.Tensor:
     """Return log π(y_t | x, y_<t) for every response position, (batch, response_len); padding positions are not meaningful."""
-    logprobs, _ = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    logprobs, _ = completion_logprobs(
+        model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask
+    )
     return logprobs.float()
 
 
@@ -187,7 +190,9 @@ class RankingBatch:
 
     def expanded(self) -> TokenBatch:
         """Return the same sequences in the plain layout, each response with its own copy of the prompt."""
-        return TokenBatch(self.prompt_ids[self.owner], self.prompt_mask[self.owner], self.response_ids, self.response_mask)
+        return TokenBatch(
+            self.prompt_ids[self.owner], self.prompt_mask[self.owner], self.response_ids, self.response_mask
+        )
 
 
 def collate_rankings(examples: Sequence[Example], pad_id: int, device: torch.device = CPU.device) -> RankingBatch:
@@ -201,7 +206,10 @@ def collate_rankings(examples: Sequence[Example], pad_id: int, device: torch.dev
     prompt_part = collate(prompts, pad_id, device)
     response_part = collate([sequence for example in examples for sequence in example.sequences], pad_id, device)
     return RankingBatch(
-        prompt_part.prompt_ids, prompt_part.prompt_mask, response_part.response_ids, response_part.response_mask,
+        prompt_part.prompt_ids,
+        prompt_part.prompt_mask,
+        response_part.response_ids,
+        response_part.response_mask,
         torch.tensor(owner, dtype=torch.long, device=device),
     )
 
@@ -220,14 +228,20 @@ def shared_prompt_hidden(trunk, batch: RankingBatch) -> tuple[torch.Tensor, torc
     so the values equal those of `[prompt | response]` run whole.
     """
     prompt_out = trunk(
-        input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, position_ids=position_ids_from_mask(batch.prompt_mask), use_cache=True,
+        input_ids=batch.prompt_ids,
+        attention_mask=batch.prompt_mask,
+        position_ids=position_ids_from_mask(batch.prompt_mask),
+        use_cache=True,
     )
     cache = prompt_out.past_key_values
     cache.batch_select_indices(batch.owner)
     attention_mask = torch.cat([batch.prompt_mask[batch.owner], batch.response_mask], dim=1)
     response_hidden = trunk(
-        input_ids=batch.response_ids, attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask)[:, batch.prompt_ids.shape[1] :], past_key_values=cache, use_cache=True,
+        input_ids=batch.response_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask)[:, batch.prompt_ids.shape[1] :],
+        past_key_values=cache,
+        use_cache=True,
     ).last_hidden_state
     return prompt_out.last_hidden_state[batch.owner], response_hidden
 
@@ -312,7 +326,9 @@ class Objective(Protocol):
 
 
 @torch.no_grad()
-def evaluate_objective(model, examples: Sequence[Example], objective: Objective, micro_batch_size: int, compute: Compute) -> dict[str, float]:
+def evaluate_objective(
+    model, examples: Sequence[Example], objective: Objective, micro_batch_size: int, compute: Compute
+) -> dict[str, float]:
     """Return the objective's statistics on `examples` without gradients, each a mean per unit."""
     was_training = model.training
     model.eval()
@@ -329,7 +345,12 @@ def evaluate_objective(model, examples: Sequence[Example], objective: Objective,
 
 @torch.no_grad()
 def score_sequences(
-    score: Callable[[Any, RankingBatch], torch.Tensor], model, examples: Sequence[Example], pad_id: int, micro_batch_size: int, compute: Compute,
+    score: Callable[[Any, RankingBatch], torch.Tensor],
+    model,
+    examples: Sequence[Example],
+    pad_id: int,
+    micro_batch_size: int,
+    compute: Compute,
 ) -> list[list[float]]:
     """Return `score(model, ranking batch)` (`ranking_rewards`, `ranking_logprobs`) for every sequence, grouped per example, no gradients."""
     was_training = model.training
@@ -390,7 +411,11 @@ def fit(
     if not train_examples:
         raise ValueError("there are no training examples")
     steps_per_epoch = math.ceil(len(train_examples) / train.batch_size)
-    total_steps = steps_per_epoch * train.epochs if train.max_steps is None else min(train.max_steps, steps_per_epoch * train.epochs)
+    total_steps = (
+        steps_per_epoch * train.epochs
+        if train.max_steps is None
+        else min(train.max_steps, steps_per_epoch * train.epochs)
+    )
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer, scheduler = _optimizer_and_schedule(parameters, train, total_steps)
     if is_main_process():
@@ -402,7 +427,9 @@ def fit(
     model.train()
     with StopRequest(logger.write, FIT_STOP_PLAN) as stop:
         for step, batch in _optimizer_batches(train_examples, train.batch_size, total_steps, train.seed):
-            if stop.requested:  # one process, no ranks to agree with; a fine-tuning run keeps no checkpoints to resume from
+            if (
+                stop.requested
+            ):  # one process, no ranks to agree with; a fine-tuning run keeps no checkpoints to resume from
                 logger.close()
                 raise RunStopped(stop.signum, step - 1, None, resumable=False)
             started = time.perf_counter()
@@ -427,9 +454,15 @@ def _optimizer_and_schedule(
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """Return (AdamW over `parameters`, its warm-up-then-schedule learning-rate scheduler)."""
     optimizer = torch.optim.AdamW(
-        parameters, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2), weight_decay=train.weight_decay, fused=True,
+        parameters,
+        lr=train.learning_rate,
+        betas=(train.adam_beta1, train.adam_beta2),
+        weight_decay=train.weight_decay,
+        fused=True,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(train.warmup_steps, total_steps, train.lr_schedule))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_multiplier(train.warmup_steps, total_steps, train.lr_schedule)
+    )
     return optimizer, scheduler
 
 
@@ -460,8 +493,15 @@ def _optimizer_batches(
 
 
 def _backpropagate(
-    model, batch: Sequence[Example], objective: Objective, units: int, micro_batch_size: int, compute: Compute,
-    logger: MetricsLogger, name: str, step: int,
+    model,
+    batch: Sequence[Example],
+    objective: Objective,
+    units: int,
+    micro_batch_size: int,
+    compute: Compute,
+    logger: MetricsLogger,
+    name: str,
+    step: int,
 ) -> dict[str, float]:
     """Return the objective's statistics summed over `batch`, after accumulating its gradient micro-batch by micro-batch."""
     from polo.runtime.errors import NonFiniteLossError
@@ -481,8 +521,14 @@ def _backpropagate(
 
 
 def _step_row(
-    step: int, steps_per_epoch: int, batch: Sequence[Example], units: int, sums: dict[str, float],
-    grad_norm: torch.Tensor, learning_rate: float, started: float,
+    step: int,
+    steps_per_epoch: int,
+    batch: Sequence[Example],
+    units: int,
+    sums: dict[str, float],
+    grad_norm: torch.Tensor,
+    learning_rate: float,
+    started: float,
 ) -> dict:
     """Return the metrics row of one optimizer step, every statistic a mean per unit."""
     seconds = time.perf_counter() - started
@@ -518,7 +564,9 @@ def prepare_run(config: Any, config_dict: dict) -> Compute:
 
     from polo.runtime.seeding import seed_everything
 
-    compute = autocast_compute(config.train.precision, config.train.device)  # first: a device that cannot be had costs nothing
+    compute = autocast_compute(
+        config.train.precision, config.train.device
+    )  # first: a device that cannot be had costs nothing
 
     if config.train.threads:
         torch.set_num_threads(config.train.threads)

@@ -28,6 +28,7 @@ import torch
 
 from polo import core
 from polo.config import ModelConfig, config_to_dict
+from polo.data.preferences import Ranking, read_rankings, write_jsonl
 from polo.finetune.fit import (
     DataConfig,
     Example,
@@ -36,21 +37,21 @@ from polo.finetune.fit import (
     FinetuneTrainConfig,
     collate_rankings,
     encode,
+    finetune_run,
     fit,
     load_finetune_config,
     pair_indices,
-    finetune_run,
     prepare_run,
     ranking_rewards,
     save_model,
     score_sequences,
     write_summary,
 )
-from polo.models.loading import enable_activation_checkpointing
-from polo.data.preferences import Ranking, read_rankings, write_jsonl
 from polo.generation.prompts import render_prompt
+from polo.models.loading import enable_activation_checkpointing
 from polo.rewards.reward_model import STATS_FILE
 from polo.runtime.device import CPU
+
 
 @dataclass
 class RewardModelConfig:
@@ -67,7 +68,9 @@ def load_reward_model_config(recipe=None, overrides: list[str] | None = None) ->
     return load_finetune_config(RewardModelConfig, recipe, overrides)
 
 
-def encode_rankings(tokenizer, rankings: Sequence[Ranking], system_prompt: str | None, max_length: int) -> list[Example]:
+def encode_rankings(
+    tokenizer, rankings: Sequence[Ranking], system_prompt: str | None, max_length: int
+) -> list[Example]:
     """Return one `Example` per ranking: its K responses after the chat-templated prompt, best first."""
     prompts, responses, sizes = [], [], []
     for ranking in rankings:
@@ -155,14 +158,18 @@ def new_reward_model(name_or_path: str, tokenizer, attn_implementation: str | No
         raise ModelLoadError(f"{path} is a sequence classifier with {outputs} outputs; a reward model has one")
     options = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=torch.float32, **options)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(path), num_labels=1, dtype=torch.float32, **options
+        )
     except (ValueError, OSError) as error:
         raise ModelLoadError(f"could not put a sequence-classification head on {path}: {error}") from error
     model.config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
-def train_reward_model(config: RewardModelConfig | str | Path | dict | None = None, overrides: list[str] | None = None) -> FinetuneResult:
+def train_reward_model(
+    config: RewardModelConfig | str | Path | dict | None = None, overrides: list[str] | None = None
+) -> FinetuneResult:
     """Train a reward model on ranked comparisons and return the result; it lands in `<output.dir>/final`."""
     from polo.models.loading import load_tokenizer
 
@@ -175,9 +182,15 @@ def train_reward_model(config: RewardModelConfig | str | Path | dict | None = No
         if config.train.gradient_checkpointing:
             enable_activation_checkpointing(model)
         data = config.data
-        train_examples = encode_rankings(tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length)
+        train_examples = encode_rankings(
+            tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length
+        )
         eval_examples = (
-            encode_rankings(tokenizer, read_rankings(data.eval_path, data.num_eval), data.system_prompt, data.max_length) if data.eval_path else []
+            encode_rankings(
+                tokenizer, read_rankings(data.eval_path, data.num_eval), data.system_prompt, data.max_length
+            )
+            if data.eval_path
+            else []
         )
         pad_id = tokenizer.pad_token_id
         micro = config.train.micro_batch_size
@@ -188,8 +201,14 @@ def train_reward_model(config: RewardModelConfig | str | Path | dict | None = No
             return ranking_metrics(last_scores)
 
         rows, before, after = fit(
-            model, train_examples, PairwiseObjective(pad_id, compute.device), config, compute=compute,
-            evaluate=evaluate if eval_examples else None, name="polo rm", headline=("loss", "accuracy"),
+            model,
+            train_examples,
+            PairwiseObjective(pad_id, compute.device),
+            config,
+            compute=compute,
+            evaluate=evaluate if eval_examples else None,
+            name="polo rm",
+            headline=("loss", "accuracy"),
         )
         output_dir = Path(config.output.dir)
         if eval_examples:  # per ranking, for analyses such as accuracy by kind of pair
@@ -198,12 +217,20 @@ def train_reward_model(config: RewardModelConfig | str | Path | dict | None = No
             last_scores = score_sequences(ranking_rewards, model, train_examples, pad_id, micro, compute)
         stats = ranking_metrics(last_scores)
         model_dir = save_model(model, tokenizer, output_dir / "final")
-        (model_dir / STATS_FILE).write_text(json.dumps({
-            "mean": stats["reward_mean"], "std": stats["reward_std"], "num_responses": sum(len(values) for values in last_scores),
-            "source": data.eval_path or data.train_path,
-        }, indent=1) + "\n")
+        (model_dir / STATS_FILE).write_text(
+            json.dumps(
+                {
+                    "mean": stats["reward_mean"],
+                    "std": stats["reward_std"],
+                    "num_responses": sum(len(values) for values in last_scores),
+                    "source": data.eval_path or data.train_path,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         seconds = time.perf_counter() - started
         write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
-        return FinetuneResult(output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds)
-
-
+        return FinetuneResult(
+            output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds
+        )

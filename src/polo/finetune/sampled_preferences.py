@@ -15,9 +15,16 @@ from polo.generation.grouped import sample_groups
 from polo.runtime.device import CPU, Compute
 
 
-def check_sampling_request(task: Task, num_prompts: int, num_prompts_eval: int, samples: int, max_pairs: int) -> list[dict]:
+def check_sampling_request(
+    task: Task, num_prompts: int, num_prompts_eval: int, samples: int, max_pairs: int
+) -> list[dict]:
     """Raise ValueError for counts `sampled_preference_data` cannot honour; return the task's usable training rows."""
-    for name, value in {"num_prompts": num_prompts, "num_prompts_eval": num_prompts_eval, "samples": samples, "max_pairs": max_pairs}.items():
+    for name, value in {
+        "num_prompts": num_prompts,
+        "num_prompts_eval": num_prompts_eval,
+        "samples": samples,
+        "max_pairs": max_pairs,
+    }.items():
         minimum = 2 if name == "samples" else 0  # a comparison needs two answers to one prompt
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -66,9 +73,16 @@ def sampled_preference_data(
     rng.shuffle(rows)
     rows = rows[: num_prompts + num_prompts_eval]
     completions = sample_groups(
-        model, tokenizer, task.prompts(tokenizer, rows, template, system_prompt), samples,
-        max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, compute=compute,
-        progress=progress, description="polo make-preferences",
+        model,
+        tokenizer,
+        task.prompts(tokenizer, rows, template, system_prompt),
+        samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        batch_size=batch_size,
+        compute=compute,
+        progress=progress,
+        description="polo make-preferences",
     )
     splits: dict[str, list[dict]] = {"preferences_train": [], "preferences_eval": []}
     correct = mixed = 0
@@ -80,7 +94,10 @@ def sampled_preference_data(
         mixed += bool(pairs)
         splits["preferences_train" if index < num_prompts else "preferences_eval"].extend(pairs)
     stats = {
-        "prompts": len(rows), "samples_per_prompt": samples, "sample_accuracy": correct / max(len(rows) * samples, 1),
-        "prompts_with_a_comparison": mixed, **{name: len(split) for name, split in splits.items()},
+        "prompts": len(rows),
+        "samples_per_prompt": samples,
+        "sample_accuracy": correct / max(len(rows) * samples, 1),
+        "prompts_with_a_comparison": mixed,
+        **{name: len(split) for name, split in splits.items()},
     }
     return splits, stats

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from polo.config import ModelConfig, config_to_dict
+from polo.data.preferences import Demonstration, read_demonstrations
 from polo.finetune.fit import (
     DataConfig,
     Example,
@@ -29,17 +30,16 @@ from polo.finetune.fit import (
     collate,
     encode,
     evaluate_objective,
+    finetune_run,
     fit,
     load_finetune_config,
-    finetune_run,
     prepare_run,
     response_logprobs,
     save_model,
     write_summary,
 )
-from polo.models.loading import enable_activation_checkpointing
-from polo.data.preferences import Demonstration, read_demonstrations
 from polo.generation.prompts import render_prompt
+from polo.models.loading import enable_activation_checkpointing
 from polo.runtime.device import CPU
 
 
@@ -58,7 +58,9 @@ def load_sft_config(recipe=None, overrides: list[str] | None = None) -> SFTConfi
     return load_finetune_config(SFTConfig, recipe, overrides)
 
 
-def encode_demonstrations(tokenizer, demonstrations: Sequence[Demonstration], system_prompt: str | None, max_length: int) -> list[Example]:
+def encode_demonstrations(
+    tokenizer, demonstrations: Sequence[Demonstration], system_prompt: str | None, max_length: int
+) -> list[Example]:
     """Return one single-sequence `Example` per demonstration (chat-templated prompt, response + EOS)."""
     prompts = [render_prompt(tokenizer, demo.messages, system_prompt) for demo in demonstrations]
     encoded = encode(tokenizer, prompts, [demo.response for demo in demonstrations], max_length)
@@ -95,18 +97,29 @@ def sft(config: SFTConfig | str | Path | dict | None = None, overrides: list[str
         if config.train.gradient_checkpointing:
             enable_activation_checkpointing(model)
         data = config.data
-        train_examples = encode_demonstrations(tokenizer, read_demonstrations(data.train_path, data.num_train), data.system_prompt, data.max_length)
+        train_examples = encode_demonstrations(
+            tokenizer, read_demonstrations(data.train_path, data.num_train), data.system_prompt, data.max_length
+        )
         eval_examples = (
-            encode_demonstrations(tokenizer, read_demonstrations(data.eval_path, data.num_eval), data.system_prompt, data.max_length)
-            if data.eval_path else []
+            encode_demonstrations(
+                tokenizer, read_demonstrations(data.eval_path, data.num_eval), data.system_prompt, data.max_length
+            )
+            if data.eval_path
+            else []
         )
         objective = SFTObjective(tokenizer.pad_token_id, compute.device)
         evaluate = (
-            (lambda: evaluate_objective(model, eval_examples, objective, config.train.micro_batch_size, compute)) if eval_examples else None
+            (lambda: evaluate_objective(model, eval_examples, objective, config.train.micro_batch_size, compute))
+            if eval_examples
+            else None
         )
-        rows, before, after = fit(model, train_examples, objective, config, compute=compute, evaluate=evaluate, name="polo sft")
+        rows, before, after = fit(
+            model, train_examples, objective, config, compute=compute, evaluate=evaluate, name="polo sft"
+        )
         output_dir = Path(config.output.dir)
         model_dir = save_model(model, tokenizer, output_dir / "final")
         seconds = time.perf_counter() - started
         write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
-        return FinetuneResult(output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds)
+        return FinetuneResult(
+            output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds
+        )

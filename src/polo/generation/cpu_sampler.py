@@ -6,7 +6,6 @@ from the batch and the cache, so no work is spent on finished sequences.
 
 from __future__ import annotations
 
-
 import torch
 
 from polo.generation.prompts import stop_token_ids, tokenize_prompts
@@ -127,7 +126,7 @@ def rollout(
     )
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-    texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+    texts = tokenizer.batch_decode(
+        completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
+    )
     return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, group_size)
-
-

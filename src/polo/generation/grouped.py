@@ -67,9 +67,19 @@ def group_batches(lengths: list[int], samples_per_prompt: int, batch_size: int) 
 
 @torch.no_grad()
 def sample_groups(
-    model, tokenizer, prompts: list[str], samples_per_prompt: int, *, max_new_tokens: int, temperature: float,
-    top_p: float = 1.0, batch_size: int = 64, compute: Compute = CPU, sampler: Sampler | None = None,
-    progress: bool = False, description: str = "polo sample",
+    model,
+    tokenizer,
+    prompts: list[str],
+    samples_per_prompt: int,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    batch_size: int = 64,
+    compute: Compute = CPU,
+    sampler: Sampler | None = None,
+    progress: bool = False,
+    description: str = "polo sample",
 ) -> list[list[Completion]]:
     """Return, per prompt in the given order, its `samples_per_prompt` completions, each prompt sampled as one group.
 
@@ -85,8 +95,14 @@ def sample_groups(
     with tqdm(total=total, desc=description, unit="sample", disable=not progress, dynamic_ncols=True) as bar:
         for chunk in group_batches(lengths, samples_per_prompt, batch_size):
             sampled = sampler(
-                model, tokenizer, [prompts[index] for index in chunk], samples_per_prompt,
-                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, compute=compute,
+                model,
+                tokenizer,
+                [prompts[index] for index in chunk],
+                samples_per_prompt,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                compute=compute,
             )
             counts, cut = sampled.completion_lengths.tolist(), sampled.truncated.tolist()
             for row, text in enumerate(sampled.texts):

@@ -15,7 +15,9 @@ from polo.models.family import encode_prompts
 from polo.runtime.device import CPU
 
 
-def tokenize_prompts(tokenizer, prompts: list[str], device: torch.device = CPU.device) -> tuple[torch.Tensor, torch.Tensor]:
+def tokenize_prompts(
+    tokenizer, prompts: list[str], device: torch.device = CPU.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Return left-padded `(input_ids, attention_mask)`, (prompts, longest), on `device`, for formatted prompt strings.
 
     Each prompt starts with the tokenizer's BOS exactly once when the tokenizer adds one (a chat
@@ -36,7 +38,6 @@ def tokenize_prompts(tokenizer, prompts: list[str], device: torch.device = CPU.d
     return input_ids, attention_mask
 
 
-
 def stop_token_ids(tokenizer, model) -> list[int]:
     """Return the token ids that end a completion (the tokenizer's and the model config's EOS)."""
     ids = set()
@@ -53,7 +54,6 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 QUESTION_PLACEHOLDER = "{question}"
 
 
-
 # R1-Zero style: reasoning and answer in separate tags, so the format reward and the
 # answer extraction have something unambiguous to look for.
 DEFAULT_INSTRUCTION = (
@@ -64,19 +64,13 @@ DEFAULT_INSTRUCTION = (
 )
 
 
-
 # For tasks whose correctness looks at the last number in the text rather than a tag.
-PLAIN_INSTRUCTION = (
-    "{question}\n\n"
-    "Answer briefly, and end your reply with the final number."
-)
-
+PLAIN_INSTRUCTION = "{question}\n\nAnswer briefly, and end your reply with the final number."
 
 
 def default_instruction(answer_in_tags: bool) -> str:
     """Return the instruction template that matches how a task's correctness reads answers."""
     return DEFAULT_INSTRUCTION if answer_in_tags else PLAIN_INSTRUCTION
-
 
 
 def fill_instruction(instruction: str, question: str) -> str:
@@ -89,7 +83,6 @@ def fill_instruction(instruction: str, question: str) -> str:
     # str.replace rather than str.format: templates and questions may contain literal braces
     # (LaTeX, JSON examples) that format() would try to interpret.
     return instruction.replace(QUESTION_PLACEHOLDER, question)
-
 
 
 def prompt_messages(

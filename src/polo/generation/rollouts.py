@@ -36,7 +36,7 @@ class Rollouts:
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
-    def select(self, rows: torch.Tensor | slice) -> "Rollouts":
+    def select(self, rows: torch.Tensor | slice) -> Rollouts:
         """Return the rows `rows` (whole groups are the caller's business)."""
         if isinstance(rows, slice):
             texts = self.texts[rows]
@@ -53,7 +53,6 @@ class Rollouts:
         )
 
 
-
 class Sampler(Protocol):
     """What samples completions: `group_size` per prompt, groups contiguous, as `Rollouts` on `compute.device`.
 
@@ -64,6 +63,14 @@ class Sampler(Protocol):
     """
 
     def __call__(
-        self, model, tokenizer, prompts: list[str], group_size: int, *,
-        max_new_tokens: int, temperature: float, top_p: float = 1.0, compute: Compute = CPU,
+        self,
+        model,
+        tokenizer,
+        prompts: list[str],
+        group_size: int,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        compute: Compute = CPU,
     ) -> Rollouts: ...

@@ -15,7 +15,10 @@ NUCLEUS_CANDIDATES = 256
 
 
 def sample_next_token(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None,
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Return one sampled token id per row from next-token `logits` (batch, vocab) -> (batch,).
 
@@ -40,7 +43,10 @@ def sample_next_token(
 
 
 def sample_on_device(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None,
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Return one sampled token id per row from `logits` (batch, vocab) -> (batch,), never reading a value on the host.
 

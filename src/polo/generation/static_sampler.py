@@ -115,15 +115,23 @@ class StaticDecoder:
 
     @torch.no_grad()
     def start(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, generator: torch.Generator | None,
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        group_size: int,
+        generator: torch.Generator | None,
     ) -> None:
         """Return nothing: prefill each prompt (prompts, P) once, copy it to its G rows, draw the first tokens."""
         prompts, prompt_len = prompt_ids.shape
         positions = position_ids_from_mask(prompt_mask.long())
         prefill_cache = full_length_cache(self.model, prompt_len, self.compute.device)
         logits = self.model(
-            input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, **{cache_keyword(self.model): prefill_cache},
-            use_cache=True, logits_to_keep=1,
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=positions,
+            **{cache_keyword(self.model): prefill_cache},
+            use_cache=True,
+            logits_to_keep=1,
         ).logits[:, -1]
         for layer, prefilled in zip(self.cache.layers, prefill_cache.layers):
             if not layer.is_initialized:  # allocated once, at the decode batch's size
@@ -144,8 +152,11 @@ class StaticDecoder:
     def _decode_step(self) -> None:
         """Return nothing: run the model on each row's last token, draw the next (fixed shapes, in place, no sync)."""
         logits = self.model(
-            input_ids=self.tokens[:, None], attention_mask=self.attention_mask, position_ids=self.positions[:, None],
-            use_cache=True, **{self.cache_keyword: self.cache},
+            input_ids=self.tokens[:, None],
+            attention_mask=self.attention_mask,
+            position_ids=self.positions[:, None],
+            use_cache=True,
+            **{self.cache_keyword: self.cache},
         ).logits[:, -1]
         self.positions.add_(1)
         self._take(logits)
@@ -199,9 +210,19 @@ def left_pad(ids: torch.Tensor, mask: torch.Tensor, length: int, pad_id: int) ->
 
 @torch.no_grad()
 def generate(
-    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int, temperature: float,
-    top_p: float, stop_ids: list[int], pad_id: int, compute: Compute = CPU, samples_per_prompt: int = 1,
-    generator: torch.Generator | None = None, capture: bool | None = None,
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_ids: list[int],
+    pad_id: int,
+    compute: Compute = CPU,
+    samples_per_prompt: int = 1,
+    generator: torch.Generator | None = None,
+    capture: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return `(completion_ids, completion_mask, truncated)` as `cpu_sampler.generate` does, with fixed shapes.
 
@@ -217,8 +238,14 @@ def generate(
         bucket = -(-prompt_ids.shape[1] // LENGTH_BUCKET) * LENGTH_BUCKET
         prompt_ids, prompt_mask = left_pad(prompt_ids, prompt_mask, bucket, pad_id)
     shape = DecodeShape(
-        prompt_ids.shape[0] * samples_per_prompt, prompt_ids.shape[1], max_new_tokens, float(temperature), float(top_p),
-        tuple(stop_ids), pad_id, capture,
+        prompt_ids.shape[0] * samples_per_prompt,
+        prompt_ids.shape[1],
+        max_new_tokens,
+        float(temperature),
+        float(top_p),
+        tuple(stop_ids),
+        pad_id,
+        capture,
     )
     decoder = decoder_for(model, shape, compute)
     was_training = model.training
@@ -233,16 +260,34 @@ def generate(
 
 
 def rollout(
-    model, tokenizer, prompts: list[str], group_size: int, *, max_new_tokens: int, temperature: float,
-    top_p: float = 1.0, compute: Compute = CPU, generator: torch.Generator | None = None, capture: bool | None = None,
+    model,
+    tokenizer,
+    prompts: list[str],
+    group_size: int,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    compute: Compute = CPU,
+    generator: torch.Generator | None = None,
+    capture: bool | None = None,
 ) -> Rollouts:
     """Return `group_size` sampled completions for each prompt, groups contiguous, on `compute.device` (a `Sampler`)."""
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     prompt_ids, prompt_mask = prompt_ids.to(compute.device), prompt_mask.to(compute.device)
     completion_ids, completion_mask, truncated = generate(
-        model, prompt_ids, prompt_mask, samples_per_prompt=group_size, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, stop_ids=stop_token_ids(tokenizer, model), pad_id=tokenizer.pad_token_id,
-        compute=compute, generator=generator, capture=capture,
+        model,
+        prompt_ids,
+        prompt_mask,
+        samples_per_prompt=group_size,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop_ids=stop_token_ids(tokenizer, model),
+        pad_id=tokenizer.pad_token_id,
+        compute=compute,
+        generator=generator,
+        capture=capture,
     )
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)

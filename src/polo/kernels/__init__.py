@@ -82,8 +82,14 @@ def prepacked_linears(model: torch.nn.Module, batch_hint: int, compute: Compute)
 
 
 def sharing_pays(
-    prompt_len: int, completion_len: int, group_size: int, hidden_size: int, params_per_layer: float, *,
-    blockwise: bool, device: torch.device,
+    prompt_len: int,
+    completion_len: int,
+    group_size: int,
+    hidden_size: int,
+    params_per_layer: float,
+    *,
+    blockwise: bool,
+    device: torch.device,
 ) -> bool:
     """Return True when scoring a batch in the shared-prompt layout costs clearly less than plain rows on `device`.
 
@@ -93,4 +99,6 @@ def sharing_pays(
     """
     if torch.device(device).type != "cpu":
         return False
-    return _cpu_shared_prompt.sharing_pays(prompt_len, completion_len, group_size, hidden_size, params_per_layer, blockwise)
+    return _cpu_shared_prompt.sharing_pays(
+        prompt_len, completion_len, group_size, hidden_size, params_per_layer, blockwise
+    )

@@ -113,9 +113,13 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype, with_entropy=True, vocab_block=VOCAB_BLOCK):
+    def forward(
+        ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype, with_entropy=True, vocab_block=VOCAB_BLOCK
+    ):
         if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-            raise ValueError(f"expected hidden (N, d) and weight (V, d), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+            raise ValueError(
+                f"expected hidden (N, d) and weight (V, d), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+            )
         if targets.shape != hidden.shape[:1]:
             raise ValueError(f"targets must have shape ({hidden.shape[0]},), got {tuple(targets.shape)}")
         if chunk_size < 1 or vocab_block < 1:
@@ -183,7 +187,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             w = weight.to(compute_dtype)
             neg_g = grad_logprobs.to(acc_dtype) * -inv_t  # (N,): −g_t / T
             grad_hidden = torch.zeros(hidden.shape, dtype=acc_dtype, device=device) if need_hidden else None
-            grad_weight = (torch.empty if n else torch.zeros)(weight.shape, dtype=weight.dtype, device=device) if need_weight else None  # every row is written when n > 0
+            grad_weight = (
+                (torch.empty if n else torch.zeros)(weight.shape, dtype=weight.dtype, device=device)
+                if need_weight
+                else None
+            )  # every row is written when n > 0
             buffers = _tile_buffers(min(chunk_size, n), min(vocab_block, vocab), compute_dtype, acc_dtype, device)
             block_grad = None
             for t0, t1, v0, v1 in _tiles(n, vocab, chunk_size, vocab_block):
@@ -250,8 +258,14 @@ def token_logprobs(
         compute_dtype = _default_compute_dtype(hidden)
     batch, seq, d = hidden.shape
     logprobs, entropy = ChunkedTokenLogprobs.apply(
-        hidden.reshape(batch * seq, d), weight, targets.reshape(-1).long(),
-        float(temperature), int(chunk_size), compute_dtype, bool(with_entropy), int(vocab_block),
+        hidden.reshape(batch * seq, d),
+        weight,
+        targets.reshape(-1).long(),
+        float(temperature),
+        int(chunk_size),
+        compute_dtype,
+        bool(with_entropy),
+        int(vocab_block),
     )
     logprobs = logprobs.view(batch, seq)
     return logprobs, (entropy.view(batch, seq) if with_entropy else None)
@@ -342,7 +356,7 @@ def head_reads_trunk(model, decoder, head, length: int = 4) -> bool:
     try:  # the random streams are put back: a model with dropout draws the same masks as without the trace
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             logits = getattr(model(input_ids=input_ids, use_cache=False), "logits", None)
-    except Exception:  # noqa: BLE001 - any model that cannot be traced this way takes the full-logits path
+    except Exception:
         return False
     finally:
         for handle in handles:
@@ -351,8 +365,10 @@ def head_reads_trunk(model, decoder, head, length: int = 4) -> bool:
     if not all(isinstance(t, torch.Tensor) for t in (trunk, head_in, head_out, logits)):
         return False
     return (
-        trunk.shape == head_in.shape and torch.equal(trunk, head_in)
-        and logits.shape == head_out.shape and torch.equal(logits, head_out.to(logits.dtype))
+        trunk.shape == head_in.shape
+        and torch.equal(trunk, head_in)
+        and logits.shape == head_out.shape
+        and torch.equal(logits, head_out.to(logits.dtype))
     )
 
 
@@ -380,7 +396,9 @@ def completion_logprobs_fused(
     if completion_len < 1:
         raise ValueError(f"completion_len must be positive, got {completion_len}")
     if completion_ids.shape[-1] != completion_len:
-        raise ValueError(f"completion_ids has {completion_ids.shape[-1]} columns, expected completion_len={completion_len}")
+        raise ValueError(
+            f"completion_ids has {completion_ids.shape[-1]} columns, expected completion_len={completion_len}"
+        )
     hidden = model.get_decoder()(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     ).last_hidden_state

@@ -43,7 +43,7 @@ class ValueModel(nn.Module):
         self.head = head
 
     @classmethod
-    def from_policy(cls, policy) -> "ValueModel":
+    def from_policy(cls, policy) -> ValueModel:
         """Return a critic whose trunk is an independent copy of `policy`'s decoder (fp32, trainable)."""
         import copy
 
@@ -55,7 +55,10 @@ class ValueModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Return values (batch, seq) for every prefix of `input_ids`."""
         hidden = self.trunk(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
         ).last_hidden_state
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 
@@ -69,8 +72,16 @@ def completion_values(critic: ValueModel, prompt_ids, prompt_mask, completion_id
 
 
 def logprobs_and_values(
-    model, value_head: nn.Linear, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-    temperature: float = 1.0, with_entropy: bool = False, detach_trunk_for_values: bool = False,
+    model,
+    value_head: nn.Linear,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    completion_mask,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    detach_trunk_for_values: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Return (log-probs, entropy or None, values), each (batch, completion_len), from one trunk forward.
 
@@ -87,7 +98,10 @@ def logprobs_and_values(
     attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)
     completion_len = completion_ids.shape[1]
     hidden = model.get_decoder()(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
     ).last_hidden_state[:, -completion_len - 1 : -1]
     logprobs, entropy = token_logprobs(
         hidden, model.get_output_embeddings().weight, completion_ids, temperature=temperature, with_entropy=with_entropy

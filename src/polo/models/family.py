@@ -28,10 +28,9 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
-
-import inspect
 
 import torch
 
@@ -85,7 +84,11 @@ def attention_window(model: Any) -> int | None:
     full-attention layers), so it holds for any family that has such layers.
     """
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
-    windows = [window for module in modules if isinstance(window := getattr(module, "sliding_window", None), int) and window > 0]
+    windows = [
+        window
+        for module in modules
+        if isinstance(window := getattr(module, "sliding_window", None), int) and window > 0
+    ]
     return min(windows) if windows else None
 
 

@@ -97,7 +97,11 @@ def _cached_snapshot(repo_id: str, revision: str | None, cache: Path) -> Path | 
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True, allow_patterns=MODEL_FILES))
+        path = Path(
+            snapshot_download(
+                repo_id, revision=revision, cache_dir=cache, local_files_only=True, allow_patterns=MODEL_FILES
+            )
+        )
     except (LocalEntryNotFoundError, ValueError):  # not cached, or cached incompletely (IncompleteSnapshotError)
         return None
     return path if has_weights(path) else None
@@ -111,7 +115,7 @@ def _download(name: str, repo_id: str, revision: str | None, cache: Path, fetch:
         path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=MODEL_FILES))
         if not has_weights(path):  # an older repository with PyTorch pickles only
             path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=PICKLED_WEIGHTS))
-    except Exception as error:  # noqa: BLE001 - the hub and its HTTP client raise many kinds; each becomes one line
+    except Exception as error:
         reason = " ".join(str(error).split())[:300] or type(error).__name__
         raise HubModelError(
             f"model {name!r} is not a local directory or in the local Hugging Face cache ({cache}), and downloading it "
@@ -149,13 +153,24 @@ def push_folder(folder: Path, repo_id: str, private: bool, message: str) -> str:
 
     api = HfApi()
     url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", commit_message=message, ignore_patterns=NOT_PUSHED)
+    api.upload_folder(
+        repo_id=repo_id, folder_path=str(folder), repo_type="model", commit_message=message, ignore_patterns=NOT_PUSHED
+    )
     return str(url)
 
 
 def model_card(
-    *, location: str, base_model: str, algorithm: str, task: str, steps: int, recipe: str,
-    eval_before: dict | None, eval_after: dict | None, num_eval: int, adapter: bool = False,
+    *,
+    location: str,
+    base_model: str,
+    algorithm: str,
+    task: str,
+    steps: int,
+    recipe: str,
+    eval_before: dict | None,
+    eval_after: dict | None,
+    num_eval: int,
+    adapter: bool = False,
 ) -> str:
     """Return the README.md of a trained model: Hub metadata, what it is, held-out accuracy, how to load it, the recipe.
 
@@ -167,36 +182,68 @@ def model_card(
     metadata = {"library_name": "polo", "pipeline_tag": "text-generation", "tags": list(dict.fromkeys(tags))}
     if base is not None:
         metadata["base_model"] = base[0]
-    title = location.split("/")[-1] if is_hub_id(location) else f"{base_model.rstrip('/').split('/')[-1]}: {algorithm} on {task}"
+    title = (
+        location.split("/")[-1]
+        if is_hub_id(location)
+        else f"{base_model.rstrip('/').split('/')[-1]}: {algorithm} on {task}"
+    )
     lines = ["---", yaml.safe_dump(metadata, sort_keys=False).strip(), "---", "", f"# {title}", ""]
     kind = "LoRA adapter for" if adapter else "fine-tune of"
     lines += [f"A {kind} `{base_model}`, trained with polo's {algorithm} for {steps} steps on the `{task}` task.", ""]
     lines += _accuracy_table(eval_before, eval_after, num_eval)
     lines += ["## Loading", "", "```python"]
     if adapter:
-        lines += ["from peft import AutoPeftModelForCausalLM", "from transformers import AutoTokenizer", "",
-                  f'model = AutoPeftModelForCausalLM.from_pretrained("{location}").merge_and_unload()']
+        lines += [
+            "from peft import AutoPeftModelForCausalLM",
+            "from transformers import AutoTokenizer",
+            "",
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{location}").merge_and_unload()',
+        ]
     else:
-        lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-                  f'model = AutoModelForCausalLM.from_pretrained("{location}")']
-    lines += [f'tokenizer = AutoTokenizer.from_pretrained("{location}")', "```", "",
-              f"With polo, save the recipe below as `recipe.yaml` and run `polo eval --model {location} --recipe recipe.yaml`.", ""]
-    lines += ["## Recipe", "", "The run's `config.yaml` (`polo train config.yaml` repeats it):", "", "```yaml", recipe.strip(), "```", ""]
+        lines += [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{location}")',
+        ]
+    lines += [
+        f'tokenizer = AutoTokenizer.from_pretrained("{location}")',
+        "```",
+        "",
+        f"With polo, save the recipe below as `recipe.yaml` and run `polo eval --model {location} --recipe recipe.yaml`.",
+        "",
+    ]
+    lines += [
+        "## Recipe",
+        "",
+        "The run's `config.yaml` (`polo train config.yaml` repeats it):",
+        "",
+        "```yaml",
+        recipe.strip(),
+        "```",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def _accuracy_table(eval_before: dict | None, eval_after: dict | None, num_eval: int) -> list[str]:
     """Return the card's held-out section: greedy accuracy before and after training (or a line saying there was none)."""
     if eval_before is None and eval_after is None:
-        return ["No held-out evaluation was run (eval.before and eval.after were off, or the task has no held-out rows).", ""]
+        return [
+            "No held-out evaluation was run (eval.before and eval.after were off, or the task has no held-out rows).",
+            "",
+        ]
 
     def cell(result: dict | None) -> str:
         return "not measured" if result is None else f"{result['accuracy']:.3f}"
 
     return [
-        "## Held-out accuracy", "",
-        f"Greedy decoding on {num_eval} held-out problems:", "",
-        "| | accuracy |", "|---|---|",
+        "## Held-out accuracy",
+        "",
+        f"Greedy decoding on {num_eval} held-out problems:",
+        "",
+        "| | accuracy |",
+        "|---|---|",
         f"| before training | {cell(eval_before)} |",
-        f"| after training | {cell(eval_after)} |", "",
+        f"| after training | {cell(eval_after)} |",
+        "",
     ]

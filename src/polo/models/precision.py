@@ -18,7 +18,6 @@ GRPO update of SmolLM2-135M about 30% faster than autocast (see benchmarks/grpo_
 
 from __future__ import annotations
 
-
 import torch
 
 __all__ = ["MasterWeights", "mark_float32"]
@@ -79,5 +78,3 @@ class MasterWeights:
             name: self._master_of.get(id(tensor), tensor).detach()
             for name, tensor in model.state_dict(keep_vars=True).items()
         }
-
-

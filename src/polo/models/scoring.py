@@ -25,11 +25,9 @@ from polo.models.family import fits_attention_window
 FUSED_LOGPROBS = True
 
 
-
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Return position ids that count only real tokens, shape (batch, seq)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
 
 
 def completion_logprobs(
@@ -55,7 +53,14 @@ def completion_logprobs(
     """
     if FUSED_LOGPROBS and group_size > 1:
         shared = shared_completion_logprobs(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, temperature=temperature, with_entropy=with_entropy
+            model,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            group_size,
+            temperature=temperature,
+            with_entropy=with_entropy,
         )
         if shared is not None:
             return shared
@@ -65,8 +70,14 @@ def completion_logprobs(
     if FUSED_LOGPROBS and supports_fused_logprobs(model):
         # Chunks of the lm_head at a time: the full (batch, len, vocab) logits never exist.
         return completion_logprobs_fused(
-            model, input_ids, attention_mask, position_ids_from_mask(attention_mask), completion_len, completion_ids,
-            temperature=temperature, with_entropy=with_entropy,
+            model,
+            input_ids,
+            attention_mask,
+            position_ids_from_mask(attention_mask),
+            completion_len,
+            completion_ids,
+            temperature=temperature,
+            with_entropy=with_entropy,
         )
     # The head gets a contiguous input: for a frozen lm_head (a reference, a LoRA base) matmul would
     # otherwise copy the whole (V, d) weight per row to multiply the strided slice of kept positions
@@ -101,9 +112,16 @@ def _params_per_layer(model) -> tuple[int, float]:
     return hidden, 4.0 * hidden * hidden + 3.0 * hidden * intermediate  # attention + gated MLP, roughly
 
 
-
 def shared_completion_logprobs(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size: int, *, temperature: float = 1.0, with_entropy: bool = False,
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    completion_mask,
+    group_size: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Return (log-probs, entropy or None), each (batch, C), scored in the shared layout; None when it does not apply.
 
@@ -117,8 +135,13 @@ def shared_completion_logprobs(
         return None
     hidden_size, per_layer = _params_per_layer(model)
     if not sharing_pays(
-        prompt_ids.shape[1], completion_ids.shape[1], group_size, hidden_size, per_layer,
-        blockwise=attends_blockwise(model), device=prompt_ids.device,
+        prompt_ids.shape[1],
+        completion_ids.shape[1],
+        group_size,
+        hidden_size,
+        per_layer,
+        blockwise=attends_blockwise(model),
+        device=prompt_ids.device,
     ):
         return None
     shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
@@ -127,10 +150,17 @@ def shared_completion_logprobs(
     # polo's attention (polo.kernels.cpu.attention, picked by polo.kernels) reads `shared_layout` and skips the all-masked blocks;
     # any other attention implementation ignores it and applies the full mask.
     hidden = model.get_decoder()(
-        input_ids=shared.input_ids, attention_mask=shared.attention_mask, position_ids=shared.position_ids, use_cache=False,
+        input_ids=shared.input_ids,
+        attention_mask=shared.attention_mask,
+        position_ids=shared.position_ids,
+        use_cache=False,
         shared_layout=shared.layout,
     ).last_hidden_state
     predictors = hidden.reshape(-1, hidden.shape[-1])[shared.predictor_index]  # (batch, C, d)
     return token_logprobs(
-        predictors, model.get_output_embeddings().weight, completion_ids, temperature=temperature, with_entropy=with_entropy
+        predictors,
+        model.get_output_embeddings().weight,
+        completion_ids,
+        temperature=temperature,
+        with_entropy=with_entropy,
     )

@@ -25,7 +25,6 @@ class Encoded:
     response_ids: tuple[int, ...]
 
 
-
 def encode(tokenizer: Any, prompt_texts: Sequence[str], responses: Sequence[str], max_length: int) -> list[Encoded]:
     """Return each (prompt text, response) as token ids: prompt, then response + EOS, at most `max_length` in all.
 
@@ -52,7 +51,6 @@ def encode(tokenizer: Any, prompt_texts: Sequence[str], responses: Sequence[str]
             )
         encoded.append(Encoded(tuple(prompt), tuple((response + [tokenizer.eos_token_id])[: max_length - len(prompt)])))
     return encoded
-
 
 
 @dataclass
@@ -89,7 +87,6 @@ class TokenBatch:
         return torch.cat([prompt_labels, response_labels], dim=1)
 
 
-
 def collate(encoded: Sequence[Encoded], pad_id: int, device: torch.device = CPU.device) -> TokenBatch:
     """Return the sequences as one `TokenBatch` on `device`, padded with `pad_id` (prompts on the left, responses on the right).
 
@@ -106,8 +103,12 @@ def collate(encoded: Sequence[Encoded], pad_id: int, device: torch.device = CPU.
         prompt_mask.append([0] * prompt_pad + [1] * len(item.prompt_ids))
         response_ids.append(list(item.response_ids) + [pad_id] * response_pad)
         response_mask.append([1] * len(item.response_ids) + [0] * response_pad)
-    return TokenBatch(*(torch.tensor(rows, dtype=torch.long, device=device) for rows in (prompt_ids, prompt_mask, response_ids, response_mask)))
-
+    return TokenBatch(
+        *(
+            torch.tensor(rows, dtype=torch.long, device=device)
+            for rows in (prompt_ids, prompt_mask, response_ids, response_mask)
+        )
+    )
 
 
 def sequence_rewards(reward_model, batch: TokenBatch) -> torch.Tensor:
@@ -120,6 +121,9 @@ def sequence_rewards(reward_model, batch: TokenBatch) -> torch.Tensor:
     """
     attention_mask = batch.attention_mask
     output = reward_model(
-        input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
+        input_ids=batch.input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
     )
     return output.logits[:, 0].float()

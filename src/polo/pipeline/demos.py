@@ -59,7 +59,9 @@ def arithmetic_working(row: dict) -> str:
 
 def gsm8k_working(row: dict) -> str:
     """Return the think text for a GSM8K row: its worked solution without annotations or the final-answer line."""
-    solution = row["solution"].rpartition(FINAL_ANSWER_MARK)[0] if FINAL_ANSWER_MARK in row["solution"] else row["solution"]
+    solution = (
+        row["solution"].rpartition(FINAL_ANSWER_MARK)[0] if FINAL_ANSWER_MARK in row["solution"] else row["solution"]
+    )
     return CALCULATOR_ANNOTATION.sub("", solution).strip()
 
 
@@ -74,7 +76,9 @@ def has_builtin_demonstrations(task: Task) -> bool:
 def cold_start_rows(task: Task, rows: list[dict], instruction: str, system_prompt: str | None) -> list[dict]:
     """Return one SFT demonstration `{"prompt", "response", "question", "answer"}` per task row, in the R1 layout."""
     if not has_builtin_demonstrations(task):
-        raise ValueError(f"no built-in cold-start demonstrations for task {task.name!r} (built in: {', '.join(WORKINGS)})")
+        raise ValueError(
+            f"no built-in cold-start demonstrations for task {task.name!r} (built in: {', '.join(WORKINGS)})"
+        )
     working = WORKINGS[task.name]
     return [
         {

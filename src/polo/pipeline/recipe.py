@@ -47,8 +47,12 @@ class PipelineSettings:
     model: str = "smollm2-135m-instruct"  # the first stage's model.name unless that stage sets its own
     report: bool = True  # write <dir>/report.html at the end
     progress: bool = True  # progress bars while sampling for rejection and evaluation
-    threads: int | None = None  # torch intra-op threads for the pipeline (null: torch's default; a stage's train.threads changes it)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N: every stage's train.device unless it sets one, and the evaluations'
+    threads: int | None = (
+        None  # torch intra-op threads for the pipeline (null: torch's default; a stage's train.threads changes it)
+    )
+    device: str = (
+        "auto"  # auto | cpu | cuda | cuda:N: every stage's train.device unless it sets one, and the evaluations'
+    )
 
 
 @dataclass
@@ -171,7 +175,9 @@ def load_pipeline(recipe: str | Path | dict, overrides: list[str] | None = None)
     unknown = [key for key in data if key not in known]
     if unknown:
         raise ConfigError(f"unknown pipeline recipe key {unknown[0]!r}; valid keys: {', '.join(known)}")
-    sections = build_dataclass(PipelineRecipe, {key: value for key, value in data.items() if key in ("pipeline", "eval")})
+    sections = build_dataclass(
+        PipelineRecipe, {key: value for key, value in data.items() if key in ("pipeline", "eval")}
+    )
     settings, evaluation = sections.pipeline, sections.eval
     check_output_dir("pipeline.dir", settings.dir)
     if settings.threads is not None and settings.threads < 1:
@@ -214,7 +220,9 @@ def normalised_stages(data: dict) -> dict:
     mapping = {}
     for index, item in enumerate(stages):
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ConfigError(f"stages[{index}]: a stage in a list needs a name, e.g. {{name: reason, kind: grpo}}; got {item!r}")
+            raise ConfigError(
+                f"stages[{index}]: a stage in a list needs a name, e.g. {{name: reason, kind: grpo}}; got {item!r}"
+            )
         if item["name"] in mapping:
             raise ConfigError(f"stages[{index}]: the name {item['name']!r} is used twice")
         mapping[item["name"]] = {key: value for key, value in item.items() if key != "name"}
@@ -227,7 +235,9 @@ def stages_of(data: dict) -> dict:
     if stages is None:
         raise ConfigError(f"the pipeline recipe has no stages; add `stages:` with stages of kind {', '.join(KINDS)}")
     if not isinstance(stages, dict):
-        raise ConfigError(f"stages: expected a mapping of stage name -> stage (or a list of stages with names), got {stages!r}")
+        raise ConfigError(
+            f"stages: expected a mapping of stage name -> stage (or a list of stages with names), got {stages!r}"
+        )
     return stages
 
 
@@ -248,7 +258,9 @@ def build_stage(name: str, raw: Any, index: int, settings: PipelineSettings, tas
     if not STAGE_NAME.fullmatch(str(name)):
         raise ConfigError(f"{where}: a stage name is letters, digits and _ only")
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping with kind ({', '.join(KINDS)}) and the stage's recipe sections, got {raw!r}")
+        raise ConfigError(
+            f"{where}: expected a mapping with kind ({', '.join(KINDS)}) and the stage's recipe sections, got {raw!r}"
+        )
     kind = raw.get("kind")
     if kind not in KINDS:
         raise ConfigError(f"{where}.kind: {kind!r} is not one of {', '.join(KINDS)}")
@@ -275,7 +287,9 @@ def build_stage(name: str, raw: Any, index: int, settings: PipelineSettings, tas
         if stage.demos.num_eval:
             data["eval_path"] = str(stage.dir / "demos_eval.jsonl")
     elif raw.get("demos") is not None:
-        raise ConfigError(f"{where}: set either data.train_path (your demonstrations) or demos (built from the task), not both")
+        raise ConfigError(
+            f"{where}: set either data.train_path (your demonstrations) or demos (built from the task), not both"
+        )
     return stage
 
 
@@ -312,12 +326,19 @@ def extra_settings(where: str, raw: dict, key: str, cls: type) -> Any:
 def check_eval(evaluation: StageEvalSettings) -> None:
     """Raise `ConfigError` for an evaluation setting that makes no sense."""
     if evaluation.samples < 1 or evaluation.batch_size < 1:
-        raise ConfigError(f"eval.samples and eval.batch_size must be at least 1, got {evaluation.samples} and {evaluation.batch_size}")
-    for key, value in (("eval.num_problems", evaluation.num_problems), ("eval.max_new_tokens", evaluation.max_new_tokens)):
+        raise ConfigError(
+            f"eval.samples and eval.batch_size must be at least 1, got {evaluation.samples} and {evaluation.batch_size}"
+        )
+    for key, value in (
+        ("eval.num_problems", evaluation.num_problems),
+        ("eval.max_new_tokens", evaluation.max_new_tokens),
+    ):
         if value is not None and value < 1:
             raise ConfigError(f"{key} must be at least 1 (or null), got {value}")
     if not 0 <= evaluation.temperature < float("inf") or not 0 < evaluation.top_p <= 1:
-        raise ConfigError(f"eval.temperature must be >= 0 and eval.top_p in (0, 1], got {evaluation.temperature} and {evaluation.top_p}")
+        raise ConfigError(
+            f"eval.temperature must be >= 0 and eval.top_p in (0, 1], got {evaluation.temperature} and {evaluation.top_p}"
+        )
     if evaluation.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"eval.precision: {evaluation.precision!r} is not one of auto, fp32, bf16")
 
@@ -351,17 +372,28 @@ def check_stage_data(plan: Plan, stage: Stage) -> None:
             )
         wanted = stage.demos.num_train + stage.demos.num_eval
         if stage.demos.num_train < 1 or stage.demos.num_eval < 0 or wanted > train_rows:
-            raise ConfigError(f"{where}.demos: num_train (>= 1) + num_eval (>= 0) = {wanted} must fit the task's {train_rows} training rows")
+            raise ConfigError(
+                f"{where}.demos: num_train (>= 1) + num_eval (>= 0) = {wanted} must fit the task's {train_rows} training rows"
+            )
     rejection = stage.rejection
     if rejection is not None:
-        counts = {"num_prompts": rejection.num_prompts, "samples": rejection.samples, "max_per_prompt": rejection.max_per_prompt, "batch_size": rejection.batch_size}
+        counts = {
+            "num_prompts": rejection.num_prompts,
+            "samples": rejection.samples,
+            "max_per_prompt": rejection.max_per_prompt,
+            "batch_size": rejection.batch_size,
+        }
         for key, value in counts.items():
             if value < 1:
                 raise ConfigError(f"{where}.rejection.{key} must be at least 1, got {value}")
         if rejection.num_prompts > train_rows:
-            raise ConfigError(f"{where}.rejection.num_prompts={rejection.num_prompts} is more than the task's {train_rows} training rows")
+            raise ConfigError(
+                f"{where}.rejection.num_prompts={rejection.num_prompts} is more than the task's {train_rows} training rows"
+            )
         if not 0 < rejection.temperature < float("inf") or not 0 < rejection.top_p <= 1:
-            raise ConfigError(f"{where}.rejection: temperature must be > 0 and top_p in (0, 1], got {rejection.temperature} and {rejection.top_p}")
+            raise ConfigError(
+                f"{where}.rejection: temperature must be > 0 and top_p in (0, 1], got {rejection.temperature} and {rejection.top_p}"
+            )
 
 
 def stage_record(stage: Stage, config: Any) -> dict:

@@ -36,8 +36,13 @@ class Selection:
     def counts(self) -> dict[str, int]:
         """Return the counts as a plain dict (for summaries)."""
         return {
-            "sampled": self.sampled, "correct": self.correct, "well_formed": self.well_formed, "accepted": self.accepted,
-            "duplicates": self.duplicates, "over_cap": self.over_cap, "kept": len(self.kept),
+            "sampled": self.sampled,
+            "correct": self.correct,
+            "well_formed": self.well_formed,
+            "accepted": self.accepted,
+            "duplicates": self.duplicates,
+            "over_cap": self.over_cap,
+            "kept": len(self.kept),
         }
 
 
@@ -91,7 +96,9 @@ def training_prompts(task: Task, num_prompts: int, seed: int) -> list[dict]:
     held_out = {row["question"] for row in task.eval_rows}
     rows = [row for row in task.train_rows if row["question"] not in held_out]
     if num_prompts > len(rows):
-        raise ValueError(f"rejection sampling asks for {num_prompts} prompts but the task's training split holds {len(rows)}")
+        raise ValueError(
+            f"rejection sampling asks for {num_prompts} prompts but the task's training split holds {len(rows)}"
+        )
     rows = list(rows)
     random.Random(seed).shuffle(rows)
     return rows[:num_prompts]
@@ -123,8 +130,17 @@ def rejection_sample(
     rows = training_prompts(task, num_prompts, seed)
     prompts = task.prompts(tokenizer, rows, instruction, system_prompt)
     completions = sample_groups(
-        model, tokenizer, prompts, samples, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        batch_size=batch_size, compute=compute, progress=progress, description="polo pipeline",
+        model,
+        tokenizer,
+        prompts,
+        samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        batch_size=batch_size,
+        compute=compute,
+        progress=progress,
+        description="polo pipeline",
     )
     kept_rows, per_prompt = [], []
     totals = Selection(kept=[])
@@ -134,7 +150,10 @@ def rejection_sample(
         for name in ("sampled", "correct", "well_formed", "accepted", "duplicates", "over_cap"):
             setattr(totals, name, getattr(totals, name) + getattr(selection, name))
         prompt = user_prompt(row["question"], instruction, system_prompt, task.few_shot)
-        kept_rows.extend({"prompt": prompt, "response": text, "question": row["question"], "answer": row["answer"]} for text in selection.kept)
+        kept_rows.extend(
+            {"prompt": prompt, "response": text, "question": row["question"], "answer": row["answer"]}
+            for text in selection.kept
+        )
     return RejectionResult(kept_rows, rejection_summary(totals, len(kept_rows), per_prompt, samples, max_per_prompt))
 
 
@@ -145,7 +164,10 @@ def rejection_summary(totals: Selection, kept: int, per_prompt: list[dict], samp
         "prompts": len(per_prompt),
         "samples_per_prompt": samples,
         "max_per_prompt": max_per_prompt,
-        **{name: getattr(totals, name) for name in ("sampled", "correct", "well_formed", "accepted", "duplicates", "over_cap")},
+        **{
+            name: getattr(totals, name)
+            for name in ("sampled", "correct", "well_formed", "accepted", "duplicates", "over_cap")
+        },
         "kept": kept,
         "correct_rate": totals.correct / sampled,
         "format_rate": totals.well_formed / sampled,

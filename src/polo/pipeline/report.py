@@ -62,13 +62,19 @@ def table_html(base: dict | None, entries: list[dict]) -> str:
     header += "<th>Δ pass@1</th><th>stage time</th><th>eval time</th><th>notes</th></tr>"
     rows, previous = [], headline(base)["pass@1"] if base else float("nan")
     lines = [("start (no training)", "", base, None, "")] if base else []
-    lines += [(entry["label"], entry["kind"], entry.get("evaluation"), entry.get("seconds"), stage_notes(entry)) for entry in entries]
+    lines += [
+        (entry["label"], entry["kind"], entry.get("evaluation"), entry.get("seconds"), stage_notes(entry))
+        for entry in entries
+    ]
     for label, kind, evaluation, seconds, notes in lines:
         numbers = headline(evaluation)
         change = numbers["pass@1"] - previous
         previous = numbers["pass@1"] if not math.isnan(numbers["pass@1"]) else previous
         eval_seconds = (evaluation or {}).get("seconds")
-        cells = "".join(f"<td>{fmt(numbers[key])}</td>" for key, _ in TABLE_COLUMNS[:-1]) + f"<td>{fmt(numbers['length'], 1)}</td>"
+        cells = (
+            "".join(f"<td>{fmt(numbers[key])}</td>" for key, _ in TABLE_COLUMNS[:-1])
+            + f"<td>{fmt(numbers['length'], 1)}</td>"
+        )
         rows.append(
             f"<tr><td>{escape(label)}</td><td>{escape(kind)}</td>{cells}<td>{'' if seconds is None else fmt(change)}</td>"
             f"<td>{'' if seconds is None else f'{seconds / 60:.1f} min'}</td>"
@@ -80,7 +86,10 @@ def table_html(base: dict | None, entries: list[dict]) -> str:
 def total_time(base: dict | None, entries: list[dict]) -> str:
     """Return the pipeline's wall time as stages plus evaluations (as recorded when each ran)."""
     stages = sum(entry.get("seconds") or 0.0 for entry in entries)
-    evaluations = sum((evaluation or {}).get("seconds") or 0.0 for evaluation in [base] + [entry.get("evaluation") for entry in entries])
+    evaluations = sum(
+        (evaluation or {}).get("seconds") or 0.0
+        for evaluation in [base] + [entry.get("evaluation") for entry in entries]
+    )
     return f"Total: {(stages + evaluations) / 60:.1f} min ({stages / 60:.1f} min of stages, {evaluations / 60:.1f} min of evaluations)."
 
 
@@ -124,7 +133,13 @@ def joined_figure(base: dict | None, entries: list[dict]) -> str | None:
         for axis in axes:
             axis.axvline(offset, color="#555555", linestyle="--", linewidth=0.8)
         axes[0].text(
-            offset - length / 2, 0.97, entry["label"], ha="center", va="top", fontsize=8, transform=axes[0].get_xaxis_transform(),
+            offset - length / 2,
+            0.97,
+            entry["label"],
+            ha="center",
+            va="top",
+            fontsize=8,
+            transform=axes[0].get_xaxis_transform(),
             bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
         )
         draw_evaluation_points(axes, offset, entry.get("evaluation"))
@@ -137,22 +152,50 @@ def joined_figure(base: dict | None, entries: list[dict]) -> str | None:
     axes[-1].set_xlabel("step, stage after stage (SFT stages shaded: optimizer steps; RL stages: RL steps)")
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
-        axes[0].legend(dict(zip(labels, handles)).values(), dict(zip(labels, handles)).keys(), fontsize=8, loc="lower right")
+        axes[0].legend(
+            dict(zip(labels, handles)).values(), dict(zip(labels, handles)).keys(), fontsize=8, loc="lower right"
+        )
     return figure_png(figure)
 
 
 def draw_rl_curves(axes, rows: list[dict], offset: int, labelled: bool) -> None:
     """Draw one RL stage's held-out accuracy, r1_format rate and mean length, shifted right by `offset` (legend labels when `labelled`)."""
+
     def series(key: str, train: bool) -> tuple[list[float], list[float]]:
-        points = [(offset + row["step"], row[key]) for row in rows if isinstance(row.get(key), (int, float)) and ("reward/mean" in row) == train]
+        points = [
+            (offset + row["step"], row[key])
+            for row in rows
+            if isinstance(row.get(key), (int, float)) and ("reward/mean" in row) == train
+        ]
         return [x for x, _ in points], [y for _, y in points]
 
     label = (lambda text: text) if labelled else (lambda text: None)
     marker = "o" if len(series("accuracy", True)[0]) < 3 else None  # a one-step stage is a point, not an invisible line
-    axes[0].plot(*series("eval/accuracy", False), "o-", color="#dd8452", linewidth=2, markersize=3, label=label("held-out greedy (during RL)"))
-    axes[0].plot(*series("accuracy", True), color="#4c72b0", alpha=0.5, marker=marker, label=label("train accuracy (sampled)"))
-    axes[1].plot(*series(R1_FORMAT_KEY, True), color="#55a868", linewidth=1.5, marker=marker, label=label("r1_format reward (sampled)"))
-    axes[2].plot(*series("completion_length/mean", True), color="#8172b3", linewidth=1.5, marker=marker, label=label("mean length (sampled)"))
+    axes[0].plot(
+        *series("eval/accuracy", False),
+        "o-",
+        color="#dd8452",
+        linewidth=2,
+        markersize=3,
+        label=label("held-out greedy (during RL)"),
+    )
+    axes[0].plot(
+        *series("accuracy", True), color="#4c72b0", alpha=0.5, marker=marker, label=label("train accuracy (sampled)")
+    )
+    axes[1].plot(
+        *series(R1_FORMAT_KEY, True),
+        color="#55a868",
+        linewidth=1.5,
+        marker=marker,
+        label=label("r1_format reward (sampled)"),
+    )
+    axes[2].plot(
+        *series("completion_length/mean", True),
+        color="#8172b3",
+        linewidth=1.5,
+        marker=marker,
+        label=label("mean length (sampled)"),
+    )
 
 
 def draw_evaluation_points(axes, x: float, evaluation: dict | None) -> None:
@@ -160,8 +203,17 @@ def draw_evaluation_points(axes, x: float, evaluation: dict | None) -> None:
     if not evaluation:
         return
     numbers = headline(evaluation)
-    axes[0].plot([x], [numbers["greedy_accuracy"]], "s", color="#c44e52", markersize=7, label="stage-end greedy accuracy")
-    axes[0].plot([x], [numbers["pass@1"]], "D", color="#937860", markersize=6, label=f"stage-end pass@1 over {numbers['samples']}")
+    axes[0].plot(
+        [x], [numbers["greedy_accuracy"]], "s", color="#c44e52", markersize=7, label="stage-end greedy accuracy"
+    )
+    axes[0].plot(
+        [x],
+        [numbers["pass@1"]],
+        "D",
+        color="#937860",
+        markersize=6,
+        label=f"stage-end pass@1 over {numbers['samples']}",
+    )
     axes[1].plot([x], [numbers["format"]], "D", color="#937860", markersize=6)
     axes[2].plot([x], [numbers["length"]], "D", color="#937860", markersize=6)
 
@@ -198,13 +250,15 @@ def build_pipeline_report(pipeline_dir: str | Path, labels: list[str], figure_pa
         f'<div class="meta">{escape(pipeline_dir.resolve())}</div>',
         "<h2>What each stage added</h2>",
         f'<p class="note">Held-out evaluation after each stage on {escape(settings.get("num_problems", "?"))} problems of '
-        f'{escape(settings.get("task", "?"))}: greedy decoding, then {escape(settings.get("samples", "K"))} samples per problem '
-        f'at T={escape(settings.get("temperature", "?"))}, top-p {escape(settings.get("top_p", "?"))} '
-        f'(max {escape(settings.get("max_new_tokens", "?"))} new tokens). Stage time excludes the evaluation.</p>',
+        f"{escape(settings.get('task', '?'))}: greedy decoding, then {escape(settings.get('samples', 'K'))} samples per problem "
+        f"at T={escape(settings.get('temperature', '?'))}, top-p {escape(settings.get('top_p', '?'))} "
+        f"(max {escape(settings.get('max_new_tokens', '?'))} new tokens). Stage time excludes the evaluation.</p>",
         table_html(base, entries),
         f'<p class="note">{total_time(base, entries)}</p>',
         "<h2>Curves, all stages joined</h2>",
-        f'<div class="figures"><img alt="pipeline curves" src="data:image/png;base64,{figure}"></div>' if figure else '<p class="note">No stage has finished yet.</p>',
+        f'<div class="figures"><img alt="pipeline curves" src="data:image/png;base64,{figure}"></div>'
+        if figure
+        else '<p class="note">No stage has finished yet.</p>',
     ]
     examples = examples_html(entries)
     if examples:

@@ -81,7 +81,9 @@ def run_plan(plan: Plan, stop: StopRequest) -> PipelineResult:
     base = evaluate_model(plan, plan.start_model, root / BASE_DIR) if plan.eval.base else None
     results, model, upstream_ran, previous_dir = [], plan.start_model, False, root / BASE_DIR
     for stage in plan.stages:
-        with owned_run_dir(stage.dir, "the stage directory", "pick another pipeline.dir"):  # its data, its run and its evaluation
+        with owned_run_dir(
+            stage.dir, "the stage directory", "pick another pipeline.dir"
+        ):  # its data, its run and its evaluation
             result = run_stage(plan, stage, model, upstream_ran, previous_dir)
         upstream_ran = upstream_ran or result.ran
         model, previous_dir = result.model_dir, stage.dir
@@ -98,7 +100,9 @@ def run_plan(plan: Plan, stop: StopRequest) -> PipelineResult:
     return outcome
 
 
-def run_stage(plan: Plan, stage: Stage, model: str, upstream_ran: bool, previous_dir: Path | None = None) -> StageResult:
+def run_stage(
+    plan: Plan, stage: Stage, model: str, upstream_ran: bool, previous_dir: Path | None = None
+) -> StageResult:
     """Run one stage from `model` (or skip it when it finished with the same recipe), evaluate it, mark it done.
 
     `previous_dir` is where `model`'s evaluation was written (the previous stage's directory, or base/).
@@ -107,12 +111,31 @@ def run_stage(plan: Plan, stage: Stage, model: str, upstream_ran: bool, previous
     record = json.loads(json.dumps(stage_record(stage, config), default=str))
     done = read_json(stage.dir / DONE_FILE)
     if done is not None and done.get("record") == record and not upstream_ran:
-        print(f"polo pipeline: stage {stage.label} ({stage.kind}) already done; skipping it ({stage.dir / DONE_FILE})", flush=True)
+        print(
+            f"polo pipeline: stage {stage.label} ({stage.kind}) already done; skipping it ({stage.dir / DONE_FILE})",
+            flush=True,
+        )
         evaluation = evaluate_model(plan, done["model_dir"], stage.dir)
-        return StageResult(stage.name, stage.label, stage.kind, stage.dir, done["model_dir"], False, done["seconds"], evaluation, done.get("details", {}))
+        return StageResult(
+            stage.name,
+            stage.label,
+            stage.kind,
+            stage.dir,
+            done["model_dir"],
+            False,
+            done["seconds"],
+            evaluation,
+            done.get("details", {}),
+        )
     started = read_json(stage.dir / STARTED_FILE)
     resumable = done is None and not upstream_ran and started is not None and started.get("record") == record
-    why = "its recipe changed" if done is not None and done.get("record") != record else "an earlier stage ran again" if done else ""
+    why = (
+        "its recipe changed"
+        if done is not None and done.get("record") != record
+        else "an earlier stage ran again"
+        if done
+        else ""
+    )
     (stage.dir / DONE_FILE).unlink(missing_ok=True)
     (stage.dir / EVAL_FILE).unlink(missing_ok=True)  # it may name the same model directory, now to be trained again
     write_json(stage.dir / STARTED_FILE, {"record": record})
@@ -129,13 +152,25 @@ def run_stage(plan: Plan, stage: Stage, model: str, upstream_ran: bool, previous
     seconds = time.perf_counter() - began
     gc.collect()
     if model_dir == model and previous_dir is not None and (previous_dir / EVAL_FILE).exists():
-        shutil.copyfile(previous_dir / EVAL_FILE, stage.dir / EVAL_FILE)  # the same model: its evaluation is the previous one
+        shutil.copyfile(
+            previous_dir / EVAL_FILE, stage.dir / EVAL_FILE
+        )  # the same model: its evaluation is the previous one
     evaluation = evaluate_model(plan, model_dir, stage.dir)
     result = StageResult(stage.name, stage.label, stage.kind, stage.dir, model_dir, True, seconds, evaluation, details)
-    write_json(stage.dir / DONE_FILE, {
-        "stage": stage.name, "label": stage.label, "kind": stage.kind, "model_dir": model_dir, "started_from": model,
-        "seconds": seconds, "details": details, "evaluation": evaluation, "record": record,
-    })
+    write_json(
+        stage.dir / DONE_FILE,
+        {
+            "stage": stage.name,
+            "label": stage.label,
+            "kind": stage.kind,
+            "model_dir": model_dir,
+            "started_from": model,
+            "seconds": seconds,
+            "details": details,
+            "evaluation": evaluation,
+            "record": record,
+        },
+    )
     return result
 
 
@@ -150,7 +185,11 @@ def run_grpo(plan: Plan, stage: Stage, config: Any, model: str, resumable: bool)
     if final is None:
         raise RuntimeError(f"stage {stage.label}: the run wrote no checkpoint in {result.output_dir}")
     accuracy = lambda result: None if result is None else result.get("accuracy")  # noqa: E731
-    return str(final), {"steps": result.steps, "eval_before": accuracy(result.eval_before), "eval_after": accuracy(result.eval_after)}
+    return str(final), {
+        "steps": result.steps,
+        "eval_before": accuracy(result.eval_before),
+        "eval_after": accuracy(result.eval_after),
+    }
 
 
 def run_sft(plan: Plan, stage: Stage, config: Any, model: str, resumable: bool) -> tuple[str, dict]:
@@ -171,7 +210,12 @@ def run_sft(plan: Plan, stage: Stage, config: Any, model: str, resumable: bool) 
         details["demonstrations"] = demos.num_train
     result = sft(config)
     loss = lambda result: None if result is None else result.get("loss")  # noqa: E731
-    return str(result.model_dir), {**details, "steps": result.steps, "loss_before": loss(result.eval_before), "loss_after": loss(result.eval_after)}
+    return str(result.model_dir), {
+        **details,
+        "steps": result.steps,
+        "loss_before": loss(result.eval_before),
+        "loss_after": loss(result.eval_after),
+    }
 
 
 def run_reject_sft(plan: Plan, stage: Stage, config: Any, model: str, resumable: bool) -> tuple[str, dict]:
@@ -190,12 +234,26 @@ def run_reject_sft(plan: Plan, stage: Stage, config: Any, model: str, resumable:
     settings, compute = stage.rejection, inference_compute(config.train.precision, config.train.device)
     seed_everything(settings.seed)
     policy, tokenizer = load_for_sampling(model, compute)
-    print(f"polo pipeline: rejection sampling {settings.num_prompts} prompts x {settings.samples} samples from {model}", flush=True)
+    print(
+        f"polo pipeline: rejection sampling {settings.num_prompts} prompts x {settings.samples} samples from {model}",
+        flush=True,
+    )
     sampled = rejection_sample(
-        policy, tokenizer, plan.task, instruction=plan.instruction, system_prompt=plan.task_config.task.system_prompt,
-        num_prompts=settings.num_prompts, samples=settings.samples, max_per_prompt=settings.max_per_prompt,
-        temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=settings.max_new_tokens or plan.max_new_tokens,
-        batch_size=settings.batch_size, seed=settings.seed, compute=compute, progress=plan.settings.progress,
+        policy,
+        tokenizer,
+        plan.task,
+        instruction=plan.instruction,
+        system_prompt=plan.task_config.task.system_prompt,
+        num_prompts=settings.num_prompts,
+        samples=settings.samples,
+        max_per_prompt=settings.max_per_prompt,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        max_new_tokens=settings.max_new_tokens or plan.max_new_tokens,
+        batch_size=settings.batch_size,
+        seed=settings.seed,
+        compute=compute,
+        progress=plan.settings.progress,
     )
     del policy
     gc.collect()
@@ -209,7 +267,10 @@ def run_reject_sft(plan: Plan, stage: Stage, config: Any, model: str, resumable:
         flush=True,
     )
     if summary["kept"] < settings.min_kept:
-        print(f"polo pipeline: warning: fewer than rejection.min_kept={settings.min_kept} kept; stage {stage.label} passes {model} on unchanged", flush=True)
+        print(
+            f"polo pipeline: warning: fewer than rejection.min_kept={settings.min_kept} kept; stage {stage.label} passes {model} on unchanged",
+            flush=True,
+        )
         return model, {"rejection": totals, "sft": None}
     result = sft(config)
     return str(result.model_dir), {"rejection": totals, "sft": {"steps": result.steps}}
@@ -222,13 +283,17 @@ def summary_table(result: PipelineResult) -> str:
     """Return the pipeline's results as a plain aligned table: the starting model, then one row per stage."""
     rows = [("start", "", result.base, None)] if result.base is not None else []
     rows += [(stage.label, stage.kind, stage.evaluation, stage.seconds) for stage in result.stages]
-    header = f"{'stage':<16} {'kind':<10} {'greedy':>7} {'format':>7} {'pass@1':>7} {'cons@k':>7} {'length':>7} {'time':>8}"
+    header = (
+        f"{'stage':<16} {'kind':<10} {'greedy':>7} {'format':>7} {'pass@1':>7} {'cons@k':>7} {'length':>7} {'time':>8}"
+    )
     lines = [header]
     for label, kind, evaluation, seconds in rows:
         numbers = headline(evaluation)
         cells = [numbers[key] for key in ("greedy_accuracy", "format", "pass@1", "cons@k")]
         time_text = "" if seconds is None else f"{seconds / 60:.1f} min"
         lines.append(
-            f"{label:<16} {kind:<10} " + " ".join(f"{value:>7.3f}" for value in cells) + f" {numbers['length']:>7.1f} {time_text:>8}"
+            f"{label:<16} {kind:<10} "
+            + " ".join(f"{value:>7.3f}" for value in cells)
+            + f" {numbers['length']:>7.1f} {time_text:>8}"
         )
     return "\n".join(lines)

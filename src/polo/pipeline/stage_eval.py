@@ -45,8 +45,12 @@ def eval_settings(plan: Plan, model: str) -> dict:
     settings.pop("enabled")
     settings.pop("base")
     return {
-        "model": model, **settings, "task": plan.task.name, "num_problems": len(eval_rows(plan)),
-        "instruction": plan.instruction, "system_prompt": plan.task_config.task.system_prompt,
+        "model": model,
+        **settings,
+        "task": plan.task.name,
+        "num_problems": len(eval_rows(plan)),
+        "instruction": plan.instruction,
+        "system_prompt": plan.task_config.task.system_prompt,
         "few_shot": [list(example) for example in plan.task.few_shot],
     }
 
@@ -86,17 +90,27 @@ def run_evaluation(plan: Plan, model_name: str, settings: dict) -> dict:
     rows = eval_rows(plan)
     prompts = plan.task.prompts(tokenizer, rows, plan.instruction, plan.task_config.task.system_prompt)
     common = {
-        "max_new_tokens": plan.max_new_tokens, "batch_size": evaluation.batch_size, "compute": compute,
+        "max_new_tokens": plan.max_new_tokens,
+        "batch_size": evaluation.batch_size,
+        "compute": compute,
         "progress": plan.settings.progress,
     }
     print(f"polo pipeline: evaluating {model_name} on {len(rows)} held-out problems ({compute})", flush=True)
     greedy = (
         evaluate_policy(model, tokenizer, prompts, rows, plan.task.correctness, samples=1, temperature=0.0, **common)
-        if evaluation.greedy else None
+        if evaluation.greedy
+        else None
     )
     sampled = evaluate_policy(
-        model, tokenizer, prompts, rows, plan.task.correctness, samples=evaluation.samples,
-        temperature=evaluation.temperature, top_p=evaluation.top_p, **common,
+        model,
+        tokenizer,
+        prompts,
+        rows,
+        plan.task.correctness,
+        samples=evaluation.samples,
+        temperature=evaluation.temperature,
+        top_p=evaluation.top_p,
+        **common,
     )
     return {
         "settings": settings,
@@ -111,7 +125,15 @@ def headline(evaluation: dict | None) -> dict:
     """Return the numbers the pipeline table shows for one evaluation (NaN where absent)."""
     nan = float("nan")
     if not evaluation:
-        return {"greedy_accuracy": nan, "greedy_format": nan, "format": nan, "pass@1": nan, "cons@k": nan, "length": nan, "samples": None}
+        return {
+            "greedy_accuracy": nan,
+            "greedy_format": nan,
+            "format": nan,
+            "pass@1": nan,
+            "cons@k": nan,
+            "length": nan,
+            "samples": None,
+        }
     greedy, sampled = evaluation.get("greedy") or {}, evaluation["sampled"]
     k = str(sampled["samples_per_problem"])
     return {

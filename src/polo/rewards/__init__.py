@@ -23,7 +23,6 @@ import torch
 
 from polo.config.plugins import import_user_module
 from polo.config.schema import ConfigError
-from polo.runtime.device import CPU
 from polo.rewards.answers import (
     CHECKERS,
     answer_region,
@@ -37,6 +36,7 @@ from polo.rewards.answers import (
 )
 from polo.rewards.code import code_fraction_reward, code_reward
 from polo.rewards.format import r1_format, tag_count
+from polo.runtime.device import CPU
 from polo.sandbox.runner import SandboxError
 
 if TYPE_CHECKING:  # only for annotations: tasks import rewards, so no runtime cycle
@@ -81,16 +81,13 @@ class RewardFunctionError(RuntimeError):
         completion = completion if isinstance(completion, str) else repr(completion)
         snippet = completion[:_SNIPPET_CHARS] + ("..." if len(completion) > _SNIPPET_CHARS else "")
         super().__init__(
-            f"reward function {reward_name!r} failed on sample {sample_index} "
-            f"(completion {snippet!r}): {reason}"
+            f"reward function {reward_name!r} failed on sample {sample_index} (completion {snippet!r}): {reason}"
         )
 
 
 def callable_name(function: Callable) -> str:
     """Return a readable name for a reward callable (``__name__``, seeing through partials)."""
-    name = getattr(function, "__name__", None) or getattr(
-        getattr(function, "func", None), "__name__", None
-    )
+    name = getattr(function, "__name__", None) or getattr(getattr(function, "func", None), "__name__", None)
     return name or type(function).__name__
 
 
@@ -107,15 +104,10 @@ def import_reward(path: str) -> RewardFn:
         # user's module is their bug and keeps its own traceback.
         raise ModuleNotFoundError(str(exc), name=module_name) from exc
     if not hasattr(module, attribute):
-        raise AttributeError(
-            f"reward {path!r}: module {module_name!r} has no attribute {attribute!r}"
-        )
+        raise AttributeError(f"reward {path!r}: module {module_name!r} has no attribute {attribute!r}")
     function = getattr(module, attribute)
     if not callable(function):
-        raise TypeError(
-            f"reward {path!r} is a {type(function).__name__}, not a callable "
-            "(completion, row) -> float"
-        )
+        raise TypeError(f"reward {path!r} is a {type(function).__name__}, not a callable (completion, row) -> float")
     return function
 
 
@@ -125,8 +117,7 @@ def resolve_reward(name_or_callable: str | RewardFn, task: Task) -> tuple[str, R
         return callable_name(name_or_callable), name_or_callable
     if not isinstance(name_or_callable, str):
         raise TypeError(
-            f"a reward must be a name or a callable, got {type(name_or_callable).__name__} "
-            f"{name_or_callable!r}"
+            f"a reward must be a name or a callable, got {type(name_or_callable).__name__} {name_or_callable!r}"
         )
     if name_or_callable in BUILTIN_REWARDS:
         return name_or_callable, BUILTIN_REWARDS[name_or_callable](task)
@@ -221,7 +212,10 @@ def _batched_values(name: str, function: Callable, completions: Sequence[str], r
     if len(values) != len(completions):
         index = min(len(values), len(completions) - 1)
         raise RewardFunctionError(
-            name, index, completions[index], f"batched reward returned {len(values)} values for {len(completions)} completions"
+            name,
+            index,
+            completions[index],
+            f"batched reward returned {len(values)} values for {len(completions)} completions",
         )
     return values
 
@@ -236,9 +230,7 @@ def _single_value(function: Callable, completion: str, row: dict) -> object:
 
 def _is_finite_number(value: object) -> bool:
     """Return True for a finite real number that is not a bool."""
-    return (
-        not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-    )
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
 
 
 def _check_batch(completions: Sequence[str], rows: Sequence[dict]) -> None:
@@ -260,9 +252,7 @@ class RewardSet:
 
     def __init__(self, weights: Mapping[str | RewardFn, float], task: Task, on_error: str = "raise") -> None:
         if not weights:
-            raise ValueError(
-                f"a RewardSet needs at least one reward; builtin rewards: {sorted(BUILTIN_REWARDS)}"
-            )
+            raise ValueError(f"a RewardSet needs at least one reward; builtin rewards: {sorted(BUILTIN_REWARDS)}")
         if on_error not in ("raise", "zero"):
             raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
         self.task = task
@@ -301,7 +291,10 @@ class RewardSet:
         return dict(self._weights)
 
     def score(
-        self, completions: Sequence[str], rows: Sequence[dict], device: torch.device = CPU.device,
+        self,
+        completions: Sequence[str],
+        rows: Sequence[dict],
+        device: torch.device = CPU.device,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Return the weighted total (batch,) float32 and each reward's raw values (batch,), on `device`.
 
@@ -335,7 +328,9 @@ class RewardSet:
             self._correctness_failures.clear()
         return counts
 
-    def correctness(self, completions: Sequence[str], rows: Sequence[dict], device: torch.device = CPU.device) -> torch.Tensor:
+    def correctness(
+        self, completions: Sequence[str], rows: Sequence[dict], device: torch.device = CPU.device
+    ) -> torch.Tensor:
         """Return the task's correctness per completion, (batch,) float32 on `device` (the accuracy metric).
 
         Never raises because of a completion, whatever ``on_error`` says: the accuracy metric is

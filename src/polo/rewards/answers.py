@@ -143,6 +143,7 @@ def _last_phrase(text: str) -> tuple[int, str, int] | None:
     answer is below") commits to nothing. Positions are looked up by bisection so that a reply
     full of phrases costs n log n, not n².
     """
+
     def first_at_or_after(positions: list[int], at: int) -> int:
         index = bisect.bisect_left(positions, at)
         return positions[index] if index < len(positions) else len(text)
@@ -333,15 +334,24 @@ def math_verify_answer(completion: str, row: dict, answer_in_tags: bool = False)
 # The names the jsonl and hf tasks' ``checker`` option accepts, each with what it counts as right:
 # the one list that validation (`checker`), `polo train --help` and the README's table follow.
 _CHECKER_TABLE: tuple[tuple[str, Callable[..., float], str], ...] = (
-    ("math_verify", math_verify_answer,
-     "the final answer equals the reference as maths, in any notation (\"0.5\", \"1/2\", \"$\\frac{1}{2}$\", "
-     "\"\\boxed{1/2}\"); any reference math-verify can parse (numbers, fractions, LaTeX expressions)"),
-    ("exact_number", exact_number,
-     "the final number equals the reference numerically (\"85\", \"85.0\", \"1,000\" for 1000); "
-     "every reference must be a plain number, checked when the data loads"),
-    ("exact_string", exact_string,
-     "the answer (the last <answer> block, else the whole completion) equals the reference as text, "
-     "ignoring case and surrounding spaces; for short text answers"),
+    (
+        "math_verify",
+        math_verify_answer,
+        'the final answer equals the reference as maths, in any notation ("0.5", "1/2", "$\\frac{1}{2}$", '
+        '"\\boxed{1/2}"); any reference math-verify can parse (numbers, fractions, LaTeX expressions)',
+    ),
+    (
+        "exact_number",
+        exact_number,
+        'the final number equals the reference numerically ("85", "85.0", "1,000" for 1000); '
+        "every reference must be a plain number, checked when the data loads",
+    ),
+    (
+        "exact_string",
+        exact_string,
+        "the answer (the last <answer> block, else the whole completion) equals the reference as text, "
+        "ignoring case and surrounding spaces; for short text answers",
+    ),
 )
 CHECKERS: dict[str, Callable[..., float]] = {name: function for name, function, _ in _CHECKER_TABLE}
 CHECKER_HELP: dict[str, str] = {name: accepts for name, _, accepts in _CHECKER_TABLE}
@@ -353,7 +363,9 @@ def checker_help(indent: str = "  ", width: int = 100) -> str:
     return "\n".join(
         textwrap.fill(
             f"{name}{' (default)' if name == DEFAULT_CHECKER else ''}: {accepts}",
-            width, initial_indent=indent, subsequent_indent=indent * 3,
+            width,
+            initial_indent=indent,
+            subsequent_indent=indent * 3,
         )
         for name, accepts in CHECKER_HELP.items()
     )

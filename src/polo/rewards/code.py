@@ -101,20 +101,64 @@ _MAX_INT_BITS = 1 << 16
 _MAX_SEQUENCE = 1 << 20
 
 _PURE_FUNCTIONS = {
-    "abs": abs, "all": all, "any": any, "bool": bool, "dict": dict, "float": float, "frozenset": frozenset,
-    "int": int, "isinstance": isinstance, "len": len, "list": list, "max": max, "min": min, "round": round,
-    "set": set, "sorted": sorted, "str": str, "sum": sum, "tuple": tuple, "type": type,
+    "abs": abs,
+    "all": all,
+    "any": any,
+    "bool": bool,
+    "dict": dict,
+    "float": float,
+    "frozenset": frozenset,
+    "int": int,
+    "isinstance": isinstance,
+    "len": len,
+    "list": list,
+    "max": max,
+    "min": min,
+    "round": round,
+    "set": set,
+    "sorted": sorted,
+    "str": str,
+    "sum": sum,
+    "tuple": tuple,
+    "type": type,
 }
 _PURE_NAMES = {**_PURE_FUNCTIONS, "complex": complex, "bytes": bytes, "NoneType": type(None)}
-_MATH = {"isclose": math.isclose, "fabs": math.fabs, "sqrt": math.sqrt, "floor": math.floor,
-         "ceil": math.ceil, "inf": math.inf, "pi": math.pi, "e": math.e}
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-           ast.BitAnd: operator.and_, ast.BitOr: operator.or_, ast.BitXor: operator.xor,
-           ast.LShift: operator.lshift, ast.RShift: operator.rshift}
-_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
-            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+_MATH = {
+    "isclose": math.isclose,
+    "fabs": math.fabs,
+    "sqrt": math.sqrt,
+    "floor": math.floor,
+    "ceil": math.ceil,
+    "inf": math.inf,
+    "pi": math.pi,
+    "e": math.e,
+}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.BitAnd: operator.and_,
+    ast.BitOr: operator.or_,
+    ast.BitXor: operator.xor,
+    ast.LShift: operator.lshift,
+    ast.RShift: operator.rshift,
+}
+_COMPARE = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
 _UNARY = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert}
 LEAF_PREFIX = "__polo_leaf_"
 
@@ -176,8 +220,12 @@ def _is_pure_call(node: ast.Call) -> bool:
     """Return whether a call is one of the pure functions the parent evaluates itself."""
     func = node.func
     named = isinstance(func, ast.Name) and func.id in _PURE_FUNCTIONS
-    in_math = (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
-               and func.value.id == "math" and func.attr in _MATH)
+    in_math = (
+        isinstance(func, ast.Attribute)
+        and isinstance(func.value, ast.Name)
+        and func.value.id == "math"
+        and func.attr in _MATH
+    )
     plain_args = not any(isinstance(a, ast.Starred) for a in node.args) and all(k.arg for k in node.keywords)
     # `len(stack)` or `isinstance(x, Node)`: an argument that names one of the program's objects
     # cannot come back as a literal, so the whole call is the program's to evaluate.
@@ -192,6 +240,7 @@ def _is_pure_call(node: ast.Call) -> bool:
 
 def _lift(node: ast.expr, leaves: list[str]) -> ast.expr:
     """Return ``node`` with every part only the program can compute replaced by a leaf name."""
+
     def leaf() -> ast.expr:
         leaves.append(ast.unparse(node))
         return ast.Name(id=f"{LEAF_PREFIX}{len(leaves) - 1}", ctx=ast.Load())
@@ -209,16 +258,30 @@ def _lift(node: ast.expr, leaves: list[str]) -> ast.expr:
         return leaf()
     if isinstance(node, ast.Dict) and any(key is None for key in node.keys):
         return leaf()
-    lifted_types = (ast.Call, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp, ast.BinOp, ast.BoolOp,
-                    ast.Compare, ast.IfExp, ast.Subscript, ast.Slice, ast.keyword)
+    lifted_types = (
+        ast.Call,
+        ast.Tuple,
+        ast.List,
+        ast.Set,
+        ast.Dict,
+        ast.UnaryOp,
+        ast.BinOp,
+        ast.BoolOp,
+        ast.Compare,
+        ast.IfExp,
+        ast.Subscript,
+        ast.Slice,
+        ast.keyword,
+    )
     if not isinstance(node, lifted_types):
         return leaf()
     for name, value in ast.iter_fields(node):
         if isinstance(value, ast.expr) and name != "func":
             setattr(node, name, _lift(value, leaves))
         elif isinstance(value, list):
-            setattr(node, name, [_lift(v, leaves) if isinstance(v, ast.expr) else _lift_keyword(v, leaves)
-                                 for v in value])
+            setattr(
+                node, name, [_lift(v, leaves) if isinstance(v, ast.expr) else _lift_keyword(v, leaves) for v in value]
+            )
     return node
 
 
@@ -242,7 +305,9 @@ def read_value(text: object) -> object:
         node, depth = stack.pop()
         count += 1
         if depth > _MAX_VALUE_DEPTH or count > _MAX_VALUE_NODES:
-            raise UnreadableValue(f"value nested deeper than {_MAX_VALUE_DEPTH} or larger than {_MAX_VALUE_NODES} nodes")
+            raise UnreadableValue(
+                f"value nested deeper than {_MAX_VALUE_DEPTH} or larger than {_MAX_VALUE_NODES} nodes"
+            )
         stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
     try:
         return ast.literal_eval(tree)
@@ -287,7 +352,7 @@ class _Judge:
             return node.value
         if isinstance(node, ast.Name):
             if node.id.startswith(LEAF_PREFIX):
-                found = self.leaves[int(node.id[len(LEAF_PREFIX):])]
+                found = self.leaves[int(node.id[len(LEAF_PREFIX) :])]
                 if isinstance(found, LeafError):
                     raise found
                 return found
@@ -359,7 +424,6 @@ def judge(test: ParsedTest, leaf_values: list[object]) -> tuple[bool, str]:
     return False, "assertion failed"
 
 
-
 # The program sent to the sandbox. Results go to a private copy of stdout, one JSON line each,
 # behind a per-run marker; the solution's own prints go to stderr. Nothing it reports can pass a
 # test by itself: a test's verdict is computed in the parent from the leaf values (see above), so
@@ -420,7 +484,7 @@ def _read_reports(stdout: bytes, marker: str) -> list[dict]:
         if not line.startswith(marker) or len(line) > _MAX_REPORT_CHARS:
             continue
         try:
-            report = json.loads(line[len(marker):])
+            report = json.loads(line[len(marker) :])
         except (ValueError, RecursionError, MemoryError):
             continue
         if isinstance(report, dict):
@@ -434,8 +498,11 @@ def _solution_outcomes(reports: list[dict], count: int) -> dict[int, TestOutcome
     if solution is None or solution.get("solution") == "ok":
         return {}
     error, detail = str(solution.get("solution"))[:80], str(solution.get("detail"))[:300]
-    kind = "syntax_error" if error in ("SyntaxError", "IndentationError", "TabError") else (
-        "memory" if error == "MemoryError" else "solution_error")
+    kind = (
+        "syntax_error"
+        if error in ("SyntaxError", "IndentationError", "TabError")
+        else ("memory" if error == "MemoryError" else "solution_error")
+    )
     return {i: TestOutcome(i, False, kind, f"solution raised {detail or error}") for i in range(count)}
 
 
@@ -446,8 +513,9 @@ def _leaf_values(report: dict, test: ParsedTest) -> list[object] | None:
         return None
     values: list[object] = []
     for entry in leaves:
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in ("value", "error")
-                and isinstance(entry[1], str)):
+        if not (
+            isinstance(entry, list) and len(entry) == 2 and entry[0] in ("value", "error") and isinstance(entry[1], str)
+        ):
             return None
         if entry[0] == "error":
             values.append(LeafError(entry[1][:300]))
@@ -511,8 +579,10 @@ def run_tests(code: str, tests: Sequence[str], limits: SandboxLimits = DEFAULT_L
         missing_kind, missing_reason = "not_run", "the program exited before reporting this test"
     else:
         missing_kind, missing_reason = sandbox.status, sandbox.reason
-    ordered = [outcomes.get(i) or TestOutcome(i, False, missing_kind, f"test {i}: {missing_reason}")
-               for i in range(len(parsed))]
+    ordered = [
+        outcomes.get(i) or TestOutcome(i, False, missing_kind, f"test {i}: {missing_reason}")
+        for i in range(len(parsed))
+    ]
     return _code_result(ordered, sandbox)
 
 

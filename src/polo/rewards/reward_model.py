@@ -21,17 +21,13 @@ from polo.models.loading import ModelLoadError
 from polo.models.sequences import collate, encode, sequence_rewards
 from polo.runtime.device import Compute, autocast_compute
 
-
 STATS_FILE = "reward_stats.json"
-
 
 
 REWARD_PREFIX = "model:"
 
 
-
 LOG_NAME = "rm"
-
 
 
 def load_reward_model(path: str | Path):
@@ -39,7 +35,9 @@ def load_reward_model(path: str | Path):
     path = Path(path).expanduser()
     config_path = path / "config.json"
     if not config_path.exists():
-        raise ModelLoadError(f"reward model {str(path)!r} has no config.json: train one with `polo rm RECIPE.yaml` (it saves to <output.dir>/final)")
+        raise ModelLoadError(
+            f"reward model {str(path)!r} has no config.json: train one with `polo rm RECIPE.yaml` (it saves to <output.dir>/final)"
+        )
     config = json.loads(config_path.read_text())
     architectures = config.get("architectures") or []
     if not any(arch.endswith("ForSequenceClassification") for arch in architectures):
@@ -52,11 +50,12 @@ def load_reward_model(path: str | Path):
         raise ModelLoadError(f"reward model {path} has {model.config.num_labels} outputs; a reward model has exactly 1")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        model.config.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
-
 
 
 def parse_reward_spec(spec: str) -> tuple[Path, dict[str, bool]]:
@@ -68,14 +67,15 @@ def parse_reward_spec(spec: str) -> tuple[Path, dict[str, bool]]:
     """
     if not spec.startswith(REWARD_PREFIX) or len(spec) == len(REWARD_PREFIX):
         raise ValueError(f"a reward-model reward looks like 'model:PATH' or 'model:PATH?normalize', got {spec!r}")
-    path, _, query = spec[len(REWARD_PREFIX):].partition("?")
+    path, _, query = spec[len(REWARD_PREFIX) :].partition("?")
     options = {"normalize": False}
     for flag in filter(None, query.split("&")):
         if flag not in options:
-            raise ValueError(f"reward {spec!r}: unknown option {flag!r}; options: {sorted(options)} (e.g. 'model:PATH?normalize')")
+            raise ValueError(
+                f"reward {spec!r}: unknown option {flag!r}; options: {sorted(options)} (e.g. 'model:PATH?normalize')"
+            )
         options[flag] = True
     return Path(path).expanduser(), options
-
 
 
 class RewardModelReward:
@@ -121,7 +121,9 @@ class RewardModelReward:
     def _statistics(self) -> tuple[float, float]:
         stats_path = self.path / STATS_FILE
         if not stats_path.exists():
-            raise FileNotFoundError(f"{stats_path} not found: '?normalize' needs the statistics `polo rm` saves next to the model")
+            raise FileNotFoundError(
+                f"{stats_path} not found: '?normalize' needs the statistics `polo rm` saves next to the model"
+            )
         stats = json.loads(stats_path.read_text())
         if not stats.get("std", 0) > 0:
             raise ValueError(f"{stats_path}: std must be > 0 to normalise, got {stats.get('std')!r}")
@@ -136,7 +138,9 @@ class RewardModelReward:
         elif "question" in row:
             user = fill_instruction(self.instruction or PLAIN_INSTRUCTION, row["question"])
         else:
-            raise KeyError(f"the row has no 'prompt_text', 'prompt' or 'question' to score the completion against; fields: {sorted(row)}")
+            raise KeyError(
+                f"the row has no 'prompt_text', 'prompt' or 'question' to score the completion against; fields: {sorted(row)}"
+            )
         return render_prompt(self.tokenizer, [{"role": "user", "content": user}], self.system_prompt)
 
     @torch.no_grad()
@@ -146,10 +150,11 @@ class RewardModelReward:
         scores: list[float] = []
         for start in range(0, len(encoded), self.batch_size):
             with self.compute.autocast():
-                rewards = sequence_rewards(self.model, collate(encoded[start : start + self.batch_size], self.pad_id, self.compute.device))
+                rewards = sequence_rewards(
+                    self.model, collate(encoded[start : start + self.batch_size], self.pad_id, self.compute.device)
+                )
             scores.extend(((rewards.float() - self.mean) / self.std).tolist())
         return scores
-
 
 
 def reward_model_reward(spec: str, task: Any = None) -> RewardModelReward:

@@ -29,7 +29,6 @@ def batch_rows(rows: list[dict], step: int, prompts_per_step: int, seed: int, st
     return picked
 
 
-
 def trim_padding(rollouts: Rollouts) -> Rollouts:
     """Return the rollouts without columns that are padding in every row (less compute, same maths)."""
     prompt_keep = rollouts.prompt_mask.any(0).nonzero()
@@ -46,15 +45,19 @@ def trim_padding(rollouts: Rollouts) -> Rollouts:
     )
 
 
-
 def on_device(rollouts: Rollouts, device: torch.device) -> Rollouts:
     """Return the rollouts with every tensor on `device` (the same object when they are there already)."""
-    tensors = (rollouts.prompt_ids, rollouts.prompt_mask, rollouts.completion_ids, rollouts.completion_mask, rollouts.truncated)
+    tensors = (
+        rollouts.prompt_ids,
+        rollouts.prompt_mask,
+        rollouts.completion_ids,
+        rollouts.completion_mask,
+        rollouts.truncated,
+    )
     if all(tensor.device == device for tensor in tensors):
         return rollouts
     moved = [tensor.to(device) for tensor in tensors]
     return Rollouts(*moved, texts=rollouts.texts, group_size=rollouts.group_size)
-
 
 
 def micro_batches(rows: torch.Tensor, size: int, group_size: int = 1) -> list[torch.Tensor]:
@@ -69,7 +72,6 @@ def micro_batches(rows: torch.Tensor, size: int, group_size: int = 1) -> list[to
     return [rows[start : start + size] for start in range(0, len(rows), size)]
 
 
-
 @dataclass
 class Batch:
     """The completions one step trains on, with their rewards (whole groups, contiguous)."""
@@ -78,7 +80,6 @@ class Batch:
     rewards: torch.Tensor  # (batch,) total reward, shaping included
     prompts: list[str]  # one per group
     columns: dict[str, torch.Tensor] | None = None  # (batch,) per reward function, for the completions table
-
 
 
 def concat_rollouts(parts: list[Rollouts]) -> Rollouts:
@@ -103,7 +104,6 @@ def concat_rollouts(parts: list[Rollouts]) -> Rollouts:
         texts=[text for part in parts for text in part.texts],
         group_size=parts[0].group_size,
     )
-
 
 
 def align_groups(batch: Batch | None, group_size: int) -> Batch | None:

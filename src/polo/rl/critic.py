@@ -78,7 +78,9 @@ class Critic:
             self.scheduler.load_state_dict(state["critic_scheduler"])
 
     @torch.no_grad()
-    def score(self, model, rollouts: Rollouts, micro_batch_size: int, compute: Compute, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def score(
+        self, model, rollouts: Rollouts, micro_batch_size: int, compute: Compute, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (values, log-probs or None) of every completion token before the update, each (batch, completion_len).
 
         The ``head`` critic shares the policy's forward, so its log-probs come for free; the
@@ -86,14 +88,20 @@ class Critic:
         """
         device = rollouts.completion_ids.device
         values = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32, device=device)
-        logprobs = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32, device=device) if self.layout == "head" else None
+        logprobs = (
+            torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32, device=device)
+            if self.layout == "head"
+            else None
+        )
         for rows in micro_batches(torch.arange(len(rollouts), device=device), micro_batch_size):
             part = trim_padding(rollouts.select(rows))
             width = part.completion_ids.shape[1]
             inputs = (part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
             with compute.autocast():
                 if self.layout == "head":
-                    part_logprobs, _, part_values = logprobs_and_values(model, self.module, *inputs, temperature=temperature)
+                    part_logprobs, _, part_values = logprobs_and_values(
+                        model, self.module, *inputs, temperature=temperature
+                    )
                     logprobs[rows, :width] = part_logprobs.float()
                 else:
                     part_values = completion_values(self.module, *inputs)
@@ -101,7 +109,9 @@ class Critic:
         return values, logprobs
 
 
-def value_loss(values: torch.Tensor, value_targets, micro: torch.Tensor, mask: torch.Tensor, alg, normalisers: dict) -> torch.Tensor:
+def value_loss(
+    values: torch.Tensor, value_targets, micro: torch.Tensor, mask: torch.Tensor, alg, normalisers: dict
+) -> torch.Tensor:
     """Return the clipped value loss of one micro-batch, token-mean over the whole minibatch.
 
     `value_targets` = (old values, returns), each (batch, completion_len); `micro` the rows.
@@ -123,15 +133,20 @@ def build_critic(config: Config, model, optimizer, lr_lambda) -> Critic | None:
         return None
     if alg.critic == "head":
         head = new_value_head(model)
-        optimizer.add_param_group({"params": list(head.parameters()), "lr": alg.critic_learning_rate, "initial_lr": alg.critic_learning_rate})
+        optimizer.add_param_group(
+            {"params": list(head.parameters()), "lr": alg.critic_learning_rate, "initial_lr": alg.critic_learning_rate}
+        )
         return Critic("head", head, None, None, alg.critic_warmup_steps)
     value_model = ValueModel.from_policy(model)
     value_model.train()
     if train_config.gradient_checkpointing:
         enable_activation_checkpointing(value_model.trunk)
     critic_optimizer = torch.optim.AdamW(
-        value_model.parameters(), lr=alg.critic_learning_rate, betas=(train_config.adam_beta1, train_config.adam_beta2),
-        weight_decay=train_config.weight_decay, fused=True,
+        value_model.parameters(),
+        lr=alg.critic_learning_rate,
+        betas=(train_config.adam_beta1, train_config.adam_beta2),
+        weight_decay=train_config.weight_decay,
+        fused=True,
     )
     critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_lambda)
     return Critic("separate", value_model, critic_optimizer, critic_scheduler, alg.critic_warmup_steps)

@@ -62,7 +62,7 @@ class RollbackState:
     message: str = ""
 
 
-class Rollback(Exception):  # noqa: N818 - a request, not an error: `polo.rl.train.train` rebuilds the run and goes on
+class Rollback(Exception):
     """Raised by the loop to go back to `state.checkpoint`; carries no traceback-held state."""
 
     def __init__(self, state: RollbackState):
@@ -74,7 +74,9 @@ def check_guard_settings(config: Config) -> None:
     """Raise `ConfigError` for a divergence factor or check name that makes no sense (before the model loads)."""
     factor = config.train.divergence_factor
     if not (math.isfinite(factor) and (factor == 0 or factor > 1)):
-        raise ConfigError(f"train.divergence_factor must be 0 (only non-finite weights stop the run) or a finite number above 1, got {factor}")
+        raise ConfigError(
+            f"train.divergence_factor must be 0 (only non-finite weights stop the run) or a finite number above 1, got {factor}"
+        )
     unknown = [name for name in config.train.divergence_checks if name not in CHECKS]
     if unknown:
         raise ConfigError(f"train.divergence_checks: unknown check {unknown[0]!r}; choose from {', '.join(CHECKS)}")
@@ -138,7 +140,11 @@ class DivergenceGuard:
         """Return where the run rolls back to after `reason` at `step`, or raise `DivergenceError` to stop it."""
         latest = self.checkpointer.latest()
         if config.train.on_divergence == "stop" or run_state.rollbacks >= config.train.max_rollbacks:
-            tried = f"; {run_state.rollbacks} rollbacks did not help (train.max_rollbacks={config.train.max_rollbacks})" if run_state.rollbacks else ""
+            tried = (
+                f"; {run_state.rollbacks} rollbacks did not help (train.max_rollbacks={config.train.max_rollbacks})"
+                if run_state.rollbacks
+                else ""
+            )
             raise DivergenceError(f"{reason}{tried}; {self.where_the_run_stands(step, latest)}")
         checkpoint_step = int(latest.name.split("-")[1]) if latest is not None else 0
         return RollbackState(
@@ -146,15 +152,21 @@ class DivergenceGuard:
             data_offset=run_state.data_offset + step - checkpoint_step,  # step s draws position s - 1 + offset
             rollbacks=run_state.rollbacks + 1,
             eval_before=run_state.eval_before,
-            message=(f"polo: warning: {reason}; rolling back to {latest or 'the starting model ' + self.model_name} and skipping "
-                     f"the {step - checkpoint_step} batch(es) drawn since (rollback {run_state.rollbacks + 1} of at most "
-                     f"{config.train.max_rollbacks}, train.max_rollbacks)"),
+            message=(
+                f"polo: warning: {reason}; rolling back to {latest or 'the starting model ' + self.model_name} and skipping "
+                f"the {step - checkpoint_step} batch(es) drawn since (rollback {run_state.rollbacks + 1} of at most "
+                f"{config.train.max_rollbacks}, train.max_rollbacks)"
+            ),
         )
 
     def where_the_run_stands(self, step: int, latest: Path | None) -> str:
         """Return what is on disk after stopping at `step`, and how to go on from it."""
         if latest is not None:
-            return (f"the run stopped without saving it; its last checkpoint, written before the jump, is {latest}: "
-                    "continue from it with output.resume=true and a lower train.learning_rate")
-        return (f"the run stopped without saving it; no checkpoint was written before step {step} and the starting model "
-                f"{self.model_name} is untouched: start again with a lower train.learning_rate and output.overwrite=true")
+            return (
+                f"the run stopped without saving it; its last checkpoint, written before the jump, is {latest}: "
+                "continue from it with output.resume=true and a lower train.learning_rate"
+            )
+        return (
+            f"the run stopped without saving it; no checkpoint was written before step {step} and the starting model "
+            f"{self.model_name} is untouched: start again with a lower train.learning_rate and output.overwrite=true"
+        )

@@ -18,6 +18,7 @@ from polo.models.critic import logprobs_and_values
 from polo.models.scoring import completion_logprobs
 from polo.runtime.distributed import data_parallel, is_distributed, is_sharded, world_size
 
+
 class TrainingForward(nn.Module):
     """What an update differentiates, as one module so DDP can wrap it: per-token log-probs and
     entropies of a micro-batch, and the values of a value head on the same trunk when there is one."""
@@ -28,21 +29,40 @@ class TrainingForward(nn.Module):
         self.value_head = value_head
 
     def forward(
-        self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature: float = 1.0, detach_trunk_for_values: bool = False,
+        self,
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        *,
+        temperature: float = 1.0,
+        detach_trunk_for_values: bool = False,
         group_size: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Return (log-probs, entropy, values or None), each (batch, completion_len); `group_size` as in `completion_logprobs`."""
         if self.value_head is not None:
             return logprobs_and_values(
-                self.model, self.value_head, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                temperature=temperature, with_entropy=True, detach_trunk_for_values=detach_trunk_for_values,
+                self.model,
+                self.value_head,
+                prompt_ids,
+                prompt_mask,
+                completion_ids,
+                completion_mask,
+                temperature=temperature,
+                with_entropy=True,
+                detach_trunk_for_values=detach_trunk_for_values,
             )
         logprobs, entropy = completion_logprobs(
-            self.model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature, with_entropy=True,
+            self.model,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            temperature=temperature,
+            with_entropy=True,
             group_size=group_size,
         )
         return logprobs, entropy, None
-
 
 
 @dataclass
@@ -67,8 +87,13 @@ class UpdateModules:
             yield
 
 
-
-def build_update_modules(model: nn.Module, value_head: nn.Module | None = None, value_model: nn.Module | None = None, *, find_unused_parameters: bool = False) -> UpdateModules:
+def build_update_modules(
+    model: nn.Module,
+    value_head: nn.Module | None = None,
+    value_model: nn.Module | None = None,
+    *,
+    find_unused_parameters: bool = False,
+) -> UpdateModules:
     """Return the update's modules: plain in one process, wrapped in DDP inside a process group.
 
     DDP broadcasts rank 0's parameters at construction, so every rank starts from the same
@@ -81,7 +106,9 @@ def build_update_modules(model: nn.Module, value_head: nn.Module | None = None, 
         return UpdateModules(policy, critic)
     if is_sharded(model):  # FSDP reduce-scatters (averages) the gradients itself
         if value_head is not None or value_model is not None:
-            raise ValueError("train.data_parallel=fsdp does not support a critic yet (PPO); use train.data_parallel=ddp")
+            raise ValueError(
+                "train.data_parallel=fsdp does not support a critic yet (PPO); use train.data_parallel=ddp"
+            )
         return UpdateModules(policy, None, float(world_size()))
 
     def wrap(module: nn.Module) -> nn.Module:

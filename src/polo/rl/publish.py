@@ -33,16 +33,23 @@ def publish_model(run: Run, eval_after: dict | None) -> Path | None:
     config = run.config
     repo_id = config.output.push_to_hub
     card = model_card(
-        location=repo_id or str(final), base_model=config.model.name, algorithm=config.algorithm.name,
-        task=run.task.name, steps=int(final.name.split("-")[1]), recipe=yaml.safe_dump(config_to_dict(config), sort_keys=False),
-        eval_before=run.eval_before, eval_after=eval_after, num_eval=len(run.task.eval_rows), adapter=is_adapter_dir(final),
+        location=repo_id or str(final),
+        base_model=config.model.name,
+        algorithm=config.algorithm.name,
+        task=run.task.name,
+        steps=int(final.name.split("-")[1]),
+        recipe=yaml.safe_dump(config_to_dict(config), sort_keys=False),
+        eval_before=run.eval_before,
+        eval_after=eval_after,
+        num_eval=len(run.task.eval_rows),
+        adapter=is_adapter_dir(final),
     )
     (final / "README.md").write_text(card)
     if repo_id:
         message = f"polo {config.algorithm.name}: {config.model.name} after {final.name} on {run.task.name}"
         try:
             url = push_folder(final, repo_id, private=config.output.hub_private, message=message)
-        except Exception as error:  # noqa: BLE001 - the hub and its HTTP client raise many kinds; the model is safe on disk either way
+        except Exception as error:
             raise SaveError(
                 f"could not push {final} to the Hugging Face Hub repo {repo_id} ({type(error).__name__}: {' '.join(str(error).split())[:300]}); "
                 f"the trained model is intact there: push it again with 'hf upload {repo_id} {final} --exclude trainer_state.pt'"

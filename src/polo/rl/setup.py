@@ -73,7 +73,9 @@ class Run:
 
     def save(self, step: int) -> Path | None:
         """Write checkpoint `step` (every rank calls it) and return its path (None off rank 0)."""
-        return self.checkpointer.save(step, self.model, self.tokenizer, self.optimizer, self.scheduler, self.checkpoint_state(), self.masters)
+        return self.checkpointer.save(
+            step, self.model, self.tokenizer, self.optimizer, self.scheduler, self.checkpoint_state(), self.masters
+        )
 
 
 def lr_lambda(config: Config):
@@ -94,7 +96,9 @@ def checked_config(config, overrides: list[str] | None) -> Config:
             f"pick a multiple of {parallel.world_size()} (each process samples whole groups)"
         )
     if config.output.push_to_hub:
-        check_push(config.output.push_to_hub)  # before anything loads: a run whose model could not be pushed never starts
+        check_push(
+            config.output.push_to_hub
+        )  # before anything loads: a run whose model could not be pushed never starts
     return config
 
 
@@ -129,13 +133,19 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
         reference = model if beta > 0 else None  # scored with the adapters off (polo.models.lora)
     elif beta > 0:
         # The reference is never trained: under bf16 it is kept in bf16 (half the memory, no casts).
-        source = model if resume_from is None else load_policy(config.model.name, attn_implementation=config.model.attn_implementation)[0]
+        source = (
+            model
+            if resume_from is None
+            else load_policy(config.model.name, attn_implementation=config.model.attn_implementation)[0]
+        )
         reference = frozen_copy(source, dtype=compute.frozen_dtype).to(compute.device)
     if config.train.data_parallel == "fsdp" and parallel.is_distributed():
         if core.ADVANTAGE_ESTIMATORS.entry(config.algorithm.advantage_estimator).needs_critic:
             raise ConfigError("train.data_parallel=fsdp does not support PPO's critic yet; use train.data_parallel=ddp")
         parallel.shard_model(model)  # after the reference copy, which stays whole (it is never trained)
-    for module in {id(m): m for m in (model, reference) if m is not None}.values():  # faster attention, same maths (polo.kernels)
+    for module in {
+        id(m): m for m in (model, reference) if m is not None
+    }.values():  # faster attention, same maths (polo.kernels)
         use_fast_attention(module, compute)
     return model, tokenizer, reference
 
@@ -148,7 +158,9 @@ def build_optimizer(config: Config, model, masters: MasterWeights | None) -> tor
         lr=train_config.learning_rate,
         betas=(train_config.adam_beta1, train_config.adam_beta2),
         weight_decay=train_config.weight_decay,
-        fused=not parallel.is_sharded(model),  # one kernel per step on CPU: faster, no full-size temporaries (not for DTensor shards)
+        fused=not parallel.is_sharded(
+            model
+        ),  # one kernel per step on CPU: faster, no full-size temporaries (not for DTensor shards)
     )
     if masters is not None:
         masters.attach(optimizer)
@@ -165,8 +177,10 @@ def resume(run: Run, checkpoint: Path) -> None:
         restore_rng(rng_per_rank[parallel.rank()])
     else:  # the data position comes from the step, so only the sampling streams change
         if is_main_process():
-            print(f"polo: warning: {checkpoint} was written by {len(rng_per_rank)} processes, resuming with "
-                  f"{parallel.world_size()}: the run goes on, but samples differ from an uninterrupted run")
+            print(
+                f"polo: warning: {checkpoint} was written by {len(rng_per_rank)} processes, resuming with "
+                f"{parallel.world_size()}: the run goes on, but samples differ from an uninterrupted run"
+            )
         seed_everything(run.config.train.seed + parallel.rank() + 1_000_003 * state["step"])
     if run.critic is not None:
         run.critic.load(state)
@@ -178,8 +192,12 @@ def resume(run: Run, checkpoint: Path) -> None:
 
 
 def set_up(
-    config, overrides: list[str] | None = None, reward_functions: dict | None = None, rollback: RollbackState | None = None,
-    train_dataset: object = None, eval_dataset: object = None,
+    config,
+    overrides: list[str] | None = None,
+    reward_functions: dict | None = None,
+    rollback: RollbackState | None = None,
+    train_dataset: object = None,
+    eval_dataset: object = None,
 ) -> Run:
     """Return a ready `Run`: config checked, task and rewards built, models loaded, state resumed, config.yaml written.
 
@@ -209,11 +227,26 @@ def set_up(
     model, tokenizer, reference = load_models(config, compute, resume_from)
     masters = MasterWeights(model, compute.param_dtype) if compute.master_weights else None  # after the reference copy
     optimizer = build_optimizer(config, model, masters)
-    critic = build_critic(config, model, optimizer, lr_lambda(config))  # before the scheduler: a value head joins the optimizer
+    critic = build_critic(
+        config, model, optimizer, lr_lambda(config)
+    )  # before the scheduler: a value head joins the optimizer
     run = Run(
-        config, compute, task, reward_set, instruction_for(config, task), model, tokenizer, reference, optimizer,
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config)), critic, update_modules(model, critic), masters,
-        checkpointer, output_dir, sampler=pick_sampler(config.sampling.sampler, compute),
+        config,
+        compute,
+        task,
+        reward_set,
+        instruction_for(config, task),
+        model,
+        tokenizer,
+        reference,
+        optimizer,
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config)),
+        critic,
+        update_modules(model, critic),
+        masters,
+        checkpointer,
+        output_dir,
+        sampler=pick_sampler(config.sampling.sampler, compute),
     )
     if resume_from is not None:
         resume(run, resume_from)

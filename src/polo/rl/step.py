@@ -34,7 +34,9 @@ def sampling_weights(model) -> Iterator[torch.nn.Module]:
 
 
 @torch.no_grad()
-def score_completions(model, rollouts: Rollouts, micro_batch_size: int, compute: Compute, temperature: float) -> torch.Tensor:
+def score_completions(
+    model, rollouts: Rollouts, micro_batch_size: int, compute: Compute, temperature: float
+) -> torch.Tensor:
     """Return per-token log-probs of every completion under `model` (no gradient), (batch, completion_len) on the rollouts' device."""
     device = rollouts.completion_ids.device
     scored = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32, device=device)
@@ -42,7 +44,12 @@ def score_completions(model, rollouts: Rollouts, micro_batch_size: int, compute:
         part = trim_padding(rollouts.select(rows))
         with compute.autocast():
             logprobs, _ = completion_logprobs(
-                model, part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask, temperature=temperature,
+                model,
+                part.prompt_ids,
+                part.prompt_mask,
+                part.completion_ids,
+                part.completion_mask,
+                temperature=temperature,
                 group_size=rollouts.group_size,
             )
         scored[rows, : logprobs.shape[1]] = logprobs.float()
@@ -57,14 +64,26 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> di
     """
     config, alg, sampling = run.config, run.config.algorithm, run.config.sampling
     # Every rank draws the same step's prompts and keeps its own share: whole prompts, so whole groups.
-    all_rows = batch_rows(run.task.train_rows, step - 1 + run.data_offset, config.train.prompts_per_step, config.train.seed, stream=round_index)
+    all_rows = batch_rows(
+        run.task.train_rows,
+        step - 1 + run.data_offset,
+        config.train.prompts_per_step,
+        config.train.seed,
+        stream=round_index,
+    )
     row_batch = parallel.rank_share(all_rows, "train.prompts_per_step")
     started = time.perf_counter()
     prompts = run.task.prompts(run.tokenizer, row_batch, run.instruction, config.task.system_prompt)
     with sampling_weights(run.model) as sampler:
         rollouts = run.sampler(
-            sampler, run.tokenizer, prompts, alg.group_size,
-            max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p, compute=run.compute,
+            sampler,
+            run.tokenizer,
+            prompts,
+            alg.group_size,
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            compute=run.compute,
         )
     rollouts = on_device(rollouts, run.compute.device)  # the one place a step's data is put on the run's device
     timings["generation"] += time.perf_counter() - started
@@ -75,12 +94,22 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> di
     errors = list(run.reward_set.last_errors)
     if alg.overlong_buffer > 0:
         shaping = core.overlong_penalty(
-            rollouts.completion_lengths, sampling.max_new_tokens, alg.overlong_buffer * sampling.max_new_tokens, alg.overlong_penalty
+            rollouts.completion_lengths,
+            sampling.max_new_tokens,
+            alg.overlong_buffer * sampling.max_new_tokens,
+            alg.overlong_penalty,
         )
         rewards, columns = rewards + shaping, {**columns, "overlong": shaping}
     correct = run.reward_set.correctness(rollouts.texts, rows, run.compute.device)
     timings["reward"] += time.perf_counter() - started
-    return {"rollouts": rollouts, "prompts": prompts, "rewards": rewards, "columns": columns, "correct": correct, "errors": errors}
+    return {
+        "rollouts": rollouts,
+        "prompts": prompts,
+        "rewards": rewards,
+        "columns": columns,
+        "correct": correct,
+        "errors": errors,
+    }
 
 
 def collect_batch(run: Run, step: int, timings: dict) -> tuple[Batch | None, dict, list[dict]]:
@@ -102,21 +131,39 @@ def collect_batch(run: Run, step: int, timings: dict) -> tuple[Batch | None, dic
         scored = sample_and_score(run, step, round_index, timings)
         seen.append(scored)
         rollouts, rewards = scored["rollouts"], scored["rewards"]
-        keep = core.informative_rows(rewards, group_size) if alg.dynamic_sampling else torch.arange(len(rollouts), device=rewards.device)
+        keep = (
+            core.informative_rows(rewards, group_size)
+            if alg.dynamic_sampling
+            else torch.arange(len(rollouts), device=rewards.device)
+        )
         keep = keep[: (wanted - kept_groups) * group_size]
         if len(keep):
             prompts = [scored["prompts"][int(i)] for i in keep[::group_size] // group_size]
-            kept.append((rollouts.select(keep), rewards[keep], prompts, {name: column[keep] for name, column in scored["columns"].items()}))
+            kept.append(
+                (
+                    rollouts.select(keep),
+                    rewards[keep],
+                    prompts,
+                    {name: column[keep] for name, column in scored["columns"].items()},
+                )
+            )
             kept_groups += len(keep) // group_size
         if kept_groups >= wanted:
             break
     batch = None
     if kept:
         columns = {name: torch.cat([part[3][name] for part in kept]) for name in kept[0][3]}
-        batch = Batch(concat_rollouts([part[0] for part in kept]), torch.cat([part[1] for part in kept]), [p for part in kept for p in part[2]], columns)
+        batch = Batch(
+            concat_rollouts([part[0] for part in kept]),
+            torch.cat([part[1] for part in kept]),
+            [p for part in kept for p in part[2]],
+            columns,
+        )
     metrics = sampling_metrics(run, seen, kept_groups)
     first = seen[0]
-    samples = sample_log_rows(step, first["rollouts"], first["prompts"], first["rewards"], first["columns"], first["correct"])
+    samples = sample_log_rows(
+        step, first["rollouts"], first["prompts"], first["rewards"], first["columns"], first["correct"]
+    )
     return batch, metrics, samples
 
 
@@ -144,9 +191,16 @@ def sampling_metrics(run: Run, seen: list[dict], kept_groups: int) -> dict:
         "truncated_fraction": every["truncated"].float().mean().item(),
         "zero_spread_group_fraction": core.zero_spread_groups(rewards, alg.group_size).float().mean().item(),
         **{f"reward/{name}/mean": column.float().mean().item() for name, column in columns.items()},
-        **{f"reward/{name}/std": column.float().std().item() if len(column) > 1 else 0.0 for name, column in columns.items()},
+        **{
+            f"reward/{name}/std": column.float().std().item() if len(column) > 1 else 0.0
+            for name, column in columns.items()
+        },
     }
-    failures = {f"reward/{name}/failures/{kind}": float(count) for name, counts in reward_set.failure_counts().items() for kind, count in counts.items()}
+    failures = {
+        f"reward/{name}/failures/{kind}": float(count)
+        for name, counts in reward_set.failure_counts().items()
+        for kind, count in counts.items()
+    }
     for part in parallel.gather_objects(failures):  # kinds differ between ranks, so gather rather than all-reduce
         for key, count in part.items():
             metrics[key] = metrics.get(key, 0.0) + count
@@ -159,7 +213,12 @@ def sampling_metrics(run: Run, seen: list[dict], kept_groups: int) -> dict:
         # Shown to the user by the training loop (first few only: one broken function can fail every sample).
         metrics["_messages"] = [f"polo: warning: scored 0: {error}" for error in reward_errors[:3]]
     if alg.dynamic_sampling:
-        metrics.update({"dynamic_sampling/rounds": len(seen), **parallel.sum_over_ranks({"dynamic_sampling/groups_kept": kept_groups})})
+        metrics.update(
+            {
+                "dynamic_sampling/rounds": len(seen),
+                **parallel.sum_over_ranks({"dynamic_sampling/groups_kept": kept_groups}),
+            }
+        )
     return metrics
 
 
@@ -168,8 +227,12 @@ def sample_log_rows(step: int, rollouts: Rollouts, prompts: list[str], rewards, 
     picks = {"best": int(rewards.argmax()), "worst": int(rewards.argmin())}
     return [
         {
-            "step": step, "kind": kind, "prompt": prompts[index // rollouts.group_size], "completion": rollouts.texts[index],
-            "reward": float(rewards[index]), "rewards": {name: float(column[index]) for name, column in columns.items()},
+            "step": step,
+            "kind": kind,
+            "prompt": prompts[index // rollouts.group_size],
+            "completion": rollouts.texts[index],
+            "reward": float(rewards[index]),
+            "rewards": {name: float(column[index]) for name, column in columns.items()},
             "correct": float(correct[index]),
         }
         for kind, index in picks.items()
@@ -187,20 +250,29 @@ def completion_rows(batch: Batch, advantages: torch.Tensor) -> list[dict]:
     columns = {f"reward/{name}": column.tolist() for name, column in (batch.columns or {}).items()}
     return [
         {
-            "prompt": batch.prompts[index // rollouts.group_size], "completion": text, "reward": rewards[index],
-            **{name: values[index] for name, values in columns.items()}, "advantage": per_completion[index],
+            "prompt": batch.prompts[index // rollouts.group_size],
+            "completion": text,
+            "reward": rewards[index],
+            **{name: values[index] for name, values in columns.items()},
+            "advantage": per_completion[index],
         }
         for index, text in enumerate(rollouts.texts)
     ]
 
 
-def reference_and_old(run: Run, rollouts: Rollouts) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+def reference_and_old(
+    run: Run, rollouts: Rollouts
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Return (reference log-probs, old log-probs, old values), each (batch, completion_len) or None when not needed.
 
     The reference is scored only when beta > 0; old log-probs only when the update needs them
     (update_epochs > 1, or the KL folded into the rewards); old values only with a critic.
     """
-    alg, micro_batch_size, temperature = run.config.algorithm, run.config.train.micro_batch_size, run.config.sampling.temperature
+    alg, micro_batch_size, temperature = (
+        run.config.algorithm,
+        run.config.train.micro_batch_size,
+        run.config.sampling.temperature,
+    )
     ref_logprobs = old_logprobs = old_values = None
     if alg.beta > 0:
         with reference_scope(run.model, run.reference):  # the LoRA policy itself, adapters off
@@ -213,11 +285,15 @@ def reference_and_old(run: Run, rollouts: Rollouts) -> tuple[torch.Tensor | None
     return ref_logprobs, old_logprobs, old_values
 
 
-def compute_advantages(batch: Batch, old_logprobs, ref_logprobs, old_values, config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+def compute_advantages(
+    batch: Batch, old_logprobs, ref_logprobs, old_values, config: Config
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return (per-token advantages (batch, completion_len), value targets or None) from the registered estimator."""
     alg = config.algorithm
     kl = core.kl_estimate(old_logprobs, ref_logprobs, alg.kl_estimator) if alg.kl_in_reward else None
-    inputs = core.AdvantageInputs(batch.rewards, batch.rollouts.completion_mask.float(), alg.group_size, kl=kl, values=old_values)
+    inputs = core.AdvantageInputs(
+        batch.rewards, batch.rollouts.completion_mask.float(), alg.group_size, kl=kl, values=old_values
+    )
     return core.ADVANTAGE_ESTIMATORS[alg.advantage_estimator](inputs, alg)
 
 
@@ -231,7 +307,13 @@ def rl_step(run: Run, step: int) -> tuple[dict, list[dict]]:
     batch, metrics, samples = collect_batch(run, step, timings)
     batch = align_groups(batch, alg.group_size) if alg.dynamic_sampling else batch
     if batch is None:  # dynamic sampling found no informative group within its cap
-        metrics.update({"update_skipped": 1.0, "learning_rate": run.scheduler.get_last_lr()[0], **{f"time/{k}": v for k, v in timings.items()}})
+        metrics.update(
+            {
+                "update_skipped": 1.0,
+                "learning_rate": run.scheduler.get_last_lr()[0],
+                **{f"time/{k}": v for k, v in timings.items()},
+            }
+        )
         metrics["time/step"] = sum(timings.values())
         return parallel.combine_metrics(parallel.gather_objects(metrics)), samples
     rollouts = batch.rollouts
@@ -244,22 +326,35 @@ def rl_step(run: Run, step: int) -> tuple[dict, list[dict]]:
 
     started = time.perf_counter()
     update_metrics = policy_update(
-        run.model, run.optimizer, run.scheduler, rollouts, advantages, old_logprobs, ref_logprobs, run.config, run.compute,
-        critic=run.critic, value_targets=(old_values, returns) if run.critic is not None else None,
-        train_policy=run.critic is None or run.critic.trains_policy(step), modules=run.modules,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        rollouts,
+        advantages,
+        old_logprobs,
+        ref_logprobs,
+        run.config,
+        run.compute,
+        critic=run.critic,
+        value_targets=(old_values, returns) if run.critic is not None else None,
+        train_policy=run.critic is None or run.critic.trains_policy(step),
+        modules=run.modules,
     )
     timings["update"] = time.perf_counter() - started
 
     total_time = sum(timings.values())
-    metrics.update({
-        "advantage/abs_mean": core.masked_mean(advantages.abs(), rollouts.completion_mask).item(),
-        "learning_rate": run.scheduler.get_last_lr()[0],
-        **update_metrics,
-        **{f"time/{name}": seconds for name, seconds in timings.items()},
-        "time/step": total_time,
-        "tokens_per_second": float(rollouts.completion_mask.sum() + rollouts.prompt_mask.sum()) / max(total_time, 1e-9),
-        **memory_metrics(run.compute),  # the device's peak since the last step (CUDA only)
-    })
+    metrics.update(
+        {
+            "advantage/abs_mean": core.masked_mean(advantages.abs(), rollouts.completion_mask).item(),
+            "learning_rate": run.scheduler.get_last_lr()[0],
+            **update_metrics,
+            **{f"time/{name}": seconds for name, seconds in timings.items()},
+            "time/step": total_time,
+            "tokens_per_second": float(rollouts.completion_mask.sum() + rollouts.prompt_mask.sum())
+            / max(total_time, 1e-9),
+            **memory_metrics(run.compute),  # the device's peak since the last step (CUDA only)
+        }
+    )
     if returns is not None:
         metrics["value/explained_variance"] = core.explained_variance(old_values, returns, rollouts.completion_mask)
         metrics["value/mean"] = core.masked_mean(old_values, rollouts.completion_mask).item()

@@ -62,7 +62,10 @@ def train(
     `polo.runtime.distributed`); the process group is joined and left here.
     """
     if not isinstance(config, Config) or overrides:  # read once, here: the process group's backend follows train.device
-        config, overrides = load_config(config_to_dict(config) if isinstance(config, Config) else config, overrides), None
+        config, overrides = (
+            load_config(config_to_dict(config) if isinstance(config, Config) else config, overrides),
+            None,
+        )
     joined = parallel.init_from_environment(resolve_device(config.train.device))
     try:
         # The lock comes before anything looks at output.dir; a stop signal during set-up is held until the loop can stop cleanly.
@@ -70,9 +73,16 @@ def train(
             rollback = None
             while True:  # once, unless the divergence guard rolls the run back (polo.rl.guard)
                 try:
-                    return train_loop(set_up(
-                        config, overrides, reward_functions, rollback=rollback, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                    ))
+                    return train_loop(
+                        set_up(
+                            config,
+                            overrides,
+                            reward_functions,
+                            rollback=rollback,
+                            train_dataset=train_dataset,
+                            eval_dataset=eval_dataset,
+                        )
+                    )
                 except Rollback as request:
                     rollback = request.state  # the failed run's frames go with the exception, before the rebuild
                 if is_main_process():
@@ -86,7 +96,12 @@ def train_loop(run: Run) -> TrainResult:
     """Run steps `run.start_step + 1 ... train.steps`: sample, score, update, log, evaluate, checkpoint."""
     config = run.config
     logger = MetricsLogger(
-        run.output_dir, config.train.steps, run.start_step, config.output.tensorboard, config.output.progress, trackers=Trackers.of(config),
+        run.output_dir,
+        config.train.steps,
+        run.start_step,
+        config.output.tensorboard,
+        config.output.progress,
+        trackers=Trackers.of(config),
     )
     logger.write(banner(run))
     evaluate = HeldOutEvaluation(run, logger)
@@ -112,13 +127,19 @@ def train_loop(run: Run) -> TrainResult:
             log_step(logger, step, metrics, samples)
             if diverged:
                 logger.close()
-                raise Rollback(guard.rollback_or_stop(step, diverged, RollbackState(run.data_offset, run.rollbacks, run.eval_before), config))
+                raise Rollback(
+                    guard.rollback_or_stop(
+                        step, diverged, RollbackState(run.data_offset, run.rollbacks, run.eval_before), config
+                    )
+                )
             if config.eval.every and step % config.eval.every == 0 and step != config.train.steps:
                 evaluate(step)
             stopping = parallel.any_rank(stop.requested)  # every rank stops after the same step
             if (config.output.save_every and step % config.output.save_every == 0) or stopping:
                 path, saved_step = run.save(step), step
-                stopping = stopping or parallel.any_rank(stop.requested)  # a signal during the save: stop on the checkpoint just written
+                stopping = stopping or parallel.any_rank(
+                    stop.requested
+                )  # a signal during the save: stop on the checkpoint just written
             if stopping:
                 logger.close()
                 raise RunStopped(stop.signum, step, path)
@@ -129,8 +150,12 @@ def train_loop(run: Run) -> TrainResult:
     logger.close()
     if is_main_process() and config.output.plots:
         plot_run(run.output_dir)
-    publish_model(run, eval_after)  # README.md into the final checkpoint; the upload of output.push_to_hub (main process)
-    return TrainResult(run.output_dir, config.train.steps, run.eval_before, eval_after, read_metrics(run.output_dir / "metrics.jsonl"))
+    publish_model(
+        run, eval_after
+    )  # README.md into the final checkpoint; the upload of output.push_to_hub (main process)
+    return TrainResult(
+        run.output_dir, config.train.steps, run.eval_before, eval_after, read_metrics(run.output_dir / "metrics.jsonl")
+    )
 
 
 def say_on_main(line: str) -> None:
@@ -170,8 +195,11 @@ def skip_or_stop(run: Run, logger: MetricsLogger, step: int, streak: int, error:
     if streak >= limit:
         logger.close()
         latest = run.checkpointer.latest()  # every saved step passed the divergence guard: its weights are good
-        kept = (f"the last good checkpoint is {latest}" if latest is not None
-                else f"no checkpoint was written yet and the starting model {run.config.model.name} is untouched")
+        kept = (
+            f"the last good checkpoint is {latest}"
+            if latest is not None
+            else f"no checkpoint was written yet and the starting model {run.config.model.name} is untouched"
+        )
         raise NonFiniteLossError(
             f"{streak} steps in a row had a non-finite loss, stopping at step {step} "
             f"(train.max_nonfinite_steps={limit}); {kept}. Last error: {error}"
@@ -193,13 +221,33 @@ class HeldOutEvaluation:
         """Return the held-out result at `step` (combined over ranks) after logging it and writing eval_stepNNNNNN.json."""
         run = self.run
         with sampling_weights(run.model) as sampler:
-            result = greedy_accuracy(
-                sampler, run.tokenizer, self.prompts, self.rows, run.task.correctness,
-                max_new_tokens=self.max_new_tokens, batch_size=run.config.eval.batch_size, compute=run.compute, sampler=run.sampler,
-            ) if self.rows else None
+            result = (
+                greedy_accuracy(
+                    sampler,
+                    run.tokenizer,
+                    self.prompts,
+                    self.rows,
+                    run.task.correctness,
+                    max_new_tokens=self.max_new_tokens,
+                    batch_size=run.config.eval.batch_size,
+                    compute=run.compute,
+                    sampler=run.sampler,
+                )
+                if self.rows
+                else None
+            )
         result = combine_eval(parallel.gather_objects((len(self.rows), result)))
-        self.logger.log({"step": step, "eval/accuracy": result["accuracy"], "eval/completion_length": result["completion_length"], "eval/truncated": result["truncated"]})
-        self.logger.write(f"step {step}: held-out greedy accuracy {result['accuracy']:.3f} on {len(run.task.eval_rows)} problems")
+        self.logger.log(
+            {
+                "step": step,
+                "eval/accuracy": result["accuracy"],
+                "eval/completion_length": result["completion_length"],
+                "eval/truncated": result["truncated"],
+            }
+        )
+        self.logger.write(
+            f"step {step}: held-out greedy accuracy {result['accuracy']:.3f} on {len(run.task.eval_rows)} problems"
+        )
         if is_main_process():
             (run.output_dir / f"eval_step{step:06d}.json").write_text(json.dumps(result, indent=1))
         return result
@@ -211,5 +259,8 @@ def combine_eval(per_rank: list[tuple[int, dict | None]]) -> dict:
     parts = [(count, result) for count, result in per_rank if result is not None]
     if len(parts) == 1:
         return parts[0][1]
-    combined = {key: sum(count * result[key] for count, result in parts) / total for key in ("accuracy", "completion_length", "truncated")}
+    combined = {
+        key: sum(count * result[key] for count, result in parts) / total
+        for key in ("accuracy", "completion_length", "truncated")
+    }
     return {**combined, "samples": parts[0][1]["samples"]}

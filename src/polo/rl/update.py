@@ -32,7 +32,9 @@ def update_modules(model, critic: Critic | None) -> UpdateModules:
     head = critic.value_head if critic is not None else None
     # A value head warming up alone leaves the policy's weights without gradients, which DDP must be told.
     find_unused = head is not None and critic.warmup_steps > 0
-    return build_update_modules(model, head, critic.value_model if critic is not None else None, find_unused_parameters=find_unused)
+    return build_update_modules(
+        model, head, critic.value_model if critic is not None else None, find_unused_parameters=find_unused
+    )
 
 
 def backward_checked(loss: torch.Tensor, optimizer, scheduler, loss_scale: float = 1.0) -> None:
@@ -52,9 +54,25 @@ def backward_checked(loss: torch.Tensor, optimizer, scheduler, loss_scale: float
 class UpdateContext:
     """What every micro-batch of one `policy_update` call shares: the batch, its targets and running sums."""
 
-    def __init__(self, rollouts: Rollouts, advantages, old_logprobs, ref_logprobs, config: Config, compute: Compute,
-                 critic: Critic | None, value_targets, train_policy: bool, modules: UpdateModules):
-        self.rollouts, self.advantages, self.old_logprobs, self.ref_logprobs = rollouts, advantages, old_logprobs, ref_logprobs
+    def __init__(
+        self,
+        rollouts: Rollouts,
+        advantages,
+        old_logprobs,
+        ref_logprobs,
+        config: Config,
+        compute: Compute,
+        critic: Critic | None,
+        value_targets,
+        train_policy: bool,
+        modules: UpdateModules,
+    ):
+        self.rollouts, self.advantages, self.old_logprobs, self.ref_logprobs = (
+            rollouts,
+            advantages,
+            old_logprobs,
+            ref_logprobs,
+        )
         self.config, self.alg, self.compute = config, config.algorithm, compute
         self.critic, self.value_targets, self.train_policy, self.modules = critic, value_targets, train_policy, modules
         self.loss_mask = rollouts.completion_mask.float()
@@ -65,7 +83,9 @@ class UpdateContext:
         self.sums = {key: 0.0 for key in SUM_KEYS}
 
 
-def policy_loss_term(ctx: UpdateContext, logprobs: torch.Tensor, micro: torch.Tensor, mask: torch.Tensor, normalisers: dict) -> torch.Tensor:
+def policy_loss_term(
+    ctx: UpdateContext, logprobs: torch.Tensor, micro: torch.Tensor, mask: torch.Tensor, normalisers: dict
+) -> torch.Tensor:
     """Return the aggregated policy loss (+ beta * KL) of one micro-batch and add its statistics to `ctx.sums`."""
     alg, width = ctx.alg, logprobs.shape[1]
     old = ctx.old_logprobs[micro, :width] if ctx.old_logprobs is not None else logprobs.detach()
@@ -90,7 +110,9 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: dict,
     if ctx.train_policy or (critic is not None and critic.value_head is not None):
         with ctx.compute.autocast():
             logprobs, entropy, values = modules.policy(
-                *inputs, temperature=ctx.config.sampling.temperature, detach_trunk_for_values=not ctx.train_policy,
+                *inputs,
+                temperature=ctx.config.sampling.temperature,
+                detach_trunk_for_values=not ctx.train_policy,
                 group_size=ctx.rollouts.group_size,
             )
     if ctx.train_policy:
@@ -131,11 +153,15 @@ def minibatch_step(ctx: UpdateContext, rows: torch.Tensor, optimizer, scheduler)
         with ctx.modules.gradient_sync(index == len(micros) - 1):  # gradients all-reduce on the last micro-batch only
             minibatch_loss += micro_batch_step(ctx, micro, normalisers, optimizer, scheduler)
     grad_norm = parallel.global_norm(
-        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], train_config.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(
+            [p for group in optimizer.param_groups for p in group["params"]], train_config.max_grad_norm
+        )
     )
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLossError(f"gradient norm is {grad_norm.item()}; the update was not applied and the last checkpoint is intact")
+        raise NonFiniteLossError(
+            f"gradient norm is {grad_norm.item()}; the update was not applied and the last checkpoint is intact"
+        )
     if ctx.critic is not None:
         ctx.sums["critic_grad_norm"] += ctx.critic.step(train_config.max_grad_norm)
     optimizer.step()  # parameters without a gradient (the policy during critic warm-up) are left alone
@@ -152,11 +178,13 @@ def update_metrics(ctx: UpdateContext, optimizer_steps: int) -> dict:
     tokens = max(sums["tokens"], 1.0)
     metrics = {"loss": sums["loss"] / optimizer_steps, "grad_norm": sums["grad_norm"] / optimizer_steps}
     if ctx.train_policy:
-        metrics.update({
-            "entropy": sums["entropy"] / tokens,
-            "clip_fraction/low": sums["clip_low"] / tokens,
-            "clip_fraction/high": sums["clip_high"] / tokens,
-        })
+        metrics.update(
+            {
+                "entropy": sums["entropy"] / tokens,
+                "clip_fraction/low": sums["clip_low"] / tokens,
+                "clip_fraction/high": sums["clip_high"] / tokens,
+            }
+        )
     if ctx.kl_in_loss and ctx.train_policy:
         metrics["kl"] = sums["kl"] / tokens
     elif ctx.ref_logprobs is not None and ctx.old_logprobs is not None:  # k1 of the sampled batch
@@ -169,8 +197,19 @@ def update_metrics(ctx: UpdateContext, optimizer_steps: int) -> dict:
 
 
 def policy_update(
-    model, optimizer, scheduler, rollouts: Rollouts, advantages: torch.Tensor, old_logprobs, ref_logprobs, config: Config, compute: Compute,
-    *, critic: Critic | None = None, value_targets: tuple[torch.Tensor, torch.Tensor] | None = None, train_policy: bool = True,
+    model,
+    optimizer,
+    scheduler,
+    rollouts: Rollouts,
+    advantages: torch.Tensor,
+    old_logprobs,
+    ref_logprobs,
+    config: Config,
+    compute: Compute,
+    *,
+    critic: Critic | None = None,
+    value_targets: tuple[torch.Tensor, torch.Tensor] | None = None,
+    train_policy: bool = True,
     modules: UpdateModules | None = None,
 ) -> dict:
     """Apply `update_epochs` x `num_minibatches` optimizer steps and return averaged update metrics.
@@ -183,7 +222,9 @@ def policy_update(
     all-reduces them.
     """
     modules = modules if modules is not None else update_modules(model, critic)
-    ctx = UpdateContext(rollouts, advantages, old_logprobs, ref_logprobs, config, compute, critic, value_targets, train_policy, modules)
+    ctx = UpdateContext(
+        rollouts, advantages, old_logprobs, ref_logprobs, config, compute, critic, value_targets, train_policy, modules
+    )
     group_size = rollouts.group_size
     num_groups = len(rollouts) // group_size
     groups_per_minibatch = max(math.ceil(num_groups / config.train.num_minibatches), 1)
@@ -191,7 +232,9 @@ def policy_update(
     for _ in range(config.algorithm.update_epochs):
         for first_group in range(0, num_groups, groups_per_minibatch):
             rows = torch.arange(
-                first_group * group_size, min(first_group + groups_per_minibatch, num_groups) * group_size, device=advantages.device,
+                first_group * group_size,
+                min(first_group + groups_per_minibatch, num_groups) * group_size,
+                device=advantages.device,
             )
             minibatch_step(ctx, rows, optimizer, scheduler)
             optimizer_steps += 1

@@ -95,19 +95,31 @@ class Checkpointer:
         target = None
         if is_main_process():
             extra = {**extra, "rng_per_rank": rng_per_rank}
-            target = self._write(step, model, model_state, tokenizer, optimizer_state, scheduler, extra, fp32_masters=masters is not None)
+            target = self._write(
+                step, model, model_state, tokenizer, optimizer_state, scheduler, extra, fp32_masters=masters is not None
+            )
         parallel.barrier()
         return target
 
     def _write(
-        self, step: int, model, model_state: dict | None, tokenizer, optimizer_state: dict, scheduler, extra: dict, fp32_masters: bool = False,
+        self,
+        step: int,
+        model,
+        model_state: dict | None,
+        tokenizer,
+        optimizer_state: dict,
+        scheduler,
+        extra: dict,
+        fp32_masters: bool = False,
     ) -> Path:
         target = self.root / f"step-{step:06d}"
         previous = self.latest()
         keeps = f"the last complete checkpoint {previous} is intact" if previous else "no checkpoint was written yet"
         with staged_directory(target, f"checkpoint step {step}", keeps) as staging:
             model.save_pretrained(str(staging), safe_serialization=True, state_dict=model_state)
-            if fp32_masters and (staging / "config.json").exists():  # transformers writes the in-memory (bf16) dtype; the saved weights are the fp32 masters
+            if (
+                fp32_masters and (staging / "config.json").exists()
+            ):  # transformers writes the in-memory (bf16) dtype; the saved weights are the fp32 masters
                 mark_float32(staging / "config.json")
             tokenizer.save_pretrained(str(staging))
             state = {
@@ -150,8 +162,21 @@ def mark_float32(config_path: Path) -> None:
 
 # What polo writes into an output directory; anything else there is the user's and is never touched.
 RUN_FILES = (
-    "checkpoints", "final", "tensorboard", "metrics.jsonl", "samples.jsonl", "config.yaml", "summary.json",
-    "reward.png", "accuracy.png", "length.png", "r1.png", "report.html", "wandb", "mlflow.db", "mlruns",
+    "checkpoints",
+    "final",
+    "tensorboard",
+    "metrics.jsonl",
+    "samples.jsonl",
+    "config.yaml",
+    "summary.json",
+    "reward.png",
+    "accuracy.png",
+    "length.png",
+    "r1.png",
+    "report.html",
+    "wandb",
+    "mlflow.db",
+    "mlruns",
 )
 
 
@@ -175,7 +200,9 @@ def claim_output_dir(output_dir: Path, overwrite: bool, resume: bool | None = No
     found = previous_run(output_dir)
     if not found:
         return
-    names = ", ".join(path.name + ("/" if path.is_dir() else "") for path in found[:4]) + (", ..." if len(found) > 4 else "")
+    names = ", ".join(path.name + ("/" if path.is_dir() else "") for path in found[:4]) + (
+        ", ..." if len(found) > 4 else ""
+    )
     if not overwrite:
         if resume:
             raise OutputDirInUseError(

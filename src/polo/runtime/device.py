@@ -46,7 +46,7 @@ class Compute:
     basis: str = field(default="", compare=False)  # why this precision: the measured rates, or "explicit"
 
     @classmethod
-    def named(cls, name: str, device: torch.device | str = "cpu") -> "Compute":
+    def named(cls, name: str, device: torch.device | str = "cpu") -> Compute:
         """Return the Compute for a resolved precision name (see the module doc) on `device`."""
         device = torch.device(device)
         if name == "fp32":
@@ -121,7 +121,9 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
         return torch.device("cpu")
     if spec == "cuda" or spec.startswith("cuda:"):
         if not torch.cuda.is_available():
-            raise ConfigError(f"device {spec!r}: this torch sees no CUDA GPU (torch {torch.__version__}); use device=cpu or auto")
+            raise ConfigError(
+                f"device {spec!r}: this torch sees no CUDA GPU (torch {torch.__version__}); use device=cpu or auto"
+            )
         if spec == "cuda":
             index = int(os.environ.get("LOCAL_RANK", "0"))
         else:

@@ -193,7 +193,9 @@ def shard_model(model: nn.Module) -> nn.Module:
 
     layers = getattr(model.get_decoder(), "layers", None)
     if layers is None:
-        raise ValueError(f"train.data_parallel=fsdp needs a decoder with a `layers` list; {type(model).__name__} has none")
+        raise ValueError(
+            f"train.data_parallel=fsdp needs a decoder with a `layers` list; {type(model).__name__} has none"
+        )
     mesh = init_device_mesh(model_device(model).type, (world_size(),))
     for layer in layers:
         fully_shard(layer, mesh=mesh)
@@ -211,7 +213,10 @@ def data_parallel(module: nn.Module, find_unused_parameters: bool = False) -> nn
     device = model_device(module)
     device_ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(
-        module, device_ids=device_ids, find_unused_parameters=find_unused_parameters, forward_sync_buffers=False,
+        module,
+        device_ids=device_ids,
+        find_unused_parameters=find_unused_parameters,
+        forward_sync_buffers=False,
     )
 
 
@@ -271,4 +276,7 @@ def global_norm(norm: torch.Tensor) -> torch.Tensor:
 
 def is_main_process() -> bool:
     """Return True on rank 0 (or when torch.distributed is not initialised); only it writes."""
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0
+    return (
+        not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        or torch.distributed.get_rank() == 0
+    )

@@ -49,7 +49,14 @@ class DeviceMixError(RuntimeError):
 
 def _movers() -> set:
     """Return the functions that take tensors on two devices by design (moving data between them)."""
-    return {torch.Tensor.to, torch.Tensor.copy_, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.type_as}
+    return {
+        torch.Tensor.to,
+        torch.Tensor.copy_,
+        torch.Tensor.cpu,
+        torch.Tensor.cuda,
+        torch.Tensor.type,
+        torch.Tensor.type_as,
+    }
 
 
 def _function_name(func) -> str:
@@ -129,7 +136,9 @@ def _relative(filename: str) -> str:
 
 
 @contextlib.contextmanager
-def implicit_device_guard(default_device: str | torch.device | None = "meta", watched: tuple[Path, ...] = (POLO_ROOT,)) -> Iterator[None]:
+def implicit_device_guard(
+    default_device: str | torch.device | None = "meta", watched: tuple[Path, ...] = (POLO_ROOT,)
+) -> Iterator[None]:
     """Within the block, fail on tensors created on an implicit device and on ops that mix devices (see the module doc).
 
     `default_device` is the default device inside the block ("meta": implicit allocations hold no

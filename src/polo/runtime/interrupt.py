@@ -47,7 +47,9 @@ class StopNow(KeyboardInterrupt):
     """A second stop signal: the step in progress was abandoned unsaved; the last checkpoint is intact."""
 
     def __init__(self, signum: int):
-        super().__init__(f"a second {signal_name(signum)}: stopped at once; the step in progress is not saved, the last checkpoint is intact")
+        super().__init__(
+            f"a second {signal_name(signum)}: stopped at once; the step in progress is not saved, the last checkpoint is intact"
+        )
         self.signum = signum
 
     @property
@@ -78,7 +80,7 @@ class RunStopped(KeyboardInterrupt):
         saved = f"; saved {self.checkpoint}" if self.checkpoint is not None else ""
         return f"stopped by {signal_name(self.signum)}{where} {when}{saved}"
 
-    def in_stage(self, label: str) -> "RunStopped":
+    def in_stage(self, label: str) -> RunStopped:
         """Return the same stop, said to have happened in pipeline stage `label`."""
         return RunStopped(self.signum, self.step, self.checkpoint, self.resumable, label)
 
@@ -95,7 +97,9 @@ class StopRequest:
     they act as usual; SIGHUP stays ignored in a process started ignoring it (nohup).
     """
 
-    def __init__(self, say: Callable[[str], None] | None = None, plan: str = "stopping after this step and saving a checkpoint"):
+    def __init__(
+        self, say: Callable[[str], None] | None = None, plan: str = "stopping after this step and saving a checkpoint"
+    ):
         self.say = say or print_now
         self.plan = plan  # what the first signal's message says will happen
         self.previous: dict[int, object] = {}
@@ -117,14 +121,16 @@ class StopRequest:
         again = "Ctrl-C" if signum == signal.SIGINT else f"send {signal_name(signum)}"
         self.say(f"polo: {signal_name(signum)}: {self.plan} ({again} again to abort now)")
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is not threading.main_thread():
             return self
         if _RECEIVED.depth == 0:
             _RECEIVED.signum = None
         _RECEIVED.depth += 1
         for signum in STOP_SIGNALS:
-            if signum != getattr(signal, "SIGHUP", None) or signal.getsignal(signum) is not signal.SIG_IGN:  # nohup stays nohup
+            if (
+                signum != getattr(signal, "SIGHUP", None) or signal.getsignal(signum) is not signal.SIG_IGN
+            ):  # nohup stays nohup
                 self.previous[signum] = signal.signal(signum, self._handle)
         return self
 

@@ -12,7 +12,6 @@ from polo.runtime.distributed import is_main_process
 from polo.runtime.trackers import Sink, Trackers, open_sinks
 
 
-
 def read_metrics(path: Path) -> list[dict]:
     """Return the rows of a metrics.jsonl file (empty when it does not exist)."""
     if not path.exists():
@@ -45,7 +44,12 @@ class MetricsLogger:
     """
 
     def __init__(
-        self, output_dir: Path, total_steps: int, start_step: int = 0, tensorboard: bool = True, progress: bool = True,
+        self,
+        output_dir: Path,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        progress: bool = True,
         trackers: Trackers | None = None,
     ):
         self.main = is_main_process()
@@ -78,11 +82,15 @@ class MetricsLogger:
         if not self.main:
             return
         row = {**row, "timestamp": row.get("timestamp", time.time())}
-        clean = {key: (None if isinstance(value, float) and not math.isfinite(value) else value) for key, value in row.items()}
+        clean = {
+            key: (None if isinstance(value, float) and not math.isfinite(value) else value)
+            for key, value in row.items()
+        }
         with self.path.open("a") as handle:
             handle.write(json.dumps(clean) + "\n")
         scalars = {
-            key: value for key, value in row.items()
+            key: value
+            for key, value in row.items()
             if key not in ("step", "timestamp") and isinstance(value, (int, float)) and not isinstance(value, bool)
         }
         for sink in self.sinks:
@@ -102,9 +110,11 @@ class MetricsLogger:
                 continue
             try:
                 sink.log_table(step, "completions", columns, data)
-            except Exception as error:  # noqa: BLE001 - a tracker's table is not worth the run
+            except Exception as error:
                 sink.tables = False
-                self.write(f"polo: warning: {type(sink).__name__} could not log the completions table, no more tables go to it: {error}")
+                self.write(
+                    f"polo: warning: {type(sink).__name__} could not log the completions table, no more tables go to it: {error}"
+                )
 
     def log_samples(self, rows: list[dict]) -> None:
         """Append sample completions (each row holds "step") to `<dir>/samples.jsonl`, for reports."""
@@ -117,7 +127,10 @@ class MetricsLogger:
         """Move the progress bar to `step` and show the summary fields (step, reward, ...)."""
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            self.bar.set_postfix({key: f"{value:.3g}" if isinstance(value, float) else value for key, value in summary.items()}, refresh=True)
+            self.bar.set_postfix(
+                {key: f"{value:.3g}" if isinstance(value, float) else value for key, value in summary.items()},
+                refresh=True,
+            )
 
     def write(self, message: str) -> None:
         """Print a line without breaking the progress bar."""

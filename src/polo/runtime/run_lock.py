@@ -47,13 +47,15 @@ class LockHolder:
     command: str = ""
 
     @classmethod
-    def current(cls) -> "LockHolder":
+    def current(cls) -> LockHolder:
         """Return this process as a holder: its pid, host name, the time now and its command line."""
         command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv and sys.argv[0] else "python"
-        return cls(str(os.getpid()), socket.gethostname(), datetime.now().astimezone().isoformat(timespec="seconds"), command)
+        return cls(
+            str(os.getpid()), socket.gethostname(), datetime.now().astimezone().isoformat(timespec="seconds"), command
+        )
 
     @classmethod
-    def parse(cls, text: str) -> "LockHolder":
+    def parse(cls, text: str) -> LockHolder:
         """Return the holder a lock file's text names (fields it lacks stay "unknown")."""
         fields = dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
         return cls(**{name: fields[name] for name in ("pid", "host", "started", "command") if fields.get(name)})
@@ -98,11 +100,14 @@ class RunDirLock:
     def __init__(self, directory: Path | str, what: str = "output.dir", instead: str = ""):
         self.directory = Path(directory)
         self.path = self.directory / LOCK_FILE
-        self.what, self.instead = what, instead  # how the user named the directory (output.dir, pipeline.dir), and the way out
+        self.what, self.instead = (
+            what,
+            instead,
+        )  # how the user named the directory (output.dir, pipeline.dir), and the way out
         self.fd: int | None = None
         self.created_directory = False
 
-    def acquire(self) -> "RunDirLock":
+    def acquire(self) -> RunDirLock:
         """Take the lock and write this process into the lock file; return self.
 
         Raises `RunDirLockedError` (one line naming the holder) when another process holds it.
@@ -115,11 +120,16 @@ class RunDirLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise RunDirLockedError(refusal(self.directory, self.what, _read_holder(self.path), self.instead)) from None
+                raise RunDirLockedError(
+                    refusal(self.directory, self.what, _read_holder(self.path), self.instead)
+                ) from None
             except OSError as error:  # a file system without locks (some network or FUSE mounts): run, but say so
                 os.close(fd)
-                print(f"polo: warning: cannot lock {self.path} ({error.strerror}); a second run on {self.directory} would not be stopped",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"polo: warning: cannot lock {self.path} ({error.strerror}); a second run on {self.directory} would not be stopped",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return self
             if self._still_linked(fd):
                 break

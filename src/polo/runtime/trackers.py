@@ -42,7 +42,9 @@ class Trackers:
     """Which trackers a run reports to, and what they call it."""
 
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    project: str | None = None  # None: the tracker's own variable (WANDB_PROJECT, MLFLOW_EXPERIMENT_NAME) when set, else "polo"
+    project: str | None = (
+        None  # None: the tracker's own variable (WANDB_PROJECT, MLFLOW_EXPERIMENT_NAME) when set, else "polo"
+    )
     run_name: str | None = None  # None: the output directory's name
     config: dict | None = None  # the run's configuration, recorded by the trackers that keep one
 
@@ -50,8 +52,12 @@ class Trackers:
     def of(cls, config: Any) -> Trackers:
         """Return the trackers of a run configuration (a dataclass with an `output` section)."""
         output = config.output
-        return cls(list(getattr(output, "report_to", ["tensorboard"])), getattr(output, "project", None),
-                   getattr(output, "run_name", None), dataclasses.asdict(config))
+        return cls(
+            list(getattr(output, "report_to", ["tensorboard"])),
+            getattr(output, "project", None),
+            getattr(output, "run_name", None),
+            dataclasses.asdict(config),
+        )
 
     def project_name(self, variable: str | None = None) -> str:
         return self.project or (os.environ.get(variable) if variable else None) or "polo"
@@ -108,8 +114,11 @@ class WandbSink:
 
         self.wandb = wandb
         self.run = wandb.init(
-            project=trackers.project_name("WANDB_PROJECT"), name=trackers.name(output_dir), config=trackers.config,
-            dir=os.environ.get("WANDB_DIR") or str(output_dir), mode=os.environ.get("WANDB_MODE") or "offline",
+            project=trackers.project_name("WANDB_PROJECT"),
+            name=trackers.name(output_dir),
+            config=trackers.config,
+            dir=os.environ.get("WANDB_DIR") or str(output_dir),
+            mode=os.environ.get("WANDB_MODE") or "offline",
             reinit="create_new",  # a run of its own, whatever other wandb run the process holds
         )
         self.where = f"wandb run {self.run.name} in {self.run.dir.removesuffix('/files')}"
@@ -164,11 +173,15 @@ class MlflowSink:
     def log_table(self, step: int, name: str, columns: list[str], rows: list[list]) -> None:
         first = (max(step, 1) - 1) // self.TABLE_STEPS * self.TABLE_STEPS + 1
         data = {column: [row[index] for row in rows] for index, column in enumerate(columns)}
-        quiet = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ  # appending re-reads the file, with a progress bar
+        quiet = (
+            "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ
+        )  # appending re-reads the file, with a progress bar
         if quiet:
             os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
         try:
-            self.client.log_table(self.run_id, data, f"{name}/steps_{first:06d}-{first + self.TABLE_STEPS - 1:06d}.json")
+            self.client.log_table(
+                self.run_id, data, f"{name}/steps_{first:06d}-{first + self.TABLE_STEPS - 1:06d}.json"
+            )
         finally:
             if quiet:
                 os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
@@ -204,7 +217,11 @@ class TrackioSink:
 
 # Every name `output.report_to` accepts; "jsonl" (metrics.jsonl) is always written and needs no sink.
 SINKS: dict[str, type | None] = {
-    "tensorboard": TensorBoardSink, "jsonl": None, "wandb": WandbSink, "trackio": TrackioSink, "mlflow": MlflowSink,
+    "tensorboard": TensorBoardSink,
+    "jsonl": None,
+    "wandb": WandbSink,
+    "trackio": TrackioSink,
+    "mlflow": MlflowSink,
 }
 
 

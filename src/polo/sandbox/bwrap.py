@@ -77,14 +77,20 @@ def python_files() -> tuple[tuple[str, ...], tuple[str, ...]]:
     found = set()
     for start in range(0, len(binaries), 64):
         try:
-            listing = subprocess.run(["ldd", *binaries[start:start + 64]], capture_output=True, text=True,
-                                     check=False, env={"PATH": "/usr/bin:/bin", "LANG": "C"}).stdout
+            listing = subprocess.run(
+                ["ldd", *binaries[start : start + 64]],
+                capture_output=True,
+                text=True,
+                check=False,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C"},
+            ).stdout
         except OSError as exc:
             raise ToolUnavailable(f"cannot list the interpreter's shared libraries with ldd ({exc})") from exc
         found.update(_LDD_PATH.findall(listing))
     directories = (stdlib,) if dynload.startswith(stdlib + "/") or not os.path.isdir(dynload) else (stdlib, dynload)
-    files = {interpreter()} | {path for path in found
-                               if os.path.isfile(path) and not any(path.startswith(d + "/") for d in directories)}
+    files = {interpreter()} | {
+        path for path in found if os.path.isfile(path) and not any(path.startswith(d + "/") for d in directories)
+    }
     # The dynamic loader's cache lists library paths only, and spares it a search per library.
     if os.path.isfile("/etc/ld.so.cache"):
         files.add("/etc/ld.so.cache")
@@ -104,7 +110,9 @@ def _ancestors(paths: list[str]) -> list[str]:
 def file_system_arguments(workdir: str, program: str, disk_bytes: int) -> list[str]:
     """Return bwrap's arguments for the file system: a fresh tmpfs root with only what Python needs."""
     files, directories = python_files()
-    site_packages = [os.path.join(d, "site-packages") for d in directories if os.path.isdir(os.path.join(d, "site-packages"))]
+    site_packages = [
+        os.path.join(d, "site-packages") for d in directories if os.path.isdir(os.path.join(d, "site-packages"))
+    ]
     args = ["--tmpfs", "/"]
     # bwrap would create missing parents with the host's modes (e.g. 0700 /root), which a
     # throwaway uid cannot traverse.
@@ -134,9 +142,20 @@ def namespace_arguments(as_root: bool) -> list[str]:
     (``--as-pid-1``): the kernel delivers no signal to it from inside unless it has a handler, so a
     program of the same uid cannot kill it, and no bwrap process of that uid is left in there.
     """
-    common = ["--unshare-ipc", "--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-uts",
-              "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox",
-              "--cap-drop", "ALL"]
+    common = [
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--as-pid-1",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        "sandbox",
+        "--cap-drop",
+        "ALL",
+    ]
     if as_root:
         return common + ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     return ["--unshare-user", "--disable-userns", *common]
@@ -145,7 +164,9 @@ def namespace_arguments(as_root: bool) -> list[str]:
 # bwrap's first line when it cannot make or set up the user namespace: the kernel refused
 # (EPERM: kernel.unprivileged_userns_clone=0, a container's seccomp profile; ENOSPC:
 # user.max_user_namespaces=0), or AppArmor let it make one without the rights to use it.
-_USER_NAMESPACE_FAILURE = re.compile(r"namespace|uid map|gid map|setgroups|loopback|RTM_NEWADDR|Operation not permitted")
+_USER_NAMESPACE_FAILURE = re.compile(
+    r"namespace|uid map|gid map|setgroups|loopback|RTM_NEWADDR|Operation not permitted"
+)
 
 
 def _sysctl(path: str) -> str | None:
@@ -168,20 +189,30 @@ def user_namespace_advice(read=_sysctl) -> str:
     ``read(path)`` returns a sysctl's value or None (a parameter for the tests).
     """
     if read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
-        return ("unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone = 0): "
-                "enable them with `sudo sysctl -w kernel.unprivileged_userns_clone=1`")
+        return (
+            "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone = 0): "
+            "enable them with `sudo sysctl -w kernel.unprivileged_userns_clone=1`"
+        )
     if read("/proc/sys/user/max_user_namespaces") == "0":
-        return ("user namespaces are disabled (user.max_user_namespaces = 0): "
-                "enable them with `sudo sysctl -w user.max_user_namespaces=15000`")
+        return (
+            "user namespaces are disabled (user.max_user_namespaces = 0): "
+            "enable them with `sudo sysctl -w user.max_user_namespaces=15000`"
+        )
     if read("/sys/module/user_namespace/parameters/enable") == "N":
-        return ("user namespaces are disabled on the kernel command line (user_namespace.enable=N): "
-                "boot with user_namespace.enable=1 and set user.max_user_namespaces")
+        return (
+            "user namespaces are disabled on the kernel command line (user_namespace.enable=N): "
+            "boot with user_namespace.enable=1 and set user.max_user_namespaces"
+        )
     if read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1":
-        return ("AppArmor restricts unprivileged user namespaces (kernel.apparmor_restrict_unprivileged_userns = 1): "
-                "give bwrap an AppArmor profile that allows them or "
-                "`sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`")
-    return ("the kernel or a policy around this process (a container's seccomp profile, an LSM) refuses "
-            "this user a user namespace: allow unprivileged user namespaces there")
+        return (
+            "AppArmor restricts unprivileged user namespaces (kernel.apparmor_restrict_unprivileged_userns = 1): "
+            "give bwrap an AppArmor profile that allows them or "
+            "`sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`"
+        )
+    return (
+        "the kernel or a policy around this process (a container's seccomp profile, an LSM) refuses "
+        "this user a user namespace: allow unprivileged user namespaces there"
+    )
 
 
 def command(workdir: str, program: str, disk_bytes: int, seccomp_fd: int, runner: list[str]) -> list[str]:
@@ -190,10 +221,22 @@ def command(workdir: str, program: str, disk_bytes: int, seccomp_fd: int, runner
         bwrap_executable(),
         *namespace_arguments(os.geteuid() == 0),
         *file_system_arguments(workdir, program, disk_bytes),
-        "--chdir", workdir, "--clearenv",
-        "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", workdir,
-        "--seccomp", str(seccomp_fd),
-        "--", *runner,
+        "--chdir",
+        workdir,
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/bin:/bin",
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+        "--setenv",
+        "HOME",
+        workdir,
+        "--seccomp",
+        str(seccomp_fd),
+        "--",
+        *runner,
     ]
 
 

@@ -66,14 +66,19 @@ class SandboxLimits:
     def __post_init__(self) -> None:
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
-        for name in ("memory_bytes", "file_size_bytes", "max_processes", "max_open_files",
-                     "max_output_bytes", "disk_bytes"):
+        for name in (
+            "memory_bytes",
+            "file_size_bytes",
+            "max_processes",
+            "max_open_files",
+            "max_output_bytes",
+            "disk_bytes",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.cpu_seconds is not None and (
-            isinstance(self.cpu_seconds, bool) or not isinstance(self.cpu_seconds, int)
-            or self.cpu_seconds < 1
+            isinstance(self.cpu_seconds, bool) or not isinstance(self.cpu_seconds, int) or self.cpu_seconds < 1
         ):
             raise ValueError(f"cpu_seconds must be None or an integer >= 1, got {self.cpu_seconds!r}")
 
@@ -284,8 +289,11 @@ class _Reader:
 
     def __init__(self, process: subprocess.Popen, status_fd: int, cap: int) -> None:
         self.cap = cap
-        self.buffers = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray(),
-                        status_fd: bytearray()}
+        self.buffers = {
+            process.stdout.fileno(): bytearray(),
+            process.stderr.fileno(): bytearray(),
+            status_fd: bytearray(),
+        }
         self.stdout_fd = process.stdout.fileno()
         self.stderr_fd = process.stderr.fileno()
         self.status_fd = status_fd
@@ -484,10 +492,15 @@ def _host_namespaces() -> dict[str, int]:
 def _runner_config(limits: SandboxLimits, status_fd: int, uid: int | None, gid: int | None) -> dict:
     """Return the settings the runner script reads from its command line."""
     return {
-        "status_fd": status_fd, "program": bwrap.PROGRAM_PATH, "uid": uid, "gid": gid,
+        "status_fd": status_fd,
+        "program": bwrap.PROGRAM_PATH,
+        "uid": uid,
+        "gid": gid,
         "host_namespaces": _host_namespaces(),
-        "cpu_seconds": limits.cpu_limit, "memory_bytes": limits.memory_bytes,
-        "file_size_bytes": limits.file_size_bytes, "max_processes": limits.max_processes,
+        "cpu_seconds": limits.cpu_limit,
+        "memory_bytes": limits.memory_bytes,
+        "file_size_bytes": limits.file_size_bytes,
+        "max_processes": limits.max_processes,
         "max_open_files": limits.max_open_files,
     }
 
@@ -500,9 +513,15 @@ def _start_runner(
     try:
         argv = bwrap.command(workdir, program_path, limits.disk_bytes, seccomp_read, runner)
         return subprocess.Popen(
-            argv, cwd=workdir, env=child_environment(workdir), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_write, seccomp_read),
-            start_new_session=True, close_fds=True,
+            argv,
+            cwd=workdir,
+            env=child_environment(workdir),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(status_write, seccomp_read),
+            start_new_session=True,
+            close_fds=True,
         )
     except bwrap.ToolUnavailable as exc:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -540,13 +559,13 @@ def _release(process: subprocess.Popen, reader: _Reader, status_read: int, workd
     return duration
 
 
-def _result(report: dict[str, str], reader: _Reader, timed_out: bool, limits: SandboxLimits, duration: float) -> SandboxResult:
+def _result(
+    report: dict[str, str], reader: _Reader, timed_out: bool, limits: SandboxLimits, duration: float
+) -> SandboxResult:
     """Return the `SandboxResult` of a finished run (logging the isolation the first time)."""
     stdout = bytes(reader.buffers[reader.stdout_fd])
     stderr = bytes(reader.buffers[reader.stderr_fd])
-    status, reason, returncode, signal_number = _classify(
-        report, timed_out, reader.over_cap, limits, stderr
-    )
+    status, reason, returncode, signal_number = _classify(report, timed_out, reader.over_cap, limits, stderr)
     isolation = Isolation.from_words(report.get("iso", "").split())
     _log_isolation_once(isolation)
     return SandboxResult(status, reason, returncode, signal_number, stdout, stderr, duration, isolation)

@@ -38,7 +38,13 @@ def polo_attention(module, query, key, value, attention_mask, *args, shared_layo
     def sdpa(q, k, v, mask):
         if gqa_without_copies(module, q, k, mask, args, kwargs):
             out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"), enable_gqa=True,
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=kwargs.get("dropout", 0.0),
+                scale=kwargs.get("scaling"),
+                enable_gqa=True,
             )
             return out.transpose(1, 2).contiguous()
         return sdpa_attention_forward(module, q, k, v, mask, *args, **kwargs)[0]
@@ -59,7 +65,16 @@ def polo_attention(module, query, key, value, attention_mask, *args, shared_layo
 
 # Keyword arguments of transformers' attention call that SDPA-with-GQA handles exactly as its
 # sdpa_attention_forward does (the mask already carries causality, padding and any sliding window).
-_PLAIN_KWARGS = {"dropout", "scaling", "is_causal", "position_ids", "sliding_window", "output_attentions", "use_cache", "cache_position"}
+_PLAIN_KWARGS = {
+    "dropout",
+    "scaling",
+    "is_causal",
+    "position_ids",
+    "sliding_window",
+    "output_attentions",
+    "use_cache",
+    "cache_position",
+}
 
 
 def gqa_without_copies(module, query: torch.Tensor, key: torch.Tensor, mask, args: tuple, kwargs: dict) -> bool:
@@ -72,9 +87,12 @@ def gqa_without_copies(module, query: torch.Tensor, key: torch.Tensor, mask, arg
     return (
         query.device.type == "cpu"
         and groups > 1
-        and query.dim() == 4 and key.dim() == 4 and query.shape[-3] == key.shape[-3] * groups
+        and query.dim() == 4
+        and key.dim() == 4
+        and query.shape[-3] == key.shape[-3] * groups
         and query.shape[-2] > 1  # one query token: transformers already folds the heads without copies
-        and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+        and isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
         and not args
         and all(name in _PLAIN_KWARGS or value is None for name, value in kwargs.items())
     )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-
 import torch
+
 
 def _preallocated_layer_class():
     """Return a transformers cache layer that writes new keys/values into a preallocated buffer.
@@ -62,7 +62,6 @@ def _preallocated_layer_class():
                 self._refresh()
 
     return PreallocatedLayer
-
 
 
 def sampling_cache(model, capacity: int):

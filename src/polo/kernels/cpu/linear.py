@@ -9,6 +9,7 @@ import torch
 
 from polo.runtime.device import cpu_supports_bf16
 
+
 @contextlib.contextmanager
 def contiguous_head_input(model):
     """Within the block, the output layer's input is made contiguous before its matmul.
@@ -22,7 +23,9 @@ def contiguous_head_input(model):
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     handle = None
     if isinstance(head, torch.nn.Module):
-        handle = head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]) if args else None)
+        handle = head.register_forward_pre_hook(
+            lambda module, args: (args[0].contiguous(), *args[1:]) if args else None
+        )
     try:
         yield
     finally:
@@ -30,10 +33,8 @@ def contiguous_head_input(model):
             handle.remove()
 
 
-
 def _packed_linear(x: torch.Tensor, *, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-
 
 
 def _can_prepack() -> bool:
@@ -44,7 +45,6 @@ def _can_prepack() -> bool:
         and hasattr(mkldnn_ops, "_linear_pointwise")
         and cpu_supports_bf16()
     )
-
 
 
 @contextlib.contextmanager

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 __all__ = ["SharedAttentionLayout", "SharedPromptBatch", "share_prompts", "shared_attention", "sharing_pays"]
 
 # Weight of one attention score entry relative to one token through the linear layers, per unit of
@@ -31,7 +30,14 @@ __all__ = ["SharedAttentionLayout", "SharedPromptBatch", "share_prompts", "share
 ATTENTION_COST_FACTOR = 2.0
 
 
-def sharing_pays(prompt_len: int, completion_len: int, group_size: int, hidden_size: int, params_per_layer: float, blockwise: bool = False) -> bool:
+def sharing_pays(
+    prompt_len: int,
+    completion_len: int,
+    group_size: int,
+    hidden_size: int,
+    params_per_layer: float,
+    blockwise: bool = False,
+) -> bool:
     """Return True when the shared layout costs clearly less compute than G separate rows.
 
     Per layer, a token costs ≈ 2·params_per_layer FLOPs in the linear layers and a (query, key)
@@ -65,7 +71,9 @@ class SharedAttentionLayout:
     group_size: int  # G
     completion_len: int  # C
     prompt_mask: torch.Tensor  # (groups, 1, P, P) bool: prompt queries over prompt keys
-    completion_mask: torch.Tensor  # (groups·G, 1, C, P + C) bool: each completion's queries over [prompt | its own tokens]
+    completion_mask: (
+        torch.Tensor
+    )  # (groups·G, 1, C, P + C) bool: each completion's queries over [prompt | its own tokens]
 
 
 @dataclass
@@ -75,12 +83,20 @@ class SharedPromptBatch:
     input_ids: torch.Tensor  # (groups, L)
     attention_mask: torch.Tensor  # (groups, 1, L, L) bool, True where a query may attend to a key
     position_ids: torch.Tensor  # (groups, L)
-    predictor_index: torch.Tensor  # (groups·G, C) long: flat (groups·L) position whose hidden state predicts each completion token
-    layout: SharedAttentionLayout  # the same mask cut into blocks, for attention that skips the blocks that are all False
+    predictor_index: (
+        torch.Tensor
+    )  # (groups·G, C) long: flat (groups·L) position whose hidden state predicts each completion token
+    layout: (
+        SharedAttentionLayout  # the same mask cut into blocks, for attention that skips the blocks that are all False
+    )
 
 
 def share_prompts(
-    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor, group_size: int
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    group_size: int,
 ) -> SharedPromptBatch | None:
     """Return the shared layout of a batch whose rows come in groups of `group_size` with identical prompts, else None.
 
@@ -94,22 +110,31 @@ def share_prompts(
         return None
     groups, g = batch // group_size, group_size
     grouped_ids, grouped_mask = prompt_ids.view(groups, g, prompt_len), prompt_mask.view(groups, g, prompt_len)
-    if not (torch.equal(grouped_ids, grouped_ids[:, :1].expand_as(grouped_ids)) and torch.equal(grouped_mask, grouped_mask[:, :1].expand_as(grouped_mask))):
+    if not (
+        torch.equal(grouped_ids, grouped_ids[:, :1].expand_as(grouped_ids))
+        and torch.equal(grouped_mask, grouped_mask[:, :1].expand_as(grouped_mask))
+    ):
         return None
     group_prompt_mask = grouped_mask[:, 0].bool()  # (groups, P)
     length = prompt_len + g * completion_len
     input_ids = torch.cat([grouped_ids[:, 0], completion_ids.reshape(groups, g * completion_len)], dim=1)
-    key_is_real = torch.cat([group_prompt_mask, completion_mask.bool().reshape(groups, g * completion_len)], dim=1)  # (groups, L)
+    key_is_real = torch.cat(
+        [group_prompt_mask, completion_mask.bool().reshape(groups, g * completion_len)], dim=1
+    )  # (groups, L)
 
     device = prompt_ids.device  # every index and mask is built beside the batch
-    block = torch.cat([torch.full((prompt_len,), -1, device=device), torch.arange(g, device=device).repeat_interleave(completion_len)])  # -1: prompt
+    block = torch.cat(
+        [torch.full((prompt_len,), -1, device=device), torch.arange(g, device=device).repeat_interleave(completion_len)]
+    )  # -1: prompt
     position = torch.arange(length, device=device)
     earlier = position[None, :] <= position[:, None]  # (L, L): key at or before query
     same_block = block[None, :] == block[:, None]
     key_in_prompt = (block == -1)[None, :].expand(length, length)
     structure = earlier & (key_in_prompt | same_block)  # prompt keys for everyone (causally), own block causally
     mask = structure[None] & key_is_real[:, None, :]
-    mask |= torch.eye(length, dtype=torch.bool, device=device)[None]  # every query sees itself: padding rows are never empty
+    mask |= torch.eye(length, dtype=torch.bool, device=device)[
+        None
+    ]  # every query sees itself: padding rows are never empty
     real_prompt = group_prompt_mask.long().sum(1)  # (groups,)
     prompt_positions = (group_prompt_mask.long().cumsum(1) - 1).clamp(min=0)
     completion_positions = (real_prompt[:, None] + torch.arange(completion_len, device=device)[None, :]).repeat(1, g)
@@ -119,7 +144,9 @@ def share_prompts(
     # position for t = 0, else position P + k·C + t − 1 of the group's row.
     k, t = torch.arange(g, device=device)[:, None], torch.arange(completion_len, device=device)[None, :]
     within = torch.where(t == 0, prompt_len - 1, prompt_len + k * completion_len + t - 1)  # (G, C)
-    predictor_index = (torch.arange(groups, device=device)[:, None, None] * length + within[None]).reshape(batch, completion_len)
+    predictor_index = (torch.arange(groups, device=device)[:, None, None] * length + within[None]).reshape(
+        batch, completion_len
+    )
 
     # The same mask, block by block: the prompt's (P, P) corner, and for every completion its rows
     # restricted to [prompt keys | its own keys] (every other block of its rows is all False).
@@ -132,7 +159,9 @@ def share_prompts(
     return SharedPromptBatch(input_ids, mask[:, None], position_ids, predictor_index, layout)
 
 
-def shared_attention(attend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SharedAttentionLayout) -> torch.Tensor:
+def shared_attention(
+    attend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SharedAttentionLayout
+) -> torch.Tensor:
     """Attention over the shared layout computed block by block; returns (groups, L, heads, d) like transformers' attention.
 
     `attend(q, k, v, mask)` is an attention function taking (batch, heads, len, d) inputs and a
@@ -162,5 +191,3 @@ def shared_attention(attend, query: torch.Tensor, key: torch.Tensor, value: torc
     values = torch.cat([prompt_per_completion(prompt_v), per_completion(completion_v)], dim=2)
     completion_out = attend(per_completion(completion_q), keys, values, layout.completion_mask)  # (groups·G, C, H, d)
     return torch.cat([prompt_out, completion_out.reshape(groups, g * c, heads, dim)], dim=1)
-
-
