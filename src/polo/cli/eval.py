@@ -25,6 +25,12 @@ class EvalArgumentError(ValueError):
 
 def add_parsers(subcommands) -> None:
     """Add the `eval` and `report` subcommands to an argparse subparsers object."""
+    add_eval_parser(subcommands)
+    add_report_parser(subcommands)
+
+
+def add_eval_parser(subcommands) -> None:
+    """Add the `eval` subcommand to an argparse subparsers object."""
     eval_parser = subcommands.add_parser(
         "eval",
         help="pass@1, pass@k, cons@k, format rate and length of a model on a task",
@@ -56,6 +62,11 @@ def add_parsers(subcommands) -> None:
         default=0.6,
         help="sampling temperature (default 0.6, DeepSeek-R1's evaluation setting)",
     )
+    add_sampling_arguments(eval_parser)
+
+
+def add_sampling_arguments(eval_parser) -> None:
+    """Add `polo eval`'s sampling, task-format, device and output options to its parser."""
     eval_parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
     eval_parser.add_argument("--greedy", action="store_true", help="one deterministic (greedy) answer per problem")
     eval_parser.add_argument("--limit", type=int, default=None, help="evaluate the first N held-out problems only")
@@ -108,6 +119,9 @@ def add_parsers(subcommands) -> None:
     eval_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     eval_parser.set_defaults(eval_cli_command="eval")
 
+
+def add_report_parser(subcommands) -> None:
+    """Add the `report` subcommand to an argparse subparsers object."""
     report_parser = subcommands.add_parser(
         "report",
         help="one self-contained HTML page of a run: config, curves, sample completions",
@@ -260,6 +274,17 @@ def run_eval(args: argparse.Namespace) -> int:
         return evaluate_to_file(args)
 
 
+def held_out_rows(rows: list[dict], limit: int | None, task_label: str) -> list[dict]:
+    """Return the first `limit` held-out rows (all of them when None), or raise when there are too few."""
+    if limit is not None:
+        if limit > len(rows):
+            raise EvalArgumentError(f"--limit {limit} is more than the {len(rows)} held-out problems of {task_label}")
+        rows = rows[:limit]
+    if not rows:
+        raise EvalArgumentError(f"{task_label} has no held-out problems to evaluate")
+    return rows
+
+
 def evaluate_to_file(args: argparse.Namespace) -> int:
     """Evaluate the model the arguments name, print the summary and write `--output`; return the exit status."""
     import torch
@@ -270,15 +295,7 @@ def evaluate_to_file(args: argparse.Namespace) -> int:
 
     samples = check_numbers(args)
     task, task_label, instruction, system_prompt, model_name, default_tokens = build_eval_task(args)
-    rows = task.eval_rows
-    if args.limit is not None:
-        if args.limit > len(rows):
-            raise EvalArgumentError(
-                f"--limit {args.limit} is more than the {len(rows)} held-out problems of {task_label}"
-            )
-        rows = rows[: args.limit]
-    if not rows:
-        raise EvalArgumentError(f"{task_label} has no held-out problems to evaluate")
+    rows = held_out_rows(task.eval_rows, args.limit, task_label)
     max_new_tokens = args.max_new_tokens or default_tokens
     temperature, top_p = (0.0, 1.0) if args.greedy else (args.temperature, args.top_p)
     compute = inference_compute(args.precision, args.device)
