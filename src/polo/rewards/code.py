@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import functools
 import json
 import logging
 import math
@@ -35,6 +36,7 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 
 from polo.sandbox.runner import SandboxError, SandboxLimits, SandboxResult, run_python
 
@@ -424,57 +426,26 @@ def judge(test: ParsedTest, leaf_values: list[object]) -> tuple[bool, str]:
     return False, "assertion failed"
 
 
-# The program sent to the sandbox. Results go to a private copy of stdout, one JSON line each,
-# behind a per-run marker; the solution's own prints go to stderr. Nothing it reports can pass a
-# test by itself: a test's verdict is computed in the parent from the leaf values (see above), so
-# a forged line can at most claim values, which are only right if the program computed them.
-_HARNESS = """\
-import os as _os, sys as _sys, json as _json
-_results = _os.fdopen(_os.dup(1), "w", buffering=1)
-_os.dup2(2, 1)
-_repr, _str, _type, _len = repr, str, type, len
-def _send(**fields):
-    _results.write({marker!r} + _json.dumps(fields) + "\\n")
-def _describe(exc):
+@functools.cache
+def harness_source() -> str:
+    """Return the text of `polo.rewards.harness`, the program every completion runs inside, as the package ships it."""
     try:
-        return ("%s: %s" % (_type(exc).__name__, exc))[:300]
-    except BaseException:
-        return _type(exc).__name__
-_namespace = {{"__name__": "solution"}}
-try:
-    exec(compile({solution!r}, "solution.py", "exec"), _namespace)
-except BaseException as _exc:
-    _send(solution=_type(_exc).__name__, detail=_describe(_exc))
-    _os._exit(0)
-_send(solution="ok", detail="")
-for _index, (_setup, _leaves) in enumerate({tests!r}):
-    _scope = dict(_namespace) if _setup else _namespace
-    _values = []
-    try:
-        for _line in _setup:
-            exec(compile(_line, "test_%d" % _index, "exec"), _scope)
-    except BaseException as _exc:
-        _send(test=_index, setup_error=_describe(_exc))
-        continue
-    for _leaf in _leaves:
-        try:
-            _text = _repr(eval(compile(_leaf, "test_%d" % _index, "eval"), _scope))
-            if _type(_text) is not _str or _len(_text) > {max_repr}:
-                _values.append(["error", "result repr longer than {max_repr} characters"])
-            else:
-                _values.append(["value", _text])
-        except BaseException as _exc:
-            _values.append(["error", _describe(_exc)])
-    _send(test=_index, leaves=_values)
-_sys.stdout.flush()
-_os._exit(0)
-"""
+        return resources.files("polo.rewards").joinpath("harness.py").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        # No completion can be scored without it: stop the run as a sandbox that cannot run does.
+        raise SandboxError(
+            f"the code reward cannot run: its harness polo/rewards/harness.py cannot be read from the installed "
+            f"polo package ({exc}); reinstall polo"
+        ) from exc
 
 
 def harness_program(code: str, tests: Sequence[ParsedTest], marker: str) -> str:
-    """Return the sandbox program that runs ``code`` and then each test's setup and leaves."""
+    """Return the sandbox program that runs ``code`` and then each test's setup and leaves.
+
+    It is the harness module's text with one call appended, its arguments written as literals.
+    """
     specs = [(list(t.setup), list(t.leaves)) for t in tests]
-    return _HARNESS.format(marker=marker, solution=code, tests=specs, max_repr=MAX_VALUE_CHARS)
+    return f"{harness_source()}\n\nmain({marker!r}, {code!r}, {specs!r}, {MAX_VALUE_CHARS!r})\n"
 
 
 def _read_reports(stdout: bytes, marker: str) -> list[dict]:

@@ -15,6 +15,7 @@ stdout and stderr at ``max_output_bytes``. docs/sandbox.md says what is and is n
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -27,18 +28,18 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
+from importlib import resources
 
 from polo.sandbox import bwrap
+from polo.sandbox.child import PROGRAM_FILE
 from polo.sandbox.seccomp import SeccompUnavailable, compiled_filter
 
 logger = logging.getLogger(__name__)
 
-PROGRAM_FILE = "main.py"
 # Throwaway uids live far above any real account; each run draws its own, so RLIMIT_NPROC counts
 # only that run's processes and two concurrent sandboxes cannot signal each other.
 _THROWAWAY_ID_BASE = 1_500_000_000
 _THROWAWAY_ID_SPAN = 1 << 24
-_SETUP_FAILED_EXIT = 125
 _READ_CHUNK = 65536
 
 
@@ -148,112 +149,21 @@ class SandboxResult:
         return self.status == "ok"
 
 
-# The runner, started by bwrap as ``python -I -S -c _CHILD <config json>`` inside the sandbox (already
-# under the seccomp filter, in the new namespaces), as the PID namespace's init. It forks the
-# program's process, which drops to the throwaway uid and sets the rlimits before running the
-# program; the runner reports on the status pipe: "iso <words>", then "exit <code>" or "signal
-# <number>". As root the runner keeps uid 0 (and CAP_SETUID/CAP_SETGID), so the program can neither
-# signal nor ptrace it. Without root they share a uid: as init the runner gets no signal it does not
-# handle (it ignores SIGINT, Python's one handler), and it makes itself non-dumpable, so that the
-# program cannot open its /proc/<pid>/mem and run code in it without the program's rlimits.
-_CHILD = r"""
-import os, sys, json, signal, resource
-cfg = json.loads(sys.argv[1])
-status_fd = cfg["status_fd"]
-def say(line):
-    os.write(status_fd, (line + "\n").encode())
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-if cfg["uid"] is None:
-    import ctypes
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-    if _prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
-        say("setup-error the runner cannot make itself non-dumpable: %s" % os.strerror(ctypes.get_errno()))
-        os._exit(125)
-with open(cfg["program"], encoding="utf-8") as handle:
-    source = handle.read()
-os.environ.pop("PWD", None)  # bwrap's --chdir sets it; the program's environment is exactly the three
+@functools.cache
+def runner_source() -> str:
+    """Return the text of the sandbox's runner, `polo.sandbox.child`, as the package ships it.
 
-def status_fields():
-    fields = {}
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            key, _, value = line.partition(":")
-            fields[key] = value.strip()
-    return fields
-
-def isolation_words():
-    words = ["bubblewrap"]
-    names = {"net": "network", "pid": "pid", "ipc": "ipc", "uts": "uts", "mnt": "mount", "user": "user"}
-    for name, host_inode in cfg["host_namespaces"].items():
-        if os.stat("/proc/self/ns/" + name).st_ino != host_inode:
-            words.append(names[name] + "_namespace")
-    fields = status_fields()
-    words += [word for word, ok in (("seccomp", fields.get("Seccomp") == "2"),
-                                    ("no_new_privs", fields.get("NoNewPrivs") == "1"),
-                                    ("capabilities_dropped", int(fields.get("CapEff", "1"), 16) == 0),
-                                    ("throwaway_uid", os.getuid() == cfg["uid"]),
-                                    ("read_only_root", os.statvfs("/").f_flag & os.ST_RDONLY != 0),
-                                    ("private_tmp", True),
-                                    ("private_proc", "pid_namespace" in words)) if ok]
-    return words
-
-def set_up_child():
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    if cfg["uid"] is not None:
-        os.setgroups([])
-        os.setgid(cfg["gid"])
-        os.setuid(cfg["uid"])
-    else:
-        _prctl(4, 1, 0, 0, 0)  # the program itself is dumpable as usual (not its runner)
-    cpu = cfg["cpu_seconds"]
-    for limit, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
-                         (resource.RLIMIT_AS, cfg["memory_bytes"]),
-                         (resource.RLIMIT_FSIZE, cfg["file_size_bytes"]),
-                         (resource.RLIMIT_NPROC, cfg["max_processes"]),
-                         (resource.RLIMIT_NOFILE, cfg["max_open_files"]),
-                         (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(limit, value if isinstance(value, tuple) else (value, value))
-    # Over-size writes then fail with EFBIG (a readable error) instead of killing silently.
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    say("iso " + " ".join(isolation_words()))
-
-pid = os.fork()
-if pid == 0:
+    It runs as ``python -I -S -c <text>`` inside the sandbox, where polo itself is out of sight, so
+    the text goes in on the command line instead of being imported there.
+    """
     try:
-        set_up_child()
-    except BaseException as exc:
-        say("setup-error %s: %s" % (type(exc).__name__, exc))
-        os._exit(125)
-    os.close(status_fd)
-    del cfg
-    sys.argv = [PROGRAM]
-    namespace = {"__name__": "__main__", "__file__": PROGRAM, "__builtins__": __builtins__}
-    code = 0
-    try:
-        exec(compile(source, PROGRAM, "exec"), namespace)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, int) and exc.code is not None:
-            print(exc.code, file=sys.stderr)
-    except BaseException as exc:
-        import traceback  # the first frame is this runner's; the program's own frames follow
-        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
-        code = 1
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code & 0xFF)
-while True:  # as init, also reap the orphans the program leaves (they would count for RLIMIT_NPROC)
-    reaped, wait_status = os.waitpid(-1, 0)
-    if reaped == pid:
-        break
-if os.WIFSIGNALED(wait_status):
-    say("signal %d" % os.WTERMSIG(wait_status))
-else:
-    say("exit %d" % os.WEXITSTATUS(wait_status))
-os._exit(0)
-""".replace("PROGRAM", repr(PROGRAM_FILE))
+        return resources.files("polo.sandbox").joinpath("child.py").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SandboxError(
+            f"the code sandbox cannot run: its runner polo/sandbox/child.py cannot be read from the installed "
+            f"polo package ({exc}); reinstall polo"
+        ) from exc
+
 
 _isolation_logged = False
 _detected: Isolation | None = None
@@ -509,7 +419,7 @@ def _start_runner(
     config: dict, limits: SandboxLimits, workdir: str, program_path: str, status_write: int, seccomp_read: int
 ) -> subprocess.Popen:
     """Return bwrap started on the runner (on failure the working directory is removed first)."""
-    runner = [bwrap.interpreter(), "-I", "-S", "-c", _CHILD, json.dumps(config)]
+    runner = [bwrap.interpreter(), "-I", "-S", "-c", runner_source(), json.dumps(config)]
     try:
         argv = bwrap.command(workdir, program_path, limits.disk_bytes, seccomp_read, runner)
         return subprocess.Popen(
@@ -601,4 +511,5 @@ __all__ = [
     "child_environment",
     "detect_isolation",
     "run_python",
+    "runner_source",
 ]
