@@ -14,7 +14,9 @@ Run it after `make model` (which puts the default model in ~/.cache/polo/models/
     .venv/bin/python examples/grpo_minimal.py --steps 5 --beta 0.04 --update-epochs 2
 A step takes under a minute on a 2-core CPU (64 completions; the update is most of it). `polo train
 recipes/grpo_arith.yaml` runs the same algorithm in about 7 s a step (bf16, the prompt's forward
-shared by its group, tiled log-probs) and adds checkpoints, logging, LoRA and other algorithms.
+shared by its group, tiled log-probs) and adds checkpoints, logging, LoRA and other algorithms;
+tests/examples/test_grpo_minimal.py checks that on one fixed batch this file's loss and update
+are `polo train`'s, to fp32 tolerance.
 """
 
 import argparse
@@ -147,104 +149,85 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int, batch_size:
     return correct / max(len(problems), 1)
 
 
-# ---- the script ----
+# ---- one step: sample, then update ----
 
-args = parse_args()
-if not Path(args.model).is_dir():
-    print(f"no model at {args.model}: run `make model` to fetch the default one (or pass --model DIR)", file=sys.stderr)
-    sys.exit(2)
-transformers_logging.disable_progress_bar()
-if args.threads > 0:
-    torch.set_num_threads(args.threads)
-torch.manual_seed(args.seed)  # the sampling
-rng = random.Random(args.seed)  # which problems each step draws
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-tokenizer = AutoTokenizer.from_pretrained(args.model)
-tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-# float32 keeps this file free of mixed-precision care; `polo train` gets much of its speed from bf16.
-model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
-# from_pretrained leaves the model in eval mode; it stays there, so sampling and training see the same
-# network (no dropout) and the first epoch's probability ratio is exactly 1.
-eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
-eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos], device=device)
-# The reference is the starting policy, frozen; it costs a second model, so only keep one if it is used.
-ref_model = copy.deepcopy(model).requires_grad_(False) if args.beta > 0 else None
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / (args.warmup_steps + 1)))
+@dataclass
+class Rollout:
+    """One step's samples: P prompts x G completions, each prompt's G completions in adjacent rows."""
 
-train_problems, eval_problems = split_problems(args.seed, args.num_eval)
-accuracy_before = greedy_accuracy(model, tokenizer, eval_problems, args.max_new_tokens)
-group_size = args.group_size
-batch_size = args.prompts_per_step * group_size  # B = P * G sequences per step
+    sequences: torch.Tensor  # (B, prompt_len + completion_len): [left-padded prompt | completion]
+    attention_mask: torch.Tensor  # (B, prompt_len + completion_len): 0 on padding and after each EOS
+    completion_mask: torch.Tensor  # (B, completion_len): 1 up to and including each row's first EOS
 
-for step in range(1, args.steps + 1):
-    step_start = time.time()
 
-    # 1. Rollout: G samples of each prompt. num_return_sequences keeps each prompt's G samples
-    #    next to each other, which is the contiguous-group layout group_advantages expects.
-    problems = rng.sample(train_problems, args.prompts_per_step)
-    prompts = encode_prompts(tokenizer, problems, device)
-    with torch.no_grad():
-        sequences = model.generate(
-            **prompts,
-            do_sample=True,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=0,
-            max_new_tokens=args.max_new_tokens,
-            num_return_sequences=group_size,
-            pad_token_id=tokenizer.pad_token_id,
-        )  # (B, prompt_len + completion_len)
-    prompt_len = prompts.input_ids.shape[1]
-    completion_ids = sequences[:, prompt_len:]  # (B, completion_len)
-    completion_len = completion_ids.shape[1]
-    completion_mask = completion_mask_from(completion_ids, eos_ids)  # (B, completion_len)
-    attention_mask = torch.cat([prompts.attention_mask.repeat_interleave(group_size, dim=0), completion_mask], dim=1)
+def rollout_from(prompts, completion_ids: torch.Tensor, eos_ids: torch.Tensor, group_size: int) -> Rollout:
+    """The Rollout of G completions per prompt; `prompts` holds each prompt once, completion_ids (B, completion_len)."""
+    completion_mask = completion_mask_from(completion_ids, eos_ids)
+    prompt_ids = prompts.input_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = prompts.attention_mask.repeat_interleave(group_size, dim=0)
+    return Rollout(
+        torch.cat([prompt_ids, completion_ids], dim=1),
+        torch.cat([prompt_mask, completion_mask], dim=1),
+        completion_mask,
+    )
 
-    # 2. Rewards and group-relative advantages.
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    answers = [a + b for a, b in problems for _ in range(group_size)]
-    rewards = torch.tensor([correctness(text, answer) for text, answer in zip(texts, answers)], device=device)  # (B,)
-    # Each completion is compared only with its own group, so prompt difficulty cancels out;
-    # a group that is all right or all wrong gets advantage 0 and teaches nothing.
-    advantages = group_advantages(rewards, group_size)  # (B,)
-    token_advantages = expand_to_tokens(advantages, completion_mask)  # (B, completion_len)
 
+@torch.no_grad()
+def sample(model, tokenizer, problems, args: Args, eos_ids: torch.Tensor) -> Rollout:
+    # num_return_sequences keeps each prompt's G samples next to each other, which is the
+    # contiguous-group layout group_advantages expects.
+    prompts = encode_prompts(tokenizer, problems, model.device)
+    sequences = model.generate(
+        **prompts,
+        do_sample=True,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=0,
+        max_new_tokens=args.max_new_tokens,
+        num_return_sequences=args.group_size,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # (B, prompt_len + completion_len)
+    return rollout_from(prompts, sequences[:, prompts.input_ids.shape[1] :], eos_ids, args.group_size)
+
+
+def build_optimizer(model, args: Args):
+    """AdamW and its schedule: linear warm-up over warmup_steps optimizer steps, then constant."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / (args.warmup_steps + 1)))
+    return optimizer, scheduler
+
+
+def update(model, ref_model, optimizer, scheduler, rollout: Rollout, advantages: torch.Tensor, args: Args):
+    """update_epochs optimizer steps on one batch; returns (loss, kl), each averaged over the epochs.
+
+    advantages: (B,), one per completion. kl is the mean over sequences of each one's mean k3 KL.
+    """
+    batch_size, completion_len = rollout.completion_mask.shape
+    token_advantages = expand_to_tokens(advantages, rollout.completion_mask)  # (B, completion_len)
     micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, batch_size, args.micro_batch_size)]
 
-    # 3. Log-probs that stay fixed during the update. With a single epoch the policy that sampled is the
-    #    policy being trained, so its old log-probs are just the current ones detached (no extra forward).
+    def logprobs_of(policy, rows):  # (micro, completion_len)
+        return completion_logprobs(
+            policy, rollout.sequences[rows], rollout.attention_mask[rows], completion_len, args.temperature
+        )
+
+    # Log-probs that stay fixed during the update. With a single epoch the policy that sampled is the
+    # policy being trained, so its old log-probs are just the current ones detached (no extra forward).
     with torch.no_grad():
         old_logprobs, ref_logprobs = None, None  # each (B, completion_len) when needed
         if args.update_epochs > 1:
-            old_logprobs = torch.cat(
-                [
-                    completion_logprobs(model, sequences[rows], attention_mask[rows], completion_len, args.temperature)
-                    for rows in micro_batches
-                ]
-            )
+            old_logprobs = torch.cat([logprobs_of(model, rows) for rows in micro_batches])
         if args.beta > 0:
-            ref_logprobs = torch.cat(
-                [
-                    completion_logprobs(
-                        ref_model, sequences[rows], attention_mask[rows], completion_len, args.temperature
-                    )
-                    for rows in micro_batches
-                ]
-            )
+            ref_logprobs = torch.cat([logprobs_of(ref_model, rows) for rows in micro_batches])
 
-    # 4. The update: update_epochs optimizer steps on this one batch.
-    num_tokens = completion_mask.sum().item()
+    num_tokens = rollout.completion_mask.sum().item()
     loss_sum, kl_sum = 0.0, 0.0
-    for epoch in range(args.update_epochs):
+    for _ in range(args.update_epochs):
         optimizer.zero_grad(set_to_none=True)
         for rows in micro_batches:
-            mask = completion_mask[rows]
-            # (micro, completion_len), with gradients
-            logprobs = completion_logprobs(
-                model, sequences[rows], attention_mask[rows], completion_len, args.temperature
-            )
+            mask = rollout.completion_mask[rows]
+            logprobs = logprobs_of(model, rows)  # with gradients
             old = old_logprobs[rows] if old_logprobs is not None else logprobs.detach()
             per_token, _ = ppo_clip_loss(logprobs, old, token_advantages[rows], mask, args.clip_eps, args.clip_eps)
             if args.beta > 0:
@@ -266,19 +249,77 @@ for step in range(1, args.steps + 1):
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         scheduler.step()
+    return loss_sum / args.update_epochs, kl_sum / (batch_size * args.update_epochs)
 
-    # With one epoch the printed loss is ~0 by construction (advantages average to zero in every group,
-    # and the ratio is 1); its gradient is not. Reward and accuracy coincide for this 0/1 reward.
-    kl_text = f"{kl_sum / (batch_size * args.update_epochs):.4f}" if args.beta > 0 else "-"
-    accuracy = (rewards == 1.0).float().mean().item()
-    mean_length = completion_mask.sum(dim=1).float().mean().item()
+
+# ---- the script ----
+
+
+def main() -> None:
+    args = parse_args()
+    if not Path(args.model).is_dir():
+        print(
+            f"no model at {args.model}: run `make model` to fetch the default one (or pass --model DIR)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    transformers_logging.disable_progress_bar()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)  # the sampling
+    rng = random.Random(args.seed)  # which problems each step draws
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    # float32 keeps this file free of mixed-precision care; `polo train` gets much of its speed from bf16.
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    # from_pretrained leaves the model in eval mode; it stays there, so sampling and training see the same
+    # network (no dropout) and the first epoch's probability ratio is exactly 1.
+    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+    eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos], device=device)
+    # The reference is the starting policy, frozen; it costs a second model, so only keep one if it is used.
+    ref_model = copy.deepcopy(model).requires_grad_(False) if args.beta > 0 else None
+    optimizer, scheduler = build_optimizer(model, args)
+
+    train_problems, eval_problems = split_problems(args.seed, args.num_eval)
+    accuracy_before = greedy_accuracy(model, tokenizer, eval_problems, args.max_new_tokens)
+
+    for step in range(1, args.steps + 1):
+        step_start = time.time()
+        # 1. Rollout: G samples of each of P prompts, B = P * G sequences.
+        problems = rng.sample(train_problems, args.prompts_per_step)
+        rollout = sample(model, tokenizer, problems, args, eos_ids)
+
+        # 2. Rewards and group-relative advantages.
+        completion_ids = rollout.sequences[:, -rollout.completion_mask.shape[1] :]
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        answers = [a + b for a, b in problems for _ in range(args.group_size)]
+        rewards = torch.tensor([correctness(text, answer) for text, answer in zip(texts, answers)], device=device)
+        # Each completion is compared only with its own group, so prompt difficulty cancels out;
+        # a group that is all right or all wrong gets advantage 0 and teaches nothing.
+        advantages = group_advantages(rewards, args.group_size)  # (B,)
+
+        # 3. The update: PPO-clipped loss (+ beta * KL), update_epochs optimizer steps on this one batch.
+        loss, kl = update(model, ref_model, optimizer, scheduler, rollout, advantages, args)
+
+        # With one epoch the printed loss is ~0 by construction (advantages average to zero in every group,
+        # and the ratio is 1); its gradient is not. Reward and accuracy coincide for this 0/1 reward.
+        kl_text = f"{kl:.4f}" if args.beta > 0 else "-"
+        accuracy = (rewards == 1.0).float().mean().item()
+        mean_length = rollout.completion_mask.sum(dim=1).float().mean().item()
+        print(
+            f"step {step:3d} | reward {rewards.mean().item():.3f} | accuracy {accuracy:.3f} | "
+            f"length {mean_length:5.1f} | loss {loss:+.4f} | kl {kl_text} | {time.time() - step_start:.1f} s",
+            flush=True,
+        )
+
+    accuracy_after = greedy_accuracy(model, tokenizer, eval_problems, args.max_new_tokens)
     print(
-        f"step {step:3d} | reward {rewards.mean().item():.3f} | accuracy {accuracy:.3f} | length {mean_length:5.1f} | "
-        f"loss {loss_sum / args.update_epochs:+.4f} | kl {kl_text} | {time.time() - step_start:.1f} s",
-        flush=True,
+        f"greedy accuracy on {len(eval_problems)} held-out problems: "
+        f"{accuracy_before:.3f} before -> {accuracy_after:.3f} after"
     )
 
-accuracy_after = greedy_accuracy(model, tokenizer, eval_problems, args.max_new_tokens)
-print(
-    f"greedy accuracy on {len(eval_problems)} held-out problems: {accuracy_before:.3f} before -> {accuracy_after:.3f} after"
-)
+
+if __name__ == "__main__":
+    main()
