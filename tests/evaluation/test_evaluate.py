@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from polo.evaluation.evaluate import (
     add_reward_scores,
@@ -341,15 +342,21 @@ def test_evaluate_policy_samples_each_problem_as_one_group(tiny_policy):
     assert [problem["prompt"] for problem in result["problems"]] == PROMPTS
 
 
+def odd_first_character(completion: str, row: dict) -> float:
+    """A checker that splits random completions about in half: 1.0 when the first character's code is odd."""
+    return float(bool(completion) and ord(completion[0]) % 2 == 1)
+
+
 def test_evaluate_policy_scores_every_sample(tiny_policy):
     model, tokenizer = tiny_policy
     rows = [{"question": prompt, "answer": "2"} for prompt in PROMPTS]
+    torch.manual_seed(0)  # the samples, so that both scores occur (they do for this seed)
     result = evaluate_policy(
         model,
         tokenizer,
         PROMPTS,
         rows,
-        lambda completion, row: float(len(completion) % 2),
+        odd_first_character,
         samples=4,
         max_new_tokens=5,
         temperature=1.0,
@@ -357,11 +364,18 @@ def test_evaluate_policy_scores_every_sample(tiny_policy):
     )
     assert len(result["problems"]) == 3
     assert all(len(problem["samples"]) == 4 for problem in result["problems"])
-    assert set(result["summary"]["pass@k"]) == {"1", "2", "4"}
-    assert result["summary"]["pass@1"] == pytest.approx(
-        sum(sample["correct"] for problem in result["problems"] for sample in problem["samples"]) / 12
-    )
     assert result["problems"][1]["prompt"] == PROMPTS[1]
+    samples = [sample for problem in result["problems"] for sample in problem["samples"]]
+    # Each sample carries its own completion's score; both scores occur, so a mix-up would show.
+    assert [sample["correct"] for sample in samples] == [odd_first_character(s["completion"], {}) for s in samples]
+    assert {sample["correct"] for sample in samples} == {0.0, 1.0}
+    # pass@k averages each problem's unbiased estimate from its own count of correct samples.
+    counts = [sum(sample["correct"] for sample in problem["samples"]) for problem in result["problems"]]
+    assert [problem["num_correct"] for problem in result["problems"]] == counts
+    assert result["summary"]["pass@k"] == {
+        str(k): pytest.approx(sum(pass_at_k(4, int(c), k) for c in counts) / 3) for k in (1, 2, 4)
+    }
+    assert result["summary"]["pass@1"] == pytest.approx(sum(counts) / 12)
 
 
 def test_evaluate_policy_rejects_k_above_samples(tiny_policy):
@@ -380,16 +394,39 @@ def test_evaluate_policy_rejects_k_above_samples(tiny_policy):
         )
 
 
-def test_greedy_accuracy_keeps_its_contract(tiny_policy):
+def transformers_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """Return the greedy completion of one prompt by transformers' own `generate`: an oracle outside polo."""
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    output = model.generate(
+        **inputs, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
+    )
+    return tokenizer.decode(output[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_greedy_accuracy_scores_each_completion_against_its_own_row(tiny_policy):
     model, tokenizer = tiny_policy
-    rows = [{"question": prompt, "answer": "2"} for prompt in PROMPTS]
+    greedy = [transformers_greedy(model, tokenizer, prompt, 4) for prompt in PROMPTS]
+    assert len(set(greedy)) == len(PROMPTS)  # distinct, so a completion scored against another row fails
+    # The middle row's answer is its greedy completion changed: two rows right, one wrong.
+    rows = [
+        {"question": prompt, "answer": text + ("?" if index == 1 else "")}
+        for index, (prompt, text) in enumerate(zip(PROMPTS, greedy))
+    ]
     result = greedy_accuracy(
-        model, tokenizer, PROMPTS, rows, lambda completion, row: 1.0, max_new_tokens=4, batch_size=2
+        model,
+        tokenizer,
+        PROMPTS,
+        rows,
+        lambda completion, row: float(completion == row["answer"]),
+        max_new_tokens=4,
+        batch_size=2,  # the third prompt in a batch of its own
     )
     assert set(result) == {"accuracy", "completion_length", "truncated", "samples"}
-    assert result["accuracy"] == 1.0
-    assert 1 <= result["completion_length"] <= 4
+    assert result["accuracy"] == pytest.approx(2 / 3)
+    assert [sample["score"] for sample in result["samples"]] == [1.0, 0.0, 1.0]
+    assert [sample["completion"] for sample in result["samples"]] == greedy
     assert [sample["question"] for sample in result["samples"]] == PROMPTS
+    assert 1 <= result["completion_length"] <= 4
 
 
 # ---------------------------------------------------------------- the command

@@ -12,6 +12,8 @@ from polo.config import ConfigError
 from polo.data.preferences import Demonstration
 from polo.finetune.fit import Example, collate, encode, sequence_logprobs
 from polo.finetune.sft import SFTObjective, encode_demonstrations, load_sft_config, sft
+from polo.generation.grouped import sample_groups
+from polo.generation.prompts import render_prompt
 from polo.models.loading import load_policy
 
 USER = ({"role": "user", "content": "What is 2 + 3?"},)
@@ -123,6 +125,53 @@ def test_sft_end_to_end_logs_and_saves_a_loadable_model(tiny_model_dir, tmp_path
     torch.testing.assert_close(sequence_logprobs(reloaded, batch), sequence_logprobs(trained, batch))
 
 
+# Two prompts with different replies: learning them means conditioning on the prompt, not one memorised string.
+TWO_DEMONSTRATIONS = [
+    {"prompt": "Name the library.", "response": "polo"},
+    {"prompt": "Name the game.", "response": "chess"},
+]
+
+
+def greedy_replies(model_dir, rows: list[dict]) -> list[str]:
+    """Return the greedy reply of the model in `model_dir` to each row's prompt, rendered as SFT renders it."""
+    model, tokenizer = load_policy(str(model_dir))
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": row["prompt"]}], None) for row in rows]
+    groups = sample_groups(model, tokenizer, prompts, 1, max_new_tokens=10, temperature=0.0)
+    return [completion.text for (completion,) in groups]
+
+
+def test_sft_lowers_the_loss_on_its_data_and_greedy_decoding_gives_the_responses(tiny_model_dir, tmp_path):
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in TWO_DEMONSTRATIONS))
+    responses = [row["response"] for row in TWO_DEMONSTRATIONS]
+    before = greedy_replies(tiny_model_dir, TWO_DEMONSTRATIONS)
+    assert not any(reply.startswith(response[0]) for reply, response in zip(before, responses)), before
+    threads = torch.get_num_threads()
+    try:  # one thread: the tiny model's steps take milliseconds, not the seconds of threads fighting over the cores
+        result = sft(
+            tiny_recipe(
+                tiny_model_dir,
+                tmp_path,
+                data={"train_path": str(data), "eval_path": str(data)},  # the loss on its own data
+                train={
+                    "epochs": 40,
+                    "batch_size": 2,
+                    "micro_batch_size": 2,
+                    "learning_rate": 1e-2,
+                    "lr_schedule": "constant",
+                    "threads": 1,
+                },
+            )
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert result.steps == 40
+    # From about ln(vocabulary) (a uniform guess) to a small fraction of it (measured: 4.60 -> 0.016).
+    assert result.eval_before["loss"] > 4.0
+    assert result.eval_after["loss"] < 0.05 * result.eval_before["loss"]
+    assert greedy_replies(result.model_dir, TWO_DEMONSTRATIONS) == responses
+
+
 def test_sft_command_and_config_errors(tiny_model_dir, tmp_path, capsys):
     import yaml
 
@@ -158,6 +207,24 @@ def test_sft_reads_chat_messages(tiny_model_dir, tmp_path):
         tiny_recipe(tiny_model_dir, tmp_path, data={"train_path": str(path), "eval_path": None}, train={"epochs": 1})
     )
     assert result.steps == 1 and result.eval_before is None
+    # The one step's logged loss is the response-token NLL, under the starting model, of exactly these
+    # conversations: the system turn in the prompt, the assistant turn the response. The random starting
+    # model is nearly uniform, so another reading differs by little (4e-5 relative without the system
+    # turn), but by far more than the tolerance: the same examples give the same number to the last bit.
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    demonstrations = [Demonstration(tuple(row["messages"][:2]), row["messages"][2]["content"]) for row in rows]
+    (logged,) = [row["loss"] for row in result.metrics if "loss" in row]
+    assert logged == pytest.approx(token_mean_nll(model, tokenizer, demonstrations), rel=1e-6)
+    without_system = [Demonstration(d.messages[1:], d.response) for d in demonstrations]
+    assert logged != pytest.approx(token_mean_nll(model, tokenizer, without_system), rel=1e-6)
+
+
+def token_mean_nll(model, tokenizer, demonstrations: list[Demonstration]) -> float:
+    """Return the SFT loss of `demonstrations` as one batch: summed response-token NLL over response tokens."""
+    objective = SFTObjective(tokenizer.pad_token_id)
+    examples = encode_demonstrations(tokenizer, demonstrations, None, 512)
+    with torch.no_grad():
+        return objective.loss(model, examples)[0].item() / sum(map(objective.units, examples))
 
 
 def test_examples_hold_one_sequence_each(tiny_model_dir):
