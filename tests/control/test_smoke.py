@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from polo.cli.control import add_parser, run
 from polo.config import ConfigError
@@ -35,7 +36,17 @@ def test_ppo_runs_on_pendulum_and_acrobot(recipe):
         ["env.num_envs=2", "train.total_steps=200", "train.rollout_steps=50", "train.epochs=1"],
         write_files=False,
     )
-    assert result.env_steps >= 200
+    # Two rollouts of 50 steps in each of 2 environments, each followed by one update.
+    assert (result.env_steps, result.updates) == (200, 2)
+    # The second update moved the policy: the same run stopped after one update ends elsewhere.
+    one = train(
+        RECIPES / recipe,
+        ["env.num_envs=2", "train.total_steps=100", "train.rollout_steps=50", "train.epochs=1"],
+        write_files=False,
+    )
+    assert one.updates == 1
+    after_two = dict(result.policy.named_parameters())
+    assert any(not torch.equal(value, after_two[name]) for name, value in one.policy.named_parameters())
 
 
 def test_cli_runs_a_recipe_and_rejects_unknown_keys(tmp_path, capsys):
