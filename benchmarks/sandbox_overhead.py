@@ -3,7 +3,9 @@
 Prints the isolation in force, then the median over N runs in milliseconds as the last line.
 With ``--against FILE`` it also loads another version of the runner module from FILE (e.g.
 ``git show HEAD~1:src/polo/sandbox/runner.py > /tmp/old_runner.py``) and times the two in
-alternation in the same run, so that the load of a shared machine falls on both alike.
+alternation in the same run, so that the load of a shared machine falls on both alike. A runner.py
+from after the runner's in-sandbox half moved to polo/sandbox/child.py runs with this checkout's
+child.py, so such a comparison times runner.py's changes only.
 
 With ``--user UID`` (run as root) it also times the sandbox of a normal user (a user namespace
 instead of a throwaway uid), in alternation with root's: a worker process running as UID (its own
