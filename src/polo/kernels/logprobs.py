@@ -193,7 +193,10 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 else None
             )  # every row is written when n > 0
             buffers = _tile_buffers(min(chunk_size, n), min(vocab_block, vocab), compute_dtype, acc_dtype, device)
-            block_grad = None
+            # One vocabulary block's grad_z for every token, in compute_dtype: the block's two gradient
+            # matmuls then run once over all N tokens, writing into their outputs, instead of once per
+            # token chunk with a cast and an add of each partial (which had cost 0.45 s of a 5.6 s update).
+            block_grad_z = torch.empty((n, min(vocab_block, vocab)), dtype=compute_dtype, device=device)
             for t0, t1, v0, v1 in _tiles(n, vocab, chunk_size, vocab_block):
                 # grad_z = g/T · (onehot(y) − p) with p = exp(z/T − lse), built in the tile's buffer.
                 z = _tile_logits(h_all[t0:t1], w[v0:v1], buffers, inv_t)
@@ -202,18 +205,22 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 hit = ((local >= 0) & (local < v1 - v0)).nonzero().squeeze(1)
                 if hit.numel():
                     grad_z[hit, local[hit]] -= neg_g[t0:t1][hit]
-                if buffers[0] is not None:  # the matmuls run in compute_dtype
-                    grad_z = buffers[0][: grad_z.numel()].view_as(grad_z).copy_(grad_z)
+                block = block_grad_z[:, : v1 - v0]
+                block[t0:t1].copy_(grad_z)
+                if t1 < n:
+                    continue
+                # The block's last token chunk: its gradients are complete.
                 if need_hidden:
-                    grad_hidden[t0:t1] += grad_z @ w[v0:v1]
-                if need_weight:
-                    part = grad_z.T @ h_all[t0:t1]  # (block, d)
-                    if t0 == 0:
-                        block_grad = part.to(acc_dtype)
+                    if compute_dtype == acc_dtype:
+                        grad_hidden.addmm_(block, w[v0:v1])
                     else:
-                        block_grad += part
-                    if t1 == n:  # the block's last token chunk: its weight gradient is complete
-                        grad_weight[v0:v1] = block_grad
+                        grad_hidden += block @ w[v0:v1]
+                if need_weight:
+                    target = grad_weight[v0:v1]
+                    if target.dtype == compute_dtype:
+                        torch.mm(block.T, h_all, out=target)
+                    else:
+                        target.copy_(block.T @ h_all)
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None
