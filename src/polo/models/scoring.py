@@ -78,6 +78,7 @@ def completion_logprobs(
             completion_ids,
             temperature=temperature,
             with_entropy=with_entropy,
+            completion_mask=completion_mask,
         )
     # The head gets a contiguous input: for a frozen lm_head (a reference, a LoRA base) matmul would
     # otherwise copy the whole (V, d) weight per row to multiply the strided slice of kept positions
@@ -163,4 +164,5 @@ def shared_completion_logprobs(
         completion_ids,
         temperature=temperature,
         with_entropy=with_entropy,
+        mask=completion_mask,
     )
