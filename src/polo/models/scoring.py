@@ -18,6 +18,7 @@ from polo.kernels import (
     sharing_pays,
     supports_fused_logprobs,
     token_logprobs,
+    without_padding,
 )
 from polo.models.family import fits_attention_window
 
@@ -148,6 +149,8 @@ def shared_completion_logprobs(
     shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
     if shared is None:
         return None
+    if attends_blockwise(model):  # the trunk runs real tokens only; attention gathers them into the blocks
+        shared = without_padding(shared)
     # polo's attention (polo.kernels.cpu.attention, picked by polo.kernels) reads `shared_layout` and skips the all-masked blocks;
     # any other attention implementation ignores it and applies the full mask.
     hidden = model.get_decoder()(
