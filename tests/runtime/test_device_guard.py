@@ -48,7 +48,7 @@ def guarded_rl_step(config: dict, overrides: list[str] | None = None) -> tuple[d
     with implicit_device_guard(default_device=None):  # loading builds modules on the default device: keep it real
         run = set_up(config, overrides)
     with implicit_device_guard():
-        metrics, _ = rl_step(run, 1)
+        metrics = rl_step(run, 1).metrics
         checkpoint = run.save(1)
     return metrics, checkpoint
 
@@ -160,8 +160,8 @@ def test_the_guard_catches_an_implicit_allocation_planted_in_the_rl_step(tiny_mo
     from polo.rl.setup import set_up
 
     run = set_up(rl_config(tiny_model_dir, tmp_path / "run"))
-    batch, metrics, samples = step.collect_batch(run, 1, {})  # sampled outside: the planted line is the only leak
-    monkeypatch.setattr(step, "collect_batch", lambda *args: (batch, metrics, samples))
+    sampled = step.collect_batch(run, 1, {})  # sampled outside: the planted line is the only leak
+    monkeypatch.setattr(step, "collect_batch", lambda *args: sampled)
     source = (
         "def planted_advantages(batch, *args):\n"
         "    scratch = torch.zeros(len(batch.rewards))  # planted: no device\n"

@@ -30,7 +30,7 @@ from polo.rewards import RewardSet
 from polo.rl.critic import Critic, build_critic
 from polo.rl.guard import RollbackState, check_guard_settings
 from polo.rl.modules import UpdateModules
-from polo.rl.update import update_modules
+from polo.rl.update import Learner, update_modules
 from polo.runtime import distributed as parallel
 from polo.runtime.checkpoint import Checkpointer, claim_output_dir, load_trainer_state
 from polo.runtime.device import Compute, train_compute
@@ -65,6 +65,11 @@ class Run:
     # batches seen between the checkpoint and the jump are skipped, not replayed.
     data_offset: int = 0
     rollbacks: int = 0
+
+    @property
+    def learner(self) -> Learner:
+        """Return what the policy update changes and runs through: policy, optimizer, schedule, critic, modules."""
+        return Learner(self.model, self.optimizer, self.scheduler, self.compute, self.critic, self.modules)
 
     def checkpoint_state(self) -> dict:
         """Return the run state a checkpoint keeps beside the weights and the optimizer."""
