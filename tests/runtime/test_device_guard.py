@@ -132,6 +132,7 @@ def test_an_eval_batch_names_the_device_of_every_tensor(tiny_model_dir):
     from polo.config import load_config
     from polo.data import instruction_for, make_task
     from polo.evaluation.evaluate import greedy_accuracy
+    from polo.generation.grouped import GroupSampling
     from polo.models.loading import load_policy
 
     config = load_config(
@@ -141,9 +142,8 @@ def test_an_eval_batch_names_the_device_of_every_tensor(tiny_model_dir):
     model, tokenizer = load_policy(str(tiny_model_dir))
     prompts = task.prompts(tokenizer, task.eval_rows, instruction_for(config, task), None)
     with implicit_device_guard():
-        result = greedy_accuracy(
-            model, tokenizer, prompts, task.eval_rows, task.correctness, max_new_tokens=6, batch_size=4, compute=CPU
-        )
+        sampling = GroupSampling(max_new_tokens=6, batch_size=4, compute=CPU)
+        result = greedy_accuracy(model, tokenizer, prompts, task.eval_rows, task.correctness, sampling)
     assert 0.0 <= result["accuracy"] <= 1.0
 
 

@@ -39,7 +39,7 @@ from polo.runtime.metrics import truncate_metrics
 from polo.runtime.seeding import restore_rng, seed_everything
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """The state of one RL run: its config, data, models, optimizer and where it writes."""
 
@@ -236,21 +236,21 @@ def set_up(
         config, model, optimizer, lr_lambda(config)
     )  # before the scheduler: a value head joins the optimizer
     run = Run(
-        config,
-        compute,
-        task,
-        reward_set,
-        instruction_for(config, task),
-        model,
-        tokenizer,
-        reference,
-        optimizer,
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config)),
-        critic,
-        update_modules(model, critic),
-        masters,
-        checkpointer,
-        output_dir,
+        config=config,
+        compute=compute,
+        task=task,
+        reward_set=reward_set,
+        instruction=instruction_for(config, task),
+        model=model,
+        tokenizer=tokenizer,
+        reference=reference,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config)),
+        critic=critic,
+        modules=update_modules(model, critic),
+        masters=masters,
+        checkpointer=checkpointer,
+        output_dir=output_dir,
         sampler=pick_sampler(config.sampling.sampler, compute),
     )
     if resume_from is not None:

@@ -18,6 +18,7 @@ import torch
 from polo.config import Config, config_to_dict, load_config
 from polo.evaluation.evaluate import greedy_accuracy
 from polo.evaluation.plots import plot_run
+from polo.generation.grouped import GroupSampling
 from polo.models.lora import trainable_summary
 from polo.rl.guard import DivergenceGuard, Rollback, RollbackState
 from polo.rl.publish import publish_model
@@ -214,24 +215,19 @@ class HeldOutEvaluation:
         self.run, self.logger = run, logger
         self.rows = parallel.eval_share(run.task.eval_rows)
         self.prompts = run.task.prompts(run.tokenizer, self.rows, run.instruction, run.config.task.system_prompt)
-        self.max_new_tokens = run.config.eval.max_new_tokens or run.config.sampling.max_new_tokens
+        self.sampling = GroupSampling(
+            max_new_tokens=run.config.eval.max_new_tokens or run.config.sampling.max_new_tokens,
+            batch_size=run.config.eval.batch_size,
+            compute=run.compute,
+            sampler=run.sampler,
+        )
 
     def __call__(self, step: int) -> dict:
         """Return the held-out result at `step` (combined over ranks) after logging it and writing eval_stepNNNNNN.json."""
         run = self.run
         with sampling_weights(run.model) as sampler:
             result = (
-                greedy_accuracy(
-                    sampler,
-                    run.tokenizer,
-                    self.prompts,
-                    self.rows,
-                    run.task.correctness,
-                    max_new_tokens=self.max_new_tokens,
-                    batch_size=run.config.eval.batch_size,
-                    compute=run.compute,
-                    sampler=run.sampler,
-                )
+                greedy_accuracy(sampler, run.tokenizer, self.prompts, self.rows, run.task.correctness, self.sampling)
                 if self.rows
                 else None
             )
