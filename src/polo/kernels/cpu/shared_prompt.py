@@ -111,12 +111,13 @@ def share_prompts(
     """Return the shared layout of a batch whose rows come in groups of `group_size` with identical prompts, else None.
 
     Shapes: prompt (batch, P) left-padded, completion (batch, C) right-padded, as in
-    polo.generation.cpu_sampler. None when group_size < 2, the batch is not whole groups, or a group's rows
-    do not share their prompt ids and mask exactly.
+    polo.generation.cpu_sampler. None when the batch is not whole groups, or a group's rows
+    do not share their prompt ids and mask exactly. `group_size` 1 lays every row out as its own group
+    (nothing shared): with `without_padding`, for attention that skips blocks, rows then run unpadded.
     """
     batch, prompt_len = prompt_ids.shape
     completion_len = completion_ids.shape[1]
-    if group_size < 2 or batch == 0 or batch % group_size or completion_len == 0:
+    if group_size < 1 or batch == 0 or batch % group_size or completion_len == 0:
         return None
     groups, g = batch // group_size, group_size
     grouped_ids, grouped_mask = prompt_ids.view(groups, g, prompt_len), prompt_mask.view(groups, g, prompt_len)
