@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from polo.generation.episodes import episode_metrics
 from polo.generation.grouped import Completion, sample_groups
 from polo.generation.rollouts import Sampler
 from polo.rewards.answers import (
@@ -283,6 +284,7 @@ def evaluate_policy(
         sampler=sampler,
         progress=progress,
         description="polo eval",
+        rows=rows,
     )
     problems = [score_problem(row, done, correctness, answer_key, ks) for row, done in zip(rows, completions)]
     for prompt, problem in zip(prompts, problems):
@@ -352,6 +354,7 @@ def greedy_accuracy(
         batch_size=batch_size,
         compute=compute,
         sampler=sampler,
+        rows=rows,
     )
     scores, samples = [], []
     for row, (completion,) in zip(rows, completions):
@@ -362,14 +365,16 @@ def greedy_accuracy(
                 {
                     "question": row.get("question"),
                     "answer": row.get("answer"),
-                    "completion": completion.text,
+                    "completion": completion.text if completion.episode is None else completion.episode.transcript,
                     "score": score,
                 }
             )
     count = max(len(scores), 1)
+    episodes = [done[0].episode for done in completions if done[0].episode is not None]
     return {
         "accuracy": sum(scores) / count,
         "completion_length": sum(done[0].length for done in completions) / count,
         "truncated": sum(done[0].truncated for done in completions) / count,
+        **(episode_metrics(episodes, scores, prefix="") if episodes else {}),
         "samples": samples,
     }

@@ -6,11 +6,14 @@ from the batch and the cache, so no work is spent on finished sequences.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from polo.generation.prompts import stop_token_ids, tokenize_prompts
 from polo.generation.rollouts import Rollouts
 from polo.generation.sampling import sample_next_token
+from polo.generation.stopping import StopStrings
 from polo.kernels import contiguous_head_input, prepacked_linears, sampling_cache
 from polo.models.family import cache_keyword
 from polo.models.scoring import position_ids_from_mask
@@ -31,6 +34,7 @@ def generate(
     compute: Compute = CPU,
     samples_per_prompt: int = 1,
     generator: torch.Generator | None = None,
+    stop_strings: StopStrings | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return `(completion_ids, completion_mask, truncated)` sampled with a KV cache.
 
@@ -40,6 +44,7 @@ def generate(
     logits are repeated for its samples. Rows that have emitted a stop token are dropped from
     the batch and from the cache, so no work is spent on finished sequences. Every tensor lives on
     the prompts' device; the draws come from `generator` (the device's default one when None).
+    `stop_strings` (a turn's closing text, `polo.generation.stopping`) end a row like a stop token.
     """
     batch, device = prompt_ids.shape[0] * samples_per_prompt, prompt_ids.device
     completion_ids = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -75,6 +80,8 @@ def generate(
             completion_mask[active_rows, step] = 1
             length = step + 1
             finished = torch.isin(tokens, stop)
+            if stop_strings is not None:
+                finished |= stop_strings.reached(completion_ids[active_rows, : step + 1])
             truncated[active_rows[finished]] = False
             if step == max_new_tokens - 1 or bool(finished.all()):
                 break
@@ -107,8 +114,12 @@ def rollout(
     top_p: float = 1.0,
     compute: Compute = CPU,
     generator: torch.Generator | None = None,
+    rows: Sequence[dict] | None = None,
 ) -> Rollouts:
-    """Return `group_size` sampled completions for each prompt, groups contiguous, on `compute.device`."""
+    """Return `group_size` sampled completions for each prompt, groups contiguous, on `compute.device`.
+
+    `rows` (the task rows behind the prompts) are not read: a one-turn prompt is the whole context.
+    """
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     prompt_ids, prompt_mask = prompt_ids.to(compute.device), prompt_mask.to(compute.device)
     completion_ids, completion_mask, truncated = generate(

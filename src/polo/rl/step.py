@@ -15,6 +15,7 @@ import torch
 
 from polo import core
 from polo.config import Config
+from polo.generation.episodes import episode_metrics
 from polo.generation.rollouts import Rollouts
 from polo.models.lora import merged_for_sampling, reference_scope
 from polo.models.scoring import completion_logprobs
@@ -84,6 +85,7 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> di
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             compute=run.compute,
+            rows=row_batch,
         )
     rollouts = on_device(rollouts, run.compute.device)  # the one place a step's data is put on the run's device
     timings["generation"] += time.perf_counter() - started
@@ -100,6 +102,11 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> di
             alg.overlong_penalty,
         )
         rewards, columns = rewards + shaping, {**columns, "overlong": shaping}
+    if rollouts.episodes is not None and any(episode.reward is not None for episode in rollouts.episodes):
+        # An environment that owns a reward adds it as one more column.
+        own = [episode.reward or 0.0 for episode in rollouts.episodes]
+        own = torch.tensor(own, dtype=rewards.dtype, device=rewards.device)
+        rewards, columns = rewards + own, {**columns, "environment": own}
     correct = run.reward_set.correctness(rollouts.texts, rows, run.compute.device)
     timings["reward"] += time.perf_counter() - started
     return {
@@ -196,6 +203,7 @@ def sampling_metrics(run: Run, seen: list[dict], kept_groups: int) -> dict:
             for name, column in columns.items()
         },
     }
+    metrics.update(tool_metrics(seen))
     failures = {
         f"reward/{name}/failures/{kind}": float(count)
         for name, counts in reward_set.failure_counts().items()
@@ -222,15 +230,31 @@ def sampling_metrics(run: Run, seen: list[dict], kept_groups: int) -> dict:
     return metrics
 
 
+def tool_metrics(seen: list[dict]) -> dict:
+    """Return the tool use of every rank's episodes this step (`polo.generation.episodes.episode_metrics`), {} for one turn."""
+    local = [
+        (episode, float(value))
+        for entry in seen
+        if entry["rollouts"].episodes is not None
+        for episode, value in zip(entry["rollouts"].episodes, entry["correct"].tolist())
+    ]
+    pairs = [pair for part in parallel.gather_objects(local) for pair in part]
+    if not pairs:
+        return {}
+    return episode_metrics([episode for episode, _ in pairs], [value for _, value in pairs])
+
+
 def sample_log_rows(step: int, rollouts: Rollouts, prompts: list[str], rewards, columns: dict, correct) -> list[dict]:
     """Return the best and the worst completion of the step as `samples.jsonl` rows (for reports)."""
     picks = {"best": int(rewards.argmax()), "worst": int(rewards.argmin())}
+    episodes = rollouts.episodes
     return [
         {
             "step": step,
             "kind": kind,
             "prompt": prompts[index // rollouts.group_size],
-            "completion": rollouts.texts[index],
+            # An episode's whole transcript (turns and observations); its last turn is what was graded.
+            "completion": rollouts.texts[index] if episodes is None else episodes[index].transcript,
             "reward": float(rewards[index]),
             "rewards": {name: float(column[index]) for name, column in columns.items()},
             "correct": float(correct[index]),
@@ -345,7 +369,7 @@ def rl_step(run: Run, step: int) -> tuple[dict, list[dict]]:
     total_time = sum(timings.values())
     metrics.update(
         {
-            "advantage/abs_mean": core.masked_mean(advantages.abs(), rollouts.completion_mask).item(),
+            "advantage/abs_mean": core.masked_mean(advantages.abs(), rollouts.model_token_mask).item(),
             "learning_rate": run.scheduler.get_last_lr()[0],
             **update_metrics,
             **{f"time/{name}": seconds for name, seconds in timings.items()},

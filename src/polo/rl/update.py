@@ -75,7 +75,9 @@ class UpdateContext:
         )
         self.config, self.alg, self.compute = config, config.algorithm, compute
         self.critic, self.value_targets, self.train_policy, self.modules = critic, value_targets, train_policy, modules
-        self.loss_mask = rollouts.completion_mask.float()
+        self.loss_mask = (
+            rollouts.model_token_mask.float()
+        )  # an episode's tool output and template tokens are context only
         if self.alg.mask_truncated:  # DAPO's overlong filtering: truncated completions teach nothing
             self.loss_mask = self.loss_mask * (~rollouts.truncated).float().unsqueeze(-1)
         self.kl_in_loss = ref_logprobs is not None and not self.alg.kl_in_reward
@@ -188,7 +190,7 @@ def update_metrics(ctx: UpdateContext, optimizer_steps: int) -> dict:
     if ctx.kl_in_loss and ctx.train_policy:
         metrics["kl"] = sums["kl"] / tokens
     elif ctx.ref_logprobs is not None and ctx.old_logprobs is not None:  # k1 of the sampled batch
-        metrics["kl"] = core.masked_mean(ctx.old_logprobs - ctx.ref_logprobs, ctx.rollouts.completion_mask).item()
+        metrics["kl"] = core.masked_mean(ctx.old_logprobs - ctx.ref_logprobs, ctx.rollouts.model_token_mask).item()
     if ctx.critic is not None:
         metrics["value/loss"] = sums["value_loss"] / optimizer_steps
         if ctx.critic.optimizer is not None:
