@@ -212,7 +212,8 @@ class EpisodeSampler:
                 rendered = render_messages(tokenizer, environment.reset(row))
                 episodes.append(Episode(environment, encode_prompts(tokenizer, [rendered])[0]))
         turn = TurnSettings(self.generate, max_new_tokens, temperature, top_p, compute, generator)
-        stops = StopStrings(tokenizer, episodes[0].environment.stop_strings) if episodes else None
+        strings = episodes[0].environment.stop_strings if episodes else ()
+        stops = StopStrings(tokenizer, strings) if strings else None
         eos_ids = stop_token_ids(tokenizer, model)
         for turn_index in range(self.limits.max_turns):
             live = [episode for episode in episodes if episode.live]

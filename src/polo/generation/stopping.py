@@ -43,7 +43,7 @@ class StopStrings:
         decoded: a sampler that checks after every token passes 1.
         """
         tail = self.window + new_tokens - 1
-        tails = self.tokenizer.batch_decode(ids[:, -tail:].tolist(), skip_special_tokens=False)
+        tails = self.tokenizer.batch_decode(ids[:, -tail:].tolist(), skip_special_tokens=True)
         return torch.tensor([self.contains(text) for text in tails], dtype=torch.bool, device=ids.device)
 
     def cut_length(self, ids: Sequence[int]) -> int | None:
@@ -52,12 +52,12 @@ class StopStrings:
         Binary search over prefixes: once a prefix's text holds a stop string, every longer one does.
         """
         ids = list(ids)
-        if not self.contains(self.tokenizer.decode(ids, skip_special_tokens=False)):
+        if not self.contains(self.tokenizer.decode(ids, skip_special_tokens=True)):
             return None
         low, high = 1, len(ids)
         while low < high:
             middle = (low + high) // 2
-            if self.contains(self.tokenizer.decode(ids[:middle], skip_special_tokens=False)):
+            if self.contains(self.tokenizer.decode(ids[:middle], skip_special_tokens=True)):
                 high = middle
             else:
                 low = middle + 1
