@@ -100,8 +100,7 @@ def test_a_turn_is_cut_at_its_first_stop_string_and_limits_truncate(tiny_model_d
 def test_stop_strings_end_rows_in_the_cpu_sampler(tiny_model_dir):
     model, tokenizer = load_policy(str(tiny_model_dir))
     stops = StopStrings(tokenizer, ["e", "a"])  # common characters: the random model writes one soon
-    ids, mask = encode_prompts(tokenizer, ["Say something"])[0], None
-    ids = torch.tensor([ids])
+    ids = torch.tensor([encode_prompts(tokenizer, ["Say something"])[0]])
     torch.manual_seed(0)
     drawn, drawn_mask, truncated = cpu_sampler.generate(
         model,

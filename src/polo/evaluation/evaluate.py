@@ -196,6 +196,7 @@ def score_problem(
                 "answer": answer_key(text),
                 "length": completion.length,
                 "truncated": completion.truncated,
+                **({} if completion.episode is None else episode_fields(completion.episode)),
             }
         )
     correct = [sample["correct"] for sample in samples]
@@ -212,6 +213,16 @@ def score_problem(
         "cons@k": {str(k): cons_at_k(answers, correct, k) for k in ks},
         "majority_answer": None if winner is None else answers[winner],
         "samples": samples,
+    }
+
+
+def episode_fields(episode) -> dict:
+    """Return what a sample of a multi-turn episode adds to its result: its transcript and its tool use."""
+    return {
+        "episode": episode.transcript,
+        "turns": len(episode.turns),
+        "tool_calls": episode.tool_calls,
+        "tool_failures": episode.tool_failures,
     }
 
 
@@ -236,6 +247,20 @@ def summarize(problems: Sequence[dict]) -> dict:
         "answered": mean(sample["answer"] is not None for sample in samples),
         "mean_response_length": mean(sample["length"] for sample in samples),
         "truncated": mean(sample["truncated"] for sample in samples),
+        **(tool_summary(samples) if "tool_calls" in samples[0] else {}),
+    }
+
+
+def tool_summary(samples: Sequence[dict]) -> dict:
+    """Return the tool use over episode samples: calls per episode, success rate, turns, use by the correct ones."""
+    calls = sum(sample["tool_calls"] for sample in samples)
+    failures = sum(sample["tool_failures"] for sample in samples)
+    right = [sample for sample in samples if sample["correct"] > 0.5]
+    return {
+        "tool_calls_per_episode": calls / len(samples),
+        "tool_call_success_rate": (calls - failures) / calls if calls else 0.0,
+        "turns_per_episode": sum(sample["turns"] for sample in samples) / len(samples),
+        "correct_that_used_the_tool": sum(sample["tool_calls"] > 0 for sample in right) / len(right) if right else 0.0,
     }
 
 

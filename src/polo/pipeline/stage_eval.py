@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+from polo.data.environments import sampler_for
 from polo.evaluation.evaluate import evaluate_policy
 from polo.generation.grouped import load_for_sampling
 from polo.pipeline.recipe import Plan
@@ -94,6 +95,7 @@ def run_evaluation(plan: Plan, model_name: str, settings: dict) -> dict:
         "batch_size": evaluation.batch_size,
         "compute": compute,
         "progress": plan.settings.progress,
+        "sampler": sampler_for(plan.task_config, plan.task, compute),  # episodes when the task has an environment
     }
     print(f"polo pipeline: evaluating {model_name} on {len(rows)} held-out problems ({compute})", flush=True)
     greedy = (
