@@ -193,7 +193,7 @@ def test_sampler_layout_and_trainer_layout_log_probs_agree(tiny_model_dir):
 
 
 def test_episode_metrics_count_calls_failures_and_tool_use_of_correct_answers():
-    from polo.generation.episodes import EpisodeRecord
+    from polo.generation.rollouts import EpisodeRecord
 
     episodes = [
         EpisodeRecord(turns=["a", "b"], tool_calls=1, tool_seconds=0.5),
@@ -208,3 +208,23 @@ def test_episode_metrics_count_calls_failures_and_tool_use_of_correct_answers():
     assert metrics["tool/seconds"] == 0.75
     assert metrics["tool/used_by_correct"] == 0.5
     assert metrics["tool/episodes_with_calls"] == 0.5
+
+
+def test_the_static_sampler_runs_the_same_greedy_episodes(tiny_model_dir):
+    """The episode sampler's logic does not depend on the per-turn sampler: greedy episodes over the static-cache
+    sampler (eager on the CPU, stop strings checked every few tokens and cut) equal those over the KV-cache one."""
+    from polo.generation import static_sampler
+
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    rows = [{"question": "go"}, {"question": "a longer one, go"}]
+    results = []
+    for generate in (cpu_sampler.generate, static_sampler.generate):
+        sampler = EpisodeSampler(EveryE, generate, EpisodeLimits(max_turns=3, max_episode_tokens=90))
+        results.append(sampler(model, tokenizer, ["a", "b"], 2, max_new_tokens=24, temperature=0.0, rows=rows))
+    kv_cache, static = results
+    assert kv_cache.loss_mask.tolist() == static.loss_mask.tolist()
+    assert kv_cache.completion_ids[kv_cache.completion_mask.bool()].tolist() == (
+        static.completion_ids[static.completion_mask.bool()].tolist()
+    )
+    assert [episode.turns for episode in kv_cache.episodes] == [episode.turns for episode in static.episodes]
+    assert kv_cache.truncated.tolist() == static.truncated.tolist()

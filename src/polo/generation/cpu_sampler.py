@@ -34,7 +34,7 @@ def generate(
     compute: Compute = CPU,
     samples_per_prompt: int = 1,
     generator: torch.Generator | None = None,
-    stop_strings: StopStrings | None = None,
+    stop_strings: StopStrings | None = None,  # a turn's closing text (a tool call's tag) ends a row like EOS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return `(completion_ids, completion_mask, truncated)` sampled with a KV cache.
 
@@ -44,7 +44,6 @@ def generate(
     logits are repeated for its samples. Rows that have emitted a stop token are dropped from
     the batch and from the cache, so no work is spent on finished sequences. Every tensor lives on
     the prompts' device; the draws come from `generator` (the device's default one when None).
-    `stop_strings` (a turn's closing text, `polo.generation.stopping`) end a row like a stop token.
     """
     batch, device = prompt_ids.shape[0] * samples_per_prompt, prompt_ids.device
     completion_ids = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from polo.generation.prompts import render_messages, stop_token_ids
-from polo.generation.rollouts import Rollouts
+from polo.generation.rollouts import EpisodeRecord, Rollouts
 from polo.generation.stopping import StopStrings
 from polo.models.family import encode_prompts
 from polo.runtime.device import CPU, Compute
@@ -68,42 +68,6 @@ class Environment(Protocol):
         ...
 
 
-@dataclass
-class EpisodeRecord:
-    """What happened in one episode: the model's turns, the observations, the environment's reward, the tool use."""
-
-    turns: list[str] = field(default_factory=list)
-    observations: list[str] = field(default_factory=list)
-    reward: float | None = None  # the sum of the environment's rewards (None when it gave none)
-    done: bool = False  # the environment ended it (not a limit)
-    tool_calls: int = 0
-    tool_failures: int = 0
-    tool_seconds: float = 0.0
-
-    @property
-    def answer(self) -> str:
-        """Return the model's last turn: the text its final answer is read from."""
-        return self.turns[-1] if self.turns else ""
-
-    @property
-    def transcript(self) -> str:
-        """Return the episode as text: the model's turns with each observation after the turn it answered."""
-        parts = []
-        for index, turn in enumerate(self.turns):
-            parts.append(turn)
-            if index < len(self.observations):
-                parts.append(f"[observation]\n{self.observations[index]}\n[/observation]")
-        return "\n".join(parts)
-
-    def add(self, answer: EnvStep) -> None:
-        """Add one step's reward and tool counts."""
-        if answer.reward is not None:
-            self.reward = (self.reward or 0.0) + float(answer.reward)
-        self.tool_calls += answer.tool_calls
-        self.tool_failures += answer.tool_failures
-        self.tool_seconds += answer.tool_seconds
-
-
 @dataclass(frozen=True)
 class EpisodeLimits:
     """How long an episode may run: model turns, and tokens after the first prompt (turns and observations)."""
@@ -134,6 +98,15 @@ class Episode:
         """Append `ids` to the episode, marked as written by the model (1) or not (0)."""
         self.ids.extend(ids)
         self.written.extend([written] * len(ids))
+
+
+def record_step(record: EpisodeRecord, answer: EnvStep) -> None:
+    """Add one step's reward and tool counts to the episode's record."""
+    if answer.reward is not None:
+        record.reward = (record.reward or 0.0) + float(answer.reward)
+    record.tool_calls += answer.tool_calls
+    record.tool_failures += answer.tool_failures
+    record.tool_seconds += answer.tool_seconds
 
 
 def observation_ids(tokenizer, observation: list[dict], after_eos: bool, eos_ids: Sequence[int]) -> list[int]:
@@ -273,7 +246,7 @@ class EpisodeSampler:
         if not episode.live:
             return
         reply = episode.environment.step(episode.record.turns[-1])
-        episode.record.add(reply)
+        record_step(episode.record, reply)
         if reply.done or not reply.observation:
             episode.live, episode.record.done = False, reply.done
             episode.truncated = not reply.done  # nothing to show and not done: the model has nothing to answer

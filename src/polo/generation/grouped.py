@@ -16,8 +16,7 @@ from types import ModuleType
 import torch
 
 from polo.generation import cpu_sampler, static_sampler
-from polo.generation.episodes import EpisodeRecord
-from polo.generation.rollouts import Sampler
+from polo.generation.rollouts import EpisodeRecord, Sampler
 from polo.models.family import encode_prompts
 from polo.runtime.device import CPU, Compute
 

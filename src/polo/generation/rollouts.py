@@ -14,15 +14,40 @@ marks the tokens the model wrote, the only ones the policy loss, the KL and the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from polo.runtime.device import CPU, Compute
 
-if TYPE_CHECKING:
-    from polo.generation.episodes import EpisodeRecord
+
+@dataclass
+class EpisodeRecord:
+    """What happened in one episode: the model's turns, the observations, the environment's reward, the tool use."""
+
+    turns: list[str] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)
+    reward: float | None = None  # the sum of the environment's rewards (None when it gave none)
+    done: bool = False  # the environment ended it (not a limit)
+    tool_calls: int = 0
+    tool_failures: int = 0
+    tool_seconds: float = 0.0
+
+    @property
+    def answer(self) -> str:
+        """Return the model's last turn: the text its final answer is read from."""
+        return self.turns[-1] if self.turns else ""
+
+    @property
+    def transcript(self) -> str:
+        """Return the episode as text: the model's turns with each observation after the turn it answered."""
+        parts = []
+        for index, turn in enumerate(self.turns):
+            parts.append(turn)
+            if index < len(self.observations):
+                parts.append(f"[observation]\n{self.observations[index]}\n[/observation]")
+        return "\n".join(parts)
 
 
 @dataclass
@@ -41,7 +66,7 @@ class Rollouts:
 
     @property
     def model_token_mask(self) -> torch.Tensor:
-        """Return the mask of the tokens the model wrote (batch, completion_len): `loss_mask`, else `completion_mask`."""
+        """Return the mask of the tokens the model wrote, (batch, completion_len): `loss_mask` or `completion_mask`."""
         return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     @property
