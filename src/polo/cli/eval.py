@@ -290,7 +290,7 @@ def evaluate_to_file(args: argparse.Namespace) -> int:
     import torch
 
     from polo.evaluation.evaluate import evaluate_policy
-    from polo.generation.grouped import load_for_sampling
+    from polo.generation.grouped import GroupSampling, load_for_sampling
     from polo.runtime.device import inference_compute
 
     samples = check_numbers(args)
@@ -332,12 +332,7 @@ def evaluate_to_file(args: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.perf_counter()
-    result = evaluate_policy(
-        model,
-        tokenizer,
-        prompts,
-        rows,
-        task.correctness,
+    sampling = GroupSampling(
         samples=samples,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -345,8 +340,10 @@ def evaluate_to_file(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         compute=compute,
         progress=not args.no_progress,
+        description="polo eval",
         sampler=recipe_sampler(args, task, compute),
     )
+    result = evaluate_policy(model, tokenizer, prompts, rows, task.correctness, sampling)
     if reward_model is not None:
         from polo.evaluation.evaluate import add_reward_scores
 

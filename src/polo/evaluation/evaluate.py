@@ -24,12 +24,12 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
 from polo.generation.episodes import episode_metrics
-from polo.generation.grouped import Completion, sample_groups
-from polo.generation.rollouts import Sampler
+from polo.generation.grouped import Completion, GroupSampling, sample_groups
 from polo.rewards.answers import (
     _math_verify_timeout,
     answer_region,
@@ -41,7 +41,6 @@ from polo.rewards.answers import (
     math_verify_answer,
 )
 from polo.rewards.format import r1_format
-from polo.runtime.device import CPU, Compute
 
 AnswerKey = Callable[[str], "str | None"]
 
@@ -270,47 +269,27 @@ def evaluate_policy(
     prompts: list[str],
     rows: list[dict],
     correctness: Callable[[str, dict], float],
+    sampling: GroupSampling,
     *,
-    samples: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float = 1.0,
-    batch_size: int = 64,
-    compute: Compute = CPU,
     ks: Sequence[int] | None = None,
     answer_key: AnswerKey | None = None,
-    progress: bool = False,
-    sampler: Sampler | None = None,
 ) -> dict:
-    """Return `{"summary", "problems"}`: `samples` completions per prompt, scored (see module doc).
+    """Return `{"summary", "problems"}`: `sampling.samples` completions per prompt, scored (see module doc).
 
     A prompt's samples are one group of the sampler (`polo.generation.grouped.sample_groups`; one
-    prefill shared by them), `batch_size` sequences a batch. `ks` defaults to `default_ks(samples)`;
-    `answer_key` to the one matching `correctness`. Temperature 0 is greedy decoding (then ask for
-    one sample: the others would be copies).
+    prefill shared by them), `sampling.batch_size` sequences a batch. `ks` defaults to
+    `default_ks(samples)`; `answer_key` to the one matching `correctness`. Temperature 0 is greedy
+    decoding (then ask for one sample: the others would be copies).
     """
     if len(prompts) != len(rows):
         raise ValueError(f"got {len(prompts)} prompts for {len(rows)} rows")
+    samples = sampling.samples
     ks = default_ks(samples) if ks is None else list(ks)
     bad = [k for k in ks if not 1 <= k <= samples]
     if bad:
         raise ValueError(f"every k must be in [1, samples={samples}], got {bad}")
     answer_key = answer_key_for(correctness) if answer_key is None else answer_key
-    completions = sample_groups(
-        model,
-        tokenizer,
-        prompts,
-        samples,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        batch_size=batch_size,
-        compute=compute,
-        sampler=sampler,
-        progress=progress,
-        description="polo eval",
-        rows=rows,
-    )
+    completions = sample_groups(model, tokenizer, prompts, sampling, rows)
     problems = [score_problem(row, done, correctness, answer_key, ks) for row, done in zip(rows, completions)]
     for prompt, problem in zip(prompts, problems):
         problem["prompt"] = prompt
@@ -351,36 +330,19 @@ def add_reward_scores(
 
 @torch.no_grad()
 def greedy_accuracy(
-    model,
-    tokenizer,
-    prompts: list[str],
-    rows: list[dict],
-    correctness,
-    *,
-    max_new_tokens: int,
-    batch_size: int = 64,
-    compute: Compute = CPU,
-    sampler: Sampler | None = None,
+    model, tokenizer, prompts: list[str], rows: list[dict], correctness, sampling: GroupSampling
 ) -> dict:
     """Return `{"accuracy", "completion_length", "truncated", "samples"}` for greedy decoding.
 
     `correctness(completion, row) -> float` is the task's checker; accuracy is the mean of it
     over `rows`. "samples" keeps the first few (prompt, completion, score) triples for reports.
+    `sampling` gives max_new_tokens, batch size, device and sampler; decoding is greedy, one sample
+    per prompt, whatever its temperature and sample count.
     """
     if len(prompts) != len(rows):
         raise ValueError(f"got {len(prompts)} prompts for {len(rows)} rows")
-    completions = sample_groups(
-        model,
-        tokenizer,
-        prompts,
-        1,
-        max_new_tokens=max_new_tokens,
-        temperature=0.0,
-        batch_size=batch_size,
-        compute=compute,
-        sampler=sampler,
-        rows=rows,
-    )
+    greedy = replace(sampling, samples=1, temperature=0.0, top_p=1.0)
+    completions = sample_groups(model, tokenizer, prompts, greedy, rows)
     scores, samples = [], []
     for row, (completion,) in zip(rows, completions):
         score = float(correctness(completion.text, row))

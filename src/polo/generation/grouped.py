@@ -24,6 +24,21 @@ SAMPLERS = ("auto", "kv_cache", "static")  # the choices of `sampling.sampler`
 
 
 @dataclass(frozen=True)
+class GroupSampling:
+    """How `sample_groups` samples: completions per prompt, decoding, batch size, device and sampler."""
+
+    samples: int = 1  # completions per prompt, sampled as one group
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 is greedy decoding (then one sample: the others would be copies)
+    top_p: float = 1.0
+    batch_size: int = 64  # sequences per sampler call: batch_size // samples prompts (at least one)
+    compute: Compute = CPU
+    sampler: Sampler | None = None  # None: pick_sampler("auto", compute)
+    progress: bool = False  # a progress bar
+    description: str = "polo sample"  # the progress bar's label
+
+
+@dataclass(frozen=True)
 class Completion:
     """One sampled completion: its text (special tokens removed), its generated tokens (the end token included), and
     whether max_new_tokens cut it."""
@@ -83,43 +98,32 @@ def group_batches(lengths: list[int], samples_per_prompt: int, batch_size: int) 
 
 @torch.no_grad()
 def sample_groups(
-    model,
-    tokenizer,
-    prompts: list[str],
-    samples_per_prompt: int,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float = 1.0,
-    batch_size: int = 64,
-    compute: Compute = CPU,
-    sampler: Sampler | None = None,
-    progress: bool = False,
-    description: str = "polo sample",
-    rows: Sequence[dict] | None = None,
+    model, tokenizer, prompts: list[str], settings: GroupSampling, rows: Sequence[dict] | None = None
 ) -> list[list[Completion]]:
-    """Return, per prompt in the given order, its `samples_per_prompt` completions, each prompt sampled as one group.
+    """Return, per prompt in the given order, its `settings.samples` completions, each prompt sampled as one group.
 
-    `batch_size` counts sequences: a batch holds `batch_size // samples_per_prompt` prompts (at
-    least one). `sampler` defaults to `pick_sampler("auto", compute)`. Temperature 0 is greedy.
+    `settings.batch_size` counts sequences: a batch holds `batch_size // samples` prompts (at least
+    one). The sampler defaults to `pick_sampler("auto", compute)`. Temperature 0 is greedy.
     `rows` (the task rows behind the prompts) go to the sampler: an episode sampler starts from them.
     """
     from tqdm.auto import tqdm
 
-    sampler = pick_sampler("auto", compute) if sampler is None else sampler
+    samples_per_prompt, compute = settings.samples, settings.compute
+    sampler = pick_sampler("auto", compute) if settings.sampler is None else settings.sampler
     lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts)]  # as the sampler tokenizes them (BOS included)
     results: list[list[Completion]] = [[] for _ in prompts]
     total = len(prompts) * samples_per_prompt
-    with tqdm(total=total, desc=description, unit="sample", disable=not progress, dynamic_ncols=True) as bar:
-        for chunk in group_batches(lengths, samples_per_prompt, batch_size):
+    progress = {"desc": settings.description, "disable": not settings.progress}
+    with tqdm(total=total, unit="sample", dynamic_ncols=True, **progress) as bar:
+        for chunk in group_batches(lengths, samples_per_prompt, settings.batch_size):
             sampled = sampler(
                 model,
                 tokenizer,
                 [prompts[index] for index in chunk],
                 samples_per_prompt,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
+                max_new_tokens=settings.max_new_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
                 compute=compute,
                 rows=None if rows is None else [rows[index] for index in chunk],
             )

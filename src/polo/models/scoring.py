@@ -18,6 +18,7 @@ from polo.kernels import (
     sharing_pays,
     supports_fused_logprobs,
     token_logprobs,
+    without_padding,
 )
 from polo.models.family import fits_attention_window
 
@@ -78,6 +79,7 @@ def completion_logprobs(
             completion_ids,
             temperature=temperature,
             with_entropy=with_entropy,
+            completion_mask=completion_mask,
         )
     # The head gets a contiguous input: for a frozen lm_head (a reference, a LoRA base) matmul would
     # otherwise copy the whole (V, d) weight per row to multiply the strided slice of kept positions
@@ -147,6 +149,8 @@ def shared_completion_logprobs(
     shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
     if shared is None:
         return None
+    if attends_blockwise(model):  # the trunk runs real tokens only; attention gathers them into the blocks
+        shared = without_padding(shared)
     # polo's attention (polo.kernels.cpu.attention, picked by polo.kernels) reads `shared_layout` and skips the all-masked blocks;
     # any other attention implementation ignores it and applies the full mask.
     hidden = model.get_decoder()(
@@ -163,4 +167,5 @@ def shared_completion_logprobs(
         completion_ids,
         temperature=temperature,
         with_entropy=with_entropy,
+        mask=completion_mask,
     )
