@@ -190,7 +190,7 @@ def test_hostile_calls_inside_an_episode_leave_the_sampler_running(tiny_model_di
     from polo.models.loading import load_policy
 
     model, tokenizer = load_policy(str(tiny_model_dir))
-    turns = iter(["<python>while True: pass</python>", "<python>import os\nos._exit(0)</python>", "It is 4."])
+    turns = iter(["<python>while True: pass</python>", "<python>import os\nos._exit(3)</python>", "It is 4."])
 
     def scripted(model, prompt_ids, prompt_mask, *, samples_per_prompt=1, **_):
         ids = tokenizer(next(turns), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]

@@ -14,8 +14,9 @@ from polo.data.environments import ChatEnvironment
 from polo.generation import cpu_sampler
 from polo.generation.episodes import EnvStep, EpisodeLimits, EpisodeSampler
 from polo.models.loading import load_policy
+from polo.rl.batching import UpdateBatch
 from polo.rl.train import train
-from polo.rl.update import policy_update
+from polo.rl.update import Learner, policy_update
 from polo.runtime.device import CPU
 
 ENVIRONMENT_MODULE = """
@@ -59,7 +60,8 @@ def test_tool_output_and_template_tokens_never_reach_the_loss(tiny_model_dir):
         probe, _ = load_policy(str(tiny_model_dir))
         optimizer = torch.optim.SGD(probe.parameters(), lr=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        metrics = policy_update(probe, optimizer, scheduler, rollouts, token_advantages, None, None, config, CPU)
+        learner = Learner(probe, optimizer, scheduler, CPU)
+        metrics = policy_update(learner, UpdateBatch(rollouts, token_advantages), config)
         return [p.grad.clone() for p in probe.parameters()], metrics
 
     clean_grads, clean_metrics = gradients(episodes, advantages)
