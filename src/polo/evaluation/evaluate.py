@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import torch
 
+from polo.generation.episodes import episode_metrics
 from polo.generation.grouped import Completion, GroupSampling, sample_groups
 from polo.rewards.answers import (
     _math_verify_timeout,
@@ -194,6 +195,7 @@ def score_problem(
                 "answer": answer_key(text),
                 "length": completion.length,
                 "truncated": completion.truncated,
+                **({} if completion.episode is None else episode_fields(completion.episode)),
             }
         )
     correct = [sample["correct"] for sample in samples]
@@ -210,6 +212,16 @@ def score_problem(
         "cons@k": {str(k): cons_at_k(answers, correct, k) for k in ks},
         "majority_answer": None if winner is None else answers[winner],
         "samples": samples,
+    }
+
+
+def episode_fields(episode) -> dict:
+    """Return what a sample of a multi-turn episode adds to its result: its transcript and its tool use."""
+    return {
+        "episode": episode.transcript,
+        "turns": len(episode.turns),
+        "tool_calls": episode.tool_calls,
+        "tool_failures": episode.tool_failures,
     }
 
 
@@ -234,6 +246,20 @@ def summarize(problems: Sequence[dict]) -> dict:
         "answered": mean(sample["answer"] is not None for sample in samples),
         "mean_response_length": mean(sample["length"] for sample in samples),
         "truncated": mean(sample["truncated"] for sample in samples),
+        **(tool_summary(samples) if "tool_calls" in samples[0] else {}),
+    }
+
+
+def tool_summary(samples: Sequence[dict]) -> dict:
+    """Return the tool use over episode samples: calls per episode, success rate, turns, use by the correct ones."""
+    calls = sum(sample["tool_calls"] for sample in samples)
+    failures = sum(sample["tool_failures"] for sample in samples)
+    right = [sample for sample in samples if sample["correct"] > 0.5]
+    return {
+        "tool_calls_per_episode": calls / len(samples),
+        "tool_call_success_rate": (calls - failures) / calls if calls else 0.0,
+        "turns_per_episode": sum(sample["turns"] for sample in samples) / len(samples),
+        "correct_that_used_the_tool": sum(sample["tool_calls"] > 0 for sample in right) / len(right) if right else 0.0,
     }
 
 
@@ -263,7 +289,7 @@ def evaluate_policy(
     if bad:
         raise ValueError(f"every k must be in [1, samples={samples}], got {bad}")
     answer_key = answer_key_for(correctness) if answer_key is None else answer_key
-    completions = sample_groups(model, tokenizer, prompts, sampling)
+    completions = sample_groups(model, tokenizer, prompts, sampling, rows)
     problems = [score_problem(row, done, correctness, answer_key, ks) for row, done in zip(rows, completions)]
     for prompt, problem in zip(prompts, problems):
         problem["prompt"] = prompt
@@ -315,7 +341,8 @@ def greedy_accuracy(
     """
     if len(prompts) != len(rows):
         raise ValueError(f"got {len(prompts)} prompts for {len(rows)} rows")
-    completions = sample_groups(model, tokenizer, prompts, replace(sampling, samples=1, temperature=0.0, top_p=1.0))
+    greedy = replace(sampling, samples=1, temperature=0.0, top_p=1.0)
+    completions = sample_groups(model, tokenizer, prompts, greedy, rows)
     scores, samples = [], []
     for row, (completion,) in zip(rows, completions):
         score = float(correctness(completion.text, row))
@@ -325,14 +352,16 @@ def greedy_accuracy(
                 {
                     "question": row.get("question"),
                     "answer": row.get("answer"),
-                    "completion": completion.text,
+                    "completion": completion.text if completion.episode is None else completion.episode.transcript,
                     "score": score,
                 }
             )
     count = max(len(scores), 1)
+    episodes = [done[0].episode for done in completions if done[0].episode is not None]
     return {
         "accuracy": sum(scores) / count,
         "completion_length": sum(done[0].length for done in completions) / count,
         "truncated": sum(done[0].truncated for done in completions) / count,
+        **(episode_metrics(episodes, scores, prefix="") if episodes else {}),
         "samples": samples,
     }

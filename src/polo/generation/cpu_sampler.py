@@ -6,11 +6,14 @@ and the cache, a quarter of the batch at a time, so little work is spent on fini
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from polo.generation.prompts import stop_token_ids, tokenize_prompts
 from polo.generation.rollouts import Rollouts
 from polo.generation.sampling import sample_next_token
+from polo.generation.stopping import StopStrings
 from polo.kernels import contiguous_head_input, prepacked_linears, sampling_cache
 from polo.models.family import cache_keyword
 from polo.models.scoring import position_ids_from_mask
@@ -92,6 +95,7 @@ def generate(
     compute: Compute = CPU,
     samples_per_prompt: int = 1,
     generator: torch.Generator | None = None,
+    stop_strings: StopStrings | None = None,  # a turn's closing text (a tool call's tag) ends a row like EOS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return `(completion_ids, completion_mask, truncated)` sampled with a KV cache.
 
@@ -130,6 +134,10 @@ def generate(
             index = rows.live_index()
             tokens = sample_next_token(logits if rows.all_live() else logits[index], temperature, top_p, generator)
             finished = rows.write(step, index, tokens, stop)
+            if stop_strings is not None:
+                written = rows.rows[index]
+                finished = finished | stop_strings.reached(rows.completion_ids[written, : step + 1])
+                rows.truncated[written[finished]] = False
             if step == max_new_tokens - 1 or bool(finished.all()):
                 break
             inputs = rows.next_inputs(index, tokens, finished)
@@ -161,8 +169,12 @@ def rollout(
     top_p: float = 1.0,
     compute: Compute = CPU,
     generator: torch.Generator | None = None,
+    rows: Sequence[dict] | None = None,
 ) -> Rollouts:
-    """Return `group_size` sampled completions for each prompt, groups contiguous, on `compute.device`."""
+    """Return `group_size` sampled completions for each prompt, groups contiguous, on `compute.device`.
+
+    `rows` (the task rows behind the prompts) are not read: a one-turn prompt is the whole context.
+    """
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     prompt_ids, prompt_mask = prompt_ids.to(compute.device), prompt_mask.to(compute.device)
     completion_ids, completion_mask, truncated = generate(

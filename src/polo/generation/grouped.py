@@ -9,12 +9,14 @@ sampler for a `Compute`; `load_for_sampling` loads a model the way these jobs sa
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from polo.generation import cpu_sampler, static_sampler
-from polo.generation.rollouts import Sampler
+from polo.generation.rollouts import EpisodeRecord, Sampler
 from polo.models.family import encode_prompts
 from polo.runtime.device import CPU, Compute
 
@@ -44,6 +46,7 @@ class Completion:
     text: str
     length: int
     truncated: bool
+    episode: EpisodeRecord | None = None  # a multi-turn episode's turns and tool use (None: one turn)
 
 
 def pick_sampler(name: str, compute: Compute) -> Sampler:
@@ -52,11 +55,24 @@ def pick_sampler(name: str, compute: Compute) -> Sampler:
     auto is the static-cache sampler on CUDA (a captured decode step) and the KV-cache sampler elsewhere
     (on the CPU it drops finished rows, which a fixed-shape decode cannot).
     """
+    return sampler_module(name, compute).rollout
+
+
+def pick_generator(name: str, compute: Compute) -> Callable:
+    """Return the `generate` (token ids in, one turn out) of the sampler `name` picks for `compute`.
+
+    The episode sampler (`polo.generation.episodes`) samples every turn with it.
+    """
+    return sampler_module(name, compute).generate
+
+
+def sampler_module(name: str, compute: Compute) -> ModuleType:
+    """Return the sampler module `name` (auto | kv_cache | static) names for `compute` (see `pick_sampler`)."""
     if name not in SAMPLERS:
         raise ValueError(f"sampler {name!r} is not one of {', '.join(SAMPLERS)}")
     if name == "static" or (name == "auto" and compute.is_cuda):
-        return static_sampler.rollout
-    return cpu_sampler.rollout
+        return static_sampler
+    return cpu_sampler
 
 
 def load_for_sampling(name: str, compute: Compute) -> tuple:
@@ -81,11 +97,14 @@ def group_batches(lengths: list[int], samples_per_prompt: int, batch_size: int) 
 
 
 @torch.no_grad()
-def sample_groups(model, tokenizer, prompts: list[str], settings: GroupSampling) -> list[list[Completion]]:
+def sample_groups(
+    model, tokenizer, prompts: list[str], settings: GroupSampling, rows: Sequence[dict] | None = None
+) -> list[list[Completion]]:
     """Return, per prompt in the given order, its `settings.samples` completions, each prompt sampled as one group.
 
     `settings.batch_size` counts sequences: a batch holds `batch_size // samples` prompts (at least
     one). The sampler defaults to `pick_sampler("auto", compute)`. Temperature 0 is greedy.
+    `rows` (the task rows behind the prompts) go to the sampler: an episode sampler starts from them.
     """
     from tqdm.auto import tqdm
 
@@ -106,9 +125,12 @@ def sample_groups(model, tokenizer, prompts: list[str], settings: GroupSampling)
                 temperature=settings.temperature,
                 top_p=settings.top_p,
                 compute=compute,
+                rows=None if rows is None else [rows[index] for index in chunk],
             )
-            counts, cut = sampled.completion_lengths.tolist(), sampled.truncated.tolist()
+            counts, cut = sampled.model_token_mask.sum(-1).tolist(), sampled.truncated.tolist()
+            episodes = sampled.episodes or [None] * len(sampled.texts)
             for row, text in enumerate(sampled.texts):
-                results[chunk[row // samples_per_prompt]].append(Completion(text, int(counts[row]), bool(cut[row])))
+                done = Completion(text, int(counts[row]), bool(cut[row]), episodes[row])
+                results[chunk[row // samples_per_prompt]].append(done)
             bar.update(len(sampled.texts))
     return results

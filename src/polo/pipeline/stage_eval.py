@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+from polo.data.environments import sampler_for
 from polo.evaluation.evaluate import evaluate_policy
 from polo.generation.grouped import GroupSampling, load_for_sampling
 from polo.pipeline.recipe import Plan
@@ -95,6 +96,7 @@ def run_evaluation(plan: Plan, model_name: str, settings: dict) -> dict:
         compute=compute,
         progress=plan.settings.progress,
         description="polo eval",
+        sampler=sampler_for(plan.task_config, plan.task, compute),  # episodes when the task has an environment
     )
     print(f"polo pipeline: evaluating {model_name} on {len(rows)} held-out problems ({compute})", flush=True)
     greedy = (

@@ -42,6 +42,8 @@ def trim_padding(rollouts: Rollouts) -> Rollouts:
         truncated=rollouts.truncated,
         texts=rollouts.texts,
         group_size=rollouts.group_size,
+        loss_mask=None if rollouts.loss_mask is None else rollouts.loss_mask[:, :completion_len],
+        episodes=rollouts.episodes,
     )
 
 
@@ -54,10 +56,17 @@ def on_device(rollouts: Rollouts, device: torch.device) -> Rollouts:
         rollouts.completion_mask,
         rollouts.truncated,
     )
-    if all(tensor.device == device for tensor in tensors):
+    loss_mask = rollouts.loss_mask
+    if all(tensor.device == device for tensor in tensors) and (loss_mask is None or loss_mask.device == device):
         return rollouts
     moved = [tensor.to(device) for tensor in tensors]
-    return Rollouts(*moved, texts=rollouts.texts, group_size=rollouts.group_size)
+    return Rollouts(
+        *moved,
+        texts=rollouts.texts,
+        group_size=rollouts.group_size,
+        loss_mask=None if loss_mask is None else loss_mask.to(device),
+        episodes=rollouts.episodes,
+    )
 
 
 def micro_batches(rows: torch.Tensor, size: int, group_size: int = 1) -> list[torch.Tensor]:
@@ -139,6 +148,10 @@ def concat_rollouts(parts: list[Rollouts]) -> Rollouts:
         truncated=torch.cat([part.truncated for part in parts]),
         texts=[text for part in parts for text in part.texts],
         group_size=parts[0].group_size,
+        loss_mask=None
+        if parts[0].loss_mask is None
+        else torch.cat([right(part.loss_mask, completion_len) for part in parts]),
+        episodes=None if parts[0].episodes is None else [episode for part in parts for episode in part.episodes],
     )
 
 

@@ -17,9 +17,9 @@ from polo import core
 from polo.config import Config, ConfigError, config_to_dict, load_config
 from polo.data import instruction_for, make_task
 from polo.data.base import Task
+from polo.data.environments import sampler_for
 from polo.data.hf import check_same_datasets, passed_datasets_note
 from polo.generation.cpu_sampler import rollout
-from polo.generation.grouped import pick_sampler
 from polo.generation.rollouts import Sampler
 from polo.kernels import use_fast_attention
 from polo.models.hub import check_push
@@ -251,7 +251,7 @@ def set_up(
         masters=masters,
         checkpointer=checkpointer,
         output_dir=output_dir,
-        sampler=pick_sampler(config.sampling.sampler, compute),
+        sampler=sampler_for(config, task, compute),
     )
     if resume_from is not None:
         resume(run, resume_from)

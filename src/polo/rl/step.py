@@ -16,6 +16,7 @@ import torch
 
 from polo import core
 from polo.config import Config
+from polo.generation.episodes import episode_metrics
 from polo.generation.rollouts import Rollouts
 from polo.models.lora import merged_for_sampling, reference_scope
 from polo.models.scoring import completion_logprobs
@@ -135,6 +136,7 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> Sc
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             compute=run.compute,
+            rows=row_batch,
         )
     rollouts = on_device(rollouts, run.compute.device)  # the one place a step's data is put on the run's device
     timings["generation"] += time.perf_counter() - started
@@ -151,6 +153,11 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> Sc
             alg.overlong_penalty,
         )
         rewards, columns = rewards + shaping, {**columns, "overlong": shaping}
+    if rollouts.episodes is not None and any(episode.reward is not None for episode in rollouts.episodes):
+        # An environment that owns a reward adds it as one more column.
+        own = [episode.reward or 0.0 for episode in rollouts.episodes]
+        own = torch.tensor(own, dtype=rewards.dtype, device=rewards.device)
+        rewards, columns = rewards + own, {**columns, "environment": own}
     correct = run.reward_set.correctness(rollouts.texts, rows, run.compute.device)
     timings["reward"] += time.perf_counter() - started
     return ScoredRound(Batch(rollouts, rewards, prompts, columns), correct, errors)
@@ -224,6 +231,7 @@ def sampling_metrics(run: Run, seen: list[ScoredRound], kept_groups: int) -> dic
             for name, column in columns.items()
         },
     }
+    metrics.update(tool_metrics(seen))
     failures = {
         f"reward/{name}/failures/{kind}": float(count)
         for name, counts in reward_set.failure_counts().items()
@@ -248,6 +256,23 @@ def sampling_metrics(run: Run, seen: list[ScoredRound], kept_groups: int) -> dic
     return metrics
 
 
+def tool_metrics(seen: list[ScoredRound]) -> dict:
+    """Return the tool use of every rank's episodes in these rounds (`polo.generation.episodes.episode_metrics`).
+
+    Empty for one-turn completions.
+    """
+    local = [
+        (episode, float(value))
+        for entry in seen
+        if entry.batch.rollouts.episodes is not None
+        for episode, value in zip(entry.batch.rollouts.episodes, entry.correct.tolist())
+    ]
+    pairs = [pair for part in parallel.gather_objects(local) for pair in part]
+    if not pairs:
+        return {}
+    return episode_metrics([episode for episode, _ in pairs], [value for _, value in pairs])
+
+
 def reward_error_messages(run: Run, seen: list[ScoredRound]) -> list[str]:
     """Return the warnings for reward functions that failed and scored 0 (the first few: one broken function can
     fail every sample)."""
@@ -262,12 +287,14 @@ def sample_log_rows(step: int, scored: ScoredRound) -> list[dict]:
     batch = scored.batch
     rollouts, rewards = batch.rollouts, batch.rewards
     picks = {"best": int(rewards.argmax()), "worst": int(rewards.argmin())}
+    episodes = rollouts.episodes
     return [
         {
             "step": step,
             "kind": kind,
             "prompt": batch.prompts[index // rollouts.group_size],
-            "completion": rollouts.texts[index],
+            # An episode's whole transcript (turns and observations); its last turn is what was graded.
+            "completion": rollouts.texts[index] if episodes is None else episodes[index].transcript,
             "reward": float(rewards[index]),
             "rewards": {name: float(column[index]) for name, column in batch.columns.items()},
             "correct": float(scored.correct[index]),
@@ -384,7 +411,7 @@ def rl_step(run: Run, step: int) -> StepResult:
     total_time = sum(timings.values())
     metrics = {
         **sampled.metrics,
-        "advantage/abs_mean": core.masked_mean(advantages.abs(), rollouts.completion_mask).item(),
+        "advantage/abs_mean": core.masked_mean(advantages.abs(), rollouts.model_token_mask).item(),
         "learning_rate": run.scheduler.get_last_lr()[0],
         **update_metrics,
         **{f"time/{name}": seconds for name, seconds in timings.items()},

@@ -208,6 +208,10 @@ def skip_or_stop(run: Run, logger: MetricsLogger, step: int, streak: int, error:
     return streak
 
 
+# Held-out tool use of an environment's episodes (`polo.generation.episodes.episode_metrics`), logged as eval/tool/<key>.
+TOOL_EVAL_KEYS = ("calls_per_episode", "call_success_rate", "turns", "episodes_with_calls", "used_by_correct")
+
+
 class HeldOutEvaluation:
     """Greedy accuracy on the task's held-out rows, each rank decoding its share; logged and saved per step."""
 
@@ -238,6 +242,7 @@ class HeldOutEvaluation:
                 "eval/accuracy": result["accuracy"],
                 "eval/completion_length": result["completion_length"],
                 "eval/truncated": result["truncated"],
+                **{f"eval/tool/{key}": result[key] for key in TOOL_EVAL_KEYS if key in result},
             }
         )
         self.logger.write(
@@ -254,8 +259,6 @@ def combine_eval(per_rank: list[tuple[int, dict | None]]) -> dict:
     parts = [(count, result) for count, result in per_rank if result is not None]
     if len(parts) == 1:
         return parts[0][1]
-    combined = {
-        key: sum(count * result[key] for count, result in parts) / total
-        for key in ("accuracy", "completion_length", "truncated")
-    }
+    keys = ("accuracy", "completion_length", "truncated", *(key for key in TOOL_EVAL_KEYS if key in parts[0][1]))
+    combined = {key: sum(count * result[key] for count, result in parts) / total for key in keys}
     return {**combined, "samples": parts[0][1]["samples"]}

@@ -72,7 +72,7 @@ class UpdateContext:
         self.old_logprobs, self.ref_logprobs = batch.old_logprobs, batch.reference_logprobs
         self.config, self.alg, self.compute, self.critic = config, config.algorithm, learner.compute, learner.critic
         self.modules = learner.modules if learner.modules is not None else update_modules(learner.model, learner.critic)
-        self.loss_mask = self.rollouts.completion_mask.float()
+        self.loss_mask = self.rollouts.model_token_mask.float()  # an episode's tool output and template: context only
         if self.alg.mask_truncated:  # DAPO's overlong filtering: truncated completions teach nothing
             self.loss_mask = self.loss_mask * (~self.rollouts.truncated).float().unsqueeze(-1)
         self.kl_in_loss = self.ref_logprobs is not None and not self.alg.kl_in_reward
@@ -186,7 +186,7 @@ def update_metrics(ctx: UpdateContext, optimizer_steps: int) -> dict:
     if ctx.kl_in_loss and ctx.train_policy:
         metrics["kl"] = sums["kl"] / tokens
     elif ctx.ref_logprobs is not None and ctx.old_logprobs is not None:  # k1 of the sampled batch
-        metrics["kl"] = core.masked_mean(ctx.old_logprobs - ctx.ref_logprobs, ctx.rollouts.completion_mask).item()
+        metrics["kl"] = core.masked_mean(ctx.old_logprobs - ctx.ref_logprobs, ctx.rollouts.model_token_mask).item()
     if ctx.critic is not None:
         metrics["value/loss"] = sums["value_loss"] / optimizer_steps
         if ctx.critic.optimizer is not None:
