@@ -46,7 +46,7 @@ def recipe_prompts(tokenizer, recipe: str):
 
 
 def greedy_accuracy(model, tokenizer, recipe: str, with_bos: bool) -> float:
-    from polo.generation.grouped import sample_groups
+    from polo.generation.grouped import GroupSampling, sample_groups
     from polo.models import family
 
     prompts, task, max_new_tokens = recipe_prompts(tokenizer, recipe)
@@ -54,9 +54,8 @@ def greedy_accuracy(model, tokenizer, recipe: str, with_bos: bool) -> float:
     if not with_bos:
         family.prompt_prefix_ids = lambda tokenizer: ()
     try:
-        samples = sample_groups(
-            model, tokenizer, prompts, 1, max_new_tokens=max_new_tokens, temperature=0.0, batch_size=50
-        )
+        greedy = GroupSampling(max_new_tokens=max_new_tokens, temperature=0.0, batch_size=50)
+        samples = sample_groups(model, tokenizer, prompts, greedy)
     finally:
         family.prompt_prefix_ids = original
     return sum(task.correctness(sample[0].text, row) for sample, row in zip(samples, task.eval_rows)) / len(prompts)

@@ -6,7 +6,7 @@ import torch
 
 from polo.control.envs import ActionSpec
 from polo.control.policies import ActorCritic
-from polo.control.trpo import trpo_step
+from polo.control.trpo import TrustRegion, trpo_step
 
 
 @pytest.mark.parametrize("discrete", [True, False])
@@ -26,7 +26,7 @@ def test_trpo_step_respects_the_kl_radius(discrete, max_kl):
     actions = torch.from_numpy(actions)
     advantages = torch.randn(256)
     before = policy.flat_actor.detach().clone()
-    metrics = trpo_step(policy, observations, actions, advantages, max_kl)
+    metrics = trpo_step(policy, observations, actions, advantages, TrustRegion(max_kl))
     assert metrics["step_accepted"] == 1.0
     assert not torch.equal(before, policy.flat_actor.detach())
     with torch.no_grad():

@@ -112,9 +112,9 @@ def one_step(config: dict, batch, monkeypatch) -> tuple[dict, dict[str, torch.Te
     monkeypatch.setattr(
         rl_step_module,
         "collect_batch",
-        lambda *args, **kwargs: (share, {"reward/mean": float(share.rewards.mean())}, []),
+        lambda *args, **kwargs: rl_step_module.SampledStep(share, {"reward/mean": float(share.rewards.mean())}, []),
     )
-    metrics, _ = rl_step_module.rl_step(run, 1)
+    metrics = rl_step_module.rl_step(run, 1).metrics
     saved = run.save(1)
     weights = load_file(str(saved / "model.safetensors")) if saved is not None else {}
     return metrics, weights

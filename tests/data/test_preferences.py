@@ -21,7 +21,8 @@ from polo.data.preferences import (
     read_rankings,
     wrong_answer,
 )
-from polo.finetune.sampled_preferences import sampled_preference_data
+from polo.finetune.sampled_preferences import PreferenceDraw, sampled_preference_data
+from polo.generation.grouped import GroupSampling
 from polo.generation.prompts import render_prompt
 from polo.rewards import exact_number
 
@@ -261,17 +262,9 @@ def test_sampled_preferences_rank_the_models_own_answers_on_training_problems(ti
     model, tokenizer = load_policy(str(tiny_model_dir))
     task = arithmetic_task(num_train=60, num_eval=10)
     task.correctness = lambda text, row: float(len(text) % 2 == 0)  # a checker the tiny model passes half the time
-    splits, stats = sampled_preference_data(
-        model,
-        tokenizer,
-        task,
-        instruction="Add: {question}",
-        num_prompts=6,
-        num_prompts_eval=2,
-        samples=4,
-        max_new_tokens=5,
-        max_pairs=2,
-    )
+    draw = PreferenceDraw(num_prompts=6, num_prompts_eval=2, max_pairs=2, instruction="Add: {question}")
+    sampling = GroupSampling(samples=4, max_new_tokens=5)
+    splits, stats = sampled_preference_data(model, tokenizer, task, draw, sampling)
     assert stats["preferences_train"] == len(splits["preferences_train"]) <= 12
     assert stats["preferences_eval"] == len(splits["preferences_eval"]) <= 4
     rows = splits["preferences_train"] + splits["preferences_eval"]
@@ -283,7 +276,7 @@ def test_sampled_preferences_rank_the_models_own_answers_on_training_problems(ti
         row["prompt"] for row in splits["preferences_eval"]
     }
     with pytest.raises(ValueError, match="training split holds"):
-        sampled_preference_data(model, tokenizer, task, num_prompts=100)
+        sampled_preference_data(model, tokenizer, task, PreferenceDraw(num_prompts=100), sampling)
 
 
 def test_sampled_comparisons_keep_the_few_shot_turns_they_were_sampled_with(tiny_model_dir):
@@ -293,9 +286,8 @@ def test_sampled_comparisons_keep_the_few_shot_turns_they_were_sampled_with(tiny
     task = arithmetic_task(num_train=20, num_eval=4)
     task.few_shot = (("What is 1 + 1?", "2"),)
     task.correctness = lambda text, row: float(len(text) % 2 == 0)
-    splits, _ = sampled_preference_data(
-        model, tokenizer, task, instruction="{question}", num_prompts=6, num_prompts_eval=0, samples=4, max_new_tokens=5
-    )
+    draw = PreferenceDraw(num_prompts=6, num_prompts_eval=0, instruction="{question}")
+    splits, _ = sampled_preference_data(model, tokenizer, task, draw, GroupSampling(samples=4, max_new_tokens=5))
     rows = splits["preferences_train"]
     assert rows and all([message["role"] for message in row["prompt"]] == ["user", "assistant", "user"] for row in rows)
     assert all(row["prompt"][1]["content"] == "2" for row in rows)

@@ -7,6 +7,7 @@ import functools
 import itertools
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from polo.evaluation.evaluate import (
     summarize,
     text_answer_key,
 )
-from polo.generation.grouped import Completion, sample_groups
+from polo.generation.grouped import Completion, GroupSampling, sample_groups
 from polo.rewards.answers import exact_number, exact_string, math_verify_answer
 
 # ---------------------------------------------------------------- pass@k
@@ -305,10 +306,11 @@ PROMPTS = ["What is 1 + 1?", "Hi", "A much longer prompt than the others, to for
 
 def test_sample_groups_returns_k_per_prompt_in_prompt_order(tiny_policy):
     model, tokenizer = tiny_policy
-    batched = sample_groups(model, tokenizer, PROMPTS, 3, max_new_tokens=6, temperature=0.0, batch_size=4)
+    greedy = GroupSampling(max_new_tokens=6, temperature=0.0)
+    batched = sample_groups(model, tokenizer, PROMPTS, replace(greedy, samples=3, batch_size=4))
     assert [len(samples) for samples in batched] == [3, 3, 3]
     for prompt, samples in zip(PROMPTS, batched):
-        alone = sample_groups(model, tokenizer, [prompt], 1, max_new_tokens=6, temperature=0.0)[0][0]
+        alone = sample_groups(model, tokenizer, [prompt], greedy)[0][0]
         # greedy: every sample of a prompt equals that prompt decoded on its own
         assert all(sample == alone for sample in samples)
         assert all(1 <= sample.length <= 6 for sample in samples)
@@ -332,11 +334,7 @@ def test_evaluate_policy_samples_each_problem_as_one_group(tiny_policy):
         PROMPTS,
         rows,
         exact_number,
-        samples=4,
-        max_new_tokens=3,
-        temperature=1.0,
-        batch_size=8,
-        sampler=recording,
+        GroupSampling(samples=4, max_new_tokens=3, temperature=1.0, batch_size=8, sampler=recording),
     )
     assert calls == [(2, 4), (1, 4)]
     assert [problem["prompt"] for problem in result["problems"]] == PROMPTS
@@ -357,10 +355,7 @@ def test_evaluate_policy_scores_every_sample(tiny_policy):
         PROMPTS,
         rows,
         odd_first_character,
-        samples=4,
-        max_new_tokens=5,
-        temperature=1.0,
-        batch_size=5,
+        GroupSampling(samples=4, max_new_tokens=5, temperature=1.0, batch_size=5),
     )
     assert len(result["problems"]) == 3
     assert all(len(problem["samples"]) == 4 for problem in result["problems"])
@@ -387,9 +382,7 @@ def test_evaluate_policy_rejects_k_above_samples(tiny_policy):
             ["a"],
             [{"answer": "1"}],
             exact_number,
-            samples=2,
-            max_new_tokens=2,
-            temperature=1.0,
+            GroupSampling(samples=2, max_new_tokens=2, temperature=1.0),
             ks=[4],
         )
 
@@ -418,8 +411,7 @@ def test_greedy_accuracy_scores_each_completion_against_its_own_row(tiny_policy)
         PROMPTS,
         rows,
         lambda completion, row: float(completion == row["answer"]),
-        max_new_tokens=4,
-        batch_size=2,  # the third prompt in a batch of its own
+        GroupSampling(max_new_tokens=4, batch_size=2),  # the third prompt in a batch of its own
     )
     assert set(result) == {"accuracy", "completion_length", "truncated", "samples"}
     assert result["accuracy"] == pytest.approx(2 / 3)

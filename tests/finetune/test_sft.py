@@ -12,7 +12,7 @@ from polo.config import ConfigError
 from polo.data.preferences import Demonstration
 from polo.finetune.fit import Example, collate, encode, sequence_logprobs
 from polo.finetune.sft import SFTObjective, encode_demonstrations, load_sft_config, sft
-from polo.generation.grouped import sample_groups
+from polo.generation.grouped import GroupSampling, sample_groups
 from polo.generation.prompts import render_prompt
 from polo.models.loading import load_policy
 
@@ -136,7 +136,7 @@ def greedy_replies(model_dir, rows: list[dict]) -> list[str]:
     """Return the greedy reply of the model in `model_dir` to each row's prompt, rendered as SFT renders it."""
     model, tokenizer = load_policy(str(model_dir))
     prompts = [render_prompt(tokenizer, [{"role": "user", "content": row["prompt"]}], None) for row in rows]
-    groups = sample_groups(model, tokenizer, prompts, 1, max_new_tokens=10, temperature=0.0)
+    groups = sample_groups(model, tokenizer, prompts, GroupSampling(max_new_tokens=10, temperature=0.0))
     return [completion.text for (completion,) in groups]
 
 

@@ -3,12 +3,21 @@ pipeline's grouped sampler it replaced, greedy answers as before; the sampler ch
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from polo.config import ConfigError, load_config
 from polo.generation import cpu_sampler, static_sampler
-from polo.generation.grouped import Completion, group_batches, load_for_sampling, pick_sampler, sample_groups
+from polo.generation.grouped import (
+    Completion,
+    GroupSampling,
+    group_batches,
+    load_for_sampling,
+    pick_sampler,
+    sample_groups,
+)
 from polo.models.family import encode_prompts
 from polo.runtime.device import CPU, Compute
 
@@ -35,16 +44,8 @@ def test_sample_groups_calls_the_sampler_with_whole_groups_and_returns_prompt_or
         calls.append((list(prompts), group_size, settings["compute"]))
         return cpu_sampler.rollout(model, tokenizer, prompts, group_size, **settings)
 
-    results = sample_groups(
-        model,
-        tokenizer,
-        PROMPTS,
-        3,
-        max_new_tokens=5,
-        temperature=1.0,
-        batch_size=7,
-        sampler=recording,
-    )
+    settings = GroupSampling(samples=3, max_new_tokens=5, temperature=1.0, batch_size=7, sampler=recording)
+    results = sample_groups(model, tokenizer, PROMPTS, settings)
     lengths = [len(ids) for ids in encode_prompts(tokenizer, PROMPTS)]
     order = sorted(range(len(PROMPTS)), key=lambda index: lengths[index])
     batches = [order[:2], order[2:4], order[4:]]  # 7 // 3 = 2 prompts a batch
@@ -83,25 +84,30 @@ def test_sample_groups_draws_what_the_pipelines_grouped_sampler_drew(policy, sam
     model, tokenizer = policy
     settings = dict(max_new_tokens=8, temperature=temperature, top_p=top_p, batch_size=8)
     torch.manual_seed(7)
-    new = sample_groups(model, tokenizer, PROMPTS, samples, **settings)
+    new = sample_groups(model, tokenizer, PROMPTS, GroupSampling(samples=samples, **settings))
     torch.manual_seed(7)
     old = old_grouped_completions(model, tokenizer, PROMPTS, samples, **settings)
-    assert [[vars(sample) for sample in done] for done in new] == old
+    fields = ("text", "length", "truncated")  # a one-turn completion has no episode record
+    assert [[{key: getattr(sample, key) for key in fields} for sample in done] for done in new] == old
+    assert all(sample.episode is None for done in new for sample in done)
 
 
 def test_greedy_single_samples_are_each_prompt_decoded_alone(policy):
     model, tokenizer = policy
-    batched = sample_groups(model, tokenizer, PROMPTS, 1, max_new_tokens=6, temperature=0.0, batch_size=2)
+    greedy = GroupSampling(max_new_tokens=6, temperature=0.0)
+    batched = sample_groups(model, tokenizer, PROMPTS, replace(greedy, batch_size=2))
     for prompt, (sample,) in zip(PROMPTS, batched):
-        (alone,) = sample_groups(model, tokenizer, [prompt], 1, max_new_tokens=6, temperature=0.0)[0]
+        (alone,) = sample_groups(model, tokenizer, [prompt], greedy)[0]
         assert sample == alone
 
 
 def test_the_static_sampler_behind_sample_groups_gives_the_same_greedy_answers(policy):
     model, tokenizer = policy
     settings = dict(max_new_tokens=8, temperature=0.0, batch_size=6)
-    cpu = sample_groups(model, tokenizer, PROMPTS, 2, sampler=cpu_sampler.rollout, **settings)
-    static = sample_groups(model, tokenizer, PROMPTS, 2, sampler=static_sampler.rollout, **settings)
+    cpu = sample_groups(model, tokenizer, PROMPTS, GroupSampling(samples=2, sampler=cpu_sampler.rollout, **settings))
+    static = sample_groups(
+        model, tokenizer, PROMPTS, GroupSampling(samples=2, sampler=static_sampler.rollout, **settings)
+    )
     assert cpu == static
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from polo.kernels.cpu.attention import POLO_ATTENTION, use_polo_attention
+from polo.models.family import cache_keyword
 from polo.models.loading import load_policy
 
 
@@ -37,3 +38,46 @@ def test_only_sdpa_models_are_switched(tiny_model_dir):
     model, _ = load_policy(str(tiny_model_dir), attn_implementation="eager")
     assert not use_polo_attention(model)
     assert model.config._attn_implementation == "eager"
+
+
+def test_decode_attention_folds_query_groups_and_matches_repeated_heads():
+    """One query token over grouped key/value heads: the same as SDPA over repeated heads, with and without a mask."""
+    from polo.kernels.cpu.attention import decode_attention
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, head_dim = 4, 6, 2, 9, 8
+    query = torch.randn(batch, heads, 1, head_dim)
+    key_buffer, value_buffer = torch.randn(2, batch, kv_heads, 16, head_dim)
+    key, value = key_buffer[:, :, :length], value_buffer[:, :, :length]  # a cache's filled part: strided views
+    padded = torch.ones(batch, 1, 1, length, dtype=torch.bool)
+    padded[1, ..., :3] = False  # left padding of row 1
+    for mask in (None, padded):
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key.repeat_interleave(heads // kv_heads, dim=1),
+            value.repeat_interleave(heads // kv_heads, dim=1),
+            attn_mask=mask,
+            scale=0.3,
+        ).transpose(1, 2)
+        torch.testing.assert_close(decode_attention(query, key, value, mask, 0.3), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_decoding_with_polo_attention_matches_transformers(tiny_model_dir):
+    """A cached decode step (one new token, grouped heads) gives transformers' SDPA logits, padded or not."""
+    from transformers import DynamicCache
+
+    reference, _ = load_policy(str(tiny_model_dir))
+    model, _ = load_policy(str(tiny_model_dir))
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads: the folded path
+    assert use_polo_attention(model)
+    for padding in (0, 2):
+        ids = torch.randint(0, model.config.vocab_size, (3, 6))
+        mask = torch.ones_like(ids)
+        mask[0, :padding] = 0
+        logits = []
+        with torch.no_grad():
+            for m in (reference, model):
+                with_cache = {cache_keyword(m): DynamicCache(config=m.config)}  # filled in place by the prefill
+                m(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **with_cache)
+                logits.append(m(input_ids=ids[:, -1:], attention_mask=mask, use_cache=True, **with_cache).logits)
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)

@@ -423,3 +423,26 @@ def test_no_tokens_give_empty_results_and_zero_gradients():
     assert logprobs.shape == entropy.shape == (0,)
     logprobs.sum().backward()
     assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_a_mask_scores_only_its_tokens_and_gives_the_same_values_and_gradients():
+    """Masked positions never reach the head (0 out, no gradient into them); the rest equal the unmasked call."""
+    torch.manual_seed(3)
+    hidden = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (3, 5))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    upstream = torch.randn(3, 5, dtype=torch.float64)
+    full, full_entropy = token_logprobs(hidden, weight, targets, chunk_size=4, vocab_block=3)
+    ((full * mask) * upstream).sum().backward()
+    expected_grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad, weight.grad = None, None
+    masked, masked_entropy = token_logprobs(hidden, weight, targets, chunk_size=4, vocab_block=3, mask=mask)
+    (masked * upstream).sum().backward()
+    real = mask.bool()
+    torch.testing.assert_close(masked[real], full[real])
+    torch.testing.assert_close(masked_entropy[real], full_entropy[real])
+    assert torch.all(masked[~real] == 0) and torch.all(masked_entropy[~real] == 0)
+    torch.testing.assert_close(hidden.grad, expected_grads[0])
+    torch.testing.assert_close(weight.grad, expected_grads[1])
+    assert torch.all(hidden.grad[~real] == 0)

@@ -7,7 +7,7 @@ import torch
 
 from polo.kernels.cpu import shared_prompt
 from polo.kernels.cpu.attention import use_polo_attention
-from polo.kernels.cpu.shared_prompt import share_prompts, sharing_pays
+from polo.kernels.cpu.shared_prompt import share_prompts, sharing_pays, without_padding
 from polo.models import scoring as rollout_module
 from polo.models.loading import load_policy
 from polo.models.scoring import completion_logprobs, shared_completion_logprobs
@@ -66,7 +66,7 @@ def test_mask_lets_a_completion_see_its_prompt_and_itself_only():
 
 def test_rows_that_are_not_whole_groups_of_one_prompt_are_not_shared():
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(50)
-    assert share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, 1) is None
+    assert share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, 0) is None
     assert share_prompts(prompt_ids[:5], prompt_mask[:5], completion_ids[:5], completion_mask[:5], 3) is None
     different = prompt_ids.clone()
     different[1, -1] += 1
@@ -109,9 +109,8 @@ def test_shared_layout_gives_the_same_logprobs_and_gradients(tiny_model_dir, wit
         torch.testing.assert_close(shared_entropy[real], separate_entropy[real], rtol=1e-5, atol=1e-5)
     for name, grad in separate_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    assert len(blocks) == (
-        model.config.num_hidden_layers if attention == "polo" else 0
-    )  # the layout reached every layer
+    # the layout reached every layer, in both passes (group_size 1: every row its own block, unpadded)
+    assert len(blocks) == (2 * model.config.num_hidden_layers if attention == "polo" else 0)
 
 
 def test_block_wise_attention_equals_attention_under_the_full_mask():
@@ -135,18 +134,13 @@ def test_block_wise_attention_equals_attention_under_the_full_mask():
     torch.testing.assert_close(blocks[real], dense[real], rtol=1e-5, atol=1e-6)
 
 
-def test_the_shared_path_is_taken_only_when_asked(tiny_model_dir, monkeypatch):
+def test_the_shared_path_is_taken_only_when_asked(tiny_model_dir):
+    """transformers' SDPA cannot skip blocks: rows on their own stay plain rows; groups share their prompt."""
     model, _ = load_policy(str(tiny_model_dir))
     batch = grouped_batch(model.config.vocab_size)
-    calls = []
-    real = rollout_module.shared_completion_logprobs
-    monkeypatch.setattr(rollout_module, "shared_completion_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
     with torch.no_grad():
-        completion_logprobs(model, *batch)
-        assert calls == []
-        completion_logprobs(model, *batch, group_size=3)
-        assert calls == [1]
-    assert shared_completion_logprobs(model, *batch, group_size=3) is not None
+        assert shared_completion_logprobs(model, *batch, group_size=1) is None
+        assert shared_completion_logprobs(model, *batch, group_size=3) is not None
 
 
 def test_micro_batches_hold_whole_groups_when_they_can():
@@ -156,3 +150,44 @@ def test_micro_batches_hold_whole_groups_when_they_can():
     assert [len(m) for m in micro_batches(rows, 20, group_size=8)] == [16, 8]  # rounded down to 2 groups
     assert [len(m) for m in micro_batches(rows, 5, group_size=8)] == [5, 5, 5, 5, 4]  # smaller than a group: as asked
     assert [len(m) for m in micro_batches(rows, 20)] == [20, 4]
+
+
+def test_rows_on_their_own_run_without_padding_and_give_the_same_logprobs_and_gradients(tiny_model_dir):
+    """group_size 1 under polo's attention: each row is its own block, the trunk runs real tokens only."""
+    model, _ = load_policy(str(tiny_model_dir))
+    batch = grouped_batch(model.config.vocab_size)
+    completion_mask = batch[3]
+    results = []
+    for polo in (False, True):
+        if polo:
+            assert use_polo_attention(model)
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = completion_logprobs(model, *batch, with_entropy=True)
+        (logprobs * completion_mask).sum().backward()
+        results.append((logprobs.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain, plain_entropy, plain_grads), (unpadded, unpadded_entropy, unpadded_grads) = results
+    real = completion_mask.bool()
+    torch.testing.assert_close(unpadded[real], plain[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unpadded_entropy[real], plain_entropy[real], rtol=1e-5, atol=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(unpadded_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    rows = shared_completion_logprobs(model, *batch, 1)
+    assert rows is not None  # the unpadded path was taken
+
+
+def test_without_padding_runs_exactly_the_real_tokens():
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(50)
+    for group_size in (1, 3):
+        shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
+        unpadded = without_padding(shared)
+        prompts = prompt_mask[::group_size].sum()
+        assert unpadded.input_ids.shape == (1, int(prompts + completion_mask.sum()))
+        assert unpadded.attention_mask is None
+        # the row holds each group's real prompt tokens, then its completions' real tokens, in order
+        expected = []
+        for group in range(prompt_ids.shape[0] // group_size):
+            first = group * group_size
+            expected += prompt_ids[first][prompt_mask[first].bool()].tolist()
+            for row in range(first, first + group_size):
+                expected += completion_ids[row][completion_mask[row].bool()].tolist()
+        assert unpadded.input_ids[0].tolist() == expected

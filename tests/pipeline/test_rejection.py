@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -125,16 +126,18 @@ def test_gsm8k_cold_start_uses_the_worked_solution_without_annotations():
 def test_stage_sampling_goes_through_the_one_grouped_sampler(tiny_model_dir):
     """Greedy answers sampled in groups are each prompt's alone; K samples per problem score as `polo eval` scores them."""
     from polo.evaluation.evaluate import evaluate_policy
-    from polo.generation.grouped import load_for_sampling, sample_groups
+    from polo.generation.grouped import GroupSampling, load_for_sampling, sample_groups
     from polo.runtime.device import Compute
 
     task = arithmetic_task(min_digits=1, max_digits=2, num_train=10, num_eval=5, answer_in_tags=True)
     model, tokenizer = load_for_sampling(str(tiny_model_dir), Compute.named("fp32"))
     prompts = task.prompts(tokenizer, task.eval_rows)
-    grouped = sample_groups(model, tokenizer, prompts, 1, max_new_tokens=6, temperature=0.0, batch_size=2)
-    single = [sample_groups(model, tokenizer, [prompt], 1, max_new_tokens=6, temperature=0.0)[0] for prompt in prompts]
+    greedy = GroupSampling(max_new_tokens=6, temperature=0.0)
+    grouped = sample_groups(model, tokenizer, prompts, dataclasses.replace(greedy, batch_size=2))
+    single = [sample_groups(model, tokenizer, [prompt], greedy)[0] for prompt in prompts]
     assert grouped == single
-    sampled = sample_groups(model, tokenizer, prompts, 3, max_new_tokens=6, temperature=1.0, batch_size=4)
+    sampling = GroupSampling(samples=3, max_new_tokens=6, temperature=1.0, batch_size=4)
+    sampled = sample_groups(model, tokenizer, prompts, sampling)
     assert [len(done) for done in sampled] == [3] * 5
     assert all(0 < sample.length <= 6 for done in sampled for sample in done)
     result = evaluate_policy(
@@ -143,9 +146,7 @@ def test_stage_sampling_goes_through_the_one_grouped_sampler(tiny_model_dir):
         prompts,
         task.eval_rows,
         task.correctness,
-        samples=4,
-        max_new_tokens=6,
-        temperature=1.0,
+        GroupSampling(samples=4, max_new_tokens=6, temperature=1.0),
     )
     assert result["summary"]["samples_per_problem"] == 4 and set(result["summary"]["cons@k"]) == {"1", "2", "4"}
     assert [problem["question"] for problem in result["problems"]] == [row["question"] for row in task.eval_rows]

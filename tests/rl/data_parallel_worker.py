@@ -48,27 +48,28 @@ def one_update(batch, config_dict: dict, model_dir: str):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     modules = update_modules(model, critic)
     run = Run(
-        config,
-        CPU,
-        None,
-        None,
-        "",
-        model,
-        tokenizer,
-        reference,
-        optimizer,
-        scheduler,
-        critic,
-        modules,
-        None,
-        None,
-        None,
+        config=config,
+        compute=CPU,
+        task=None,
+        reward_set=None,
+        instruction="",
+        model=model,
+        tokenizer=tokenizer,
+        reference=reference,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        critic=critic,
+        modules=modules,
+        masters=None,
+        checkpointer=None,
+        output_dir=None,
     )
     share = rank_share_batch(batch, config.algorithm.group_size)
     original = rl_step_module.collect_batch
-    rl_step_module.collect_batch = lambda *args, **kwargs: (share, {"reward/mean": float(share.rewards.mean())}, [])
+    sampled = rl_step_module.SampledStep(share, {"reward/mean": float(share.rewards.mean())}, [])
+    rl_step_module.collect_batch = lambda *args, **kwargs: sampled
     try:
-        metrics, _ = rl_step_module.rl_step(run, 1)
+        metrics = rl_step_module.rl_step(run, 1).metrics
     finally:
         rl_step_module.collect_batch = original
     model_state, _ = parallel.full_state_dicts(model, optimizer)  # gathered whole under FSDP

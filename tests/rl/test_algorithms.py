@@ -12,8 +12,9 @@ from polo.config import PRESETS, load_config
 from polo.generation.cpu_sampler import rollout
 from polo.models.loading import load_policy
 from polo.rl import step as rl_step_module
+from polo.rl.batching import UpdateBatch
 from polo.rl.train import train
-from polo.rl.update import policy_update
+from polo.rl.update import Learner, policy_update
 from polo.runtime.device import CPU
 
 
@@ -54,9 +55,9 @@ def test_dapo_dynamic_sampling_never_trains_on_a_zero_spread_group(tiny_model_di
     batches, real_collect = [], rl_step_module.collect_batch
 
     def recording_collect(*args, **kwargs):
-        batch, metrics, samples = real_collect(*args, **kwargs)
-        batches.append((batch, metrics))
-        return batch, metrics, samples
+        sampled = real_collect(*args, **kwargs)
+        batches.append((sampled.batch, sampled.metrics))
+        return sampled
 
     monkeypatch.setattr(rl_step_module, "collect_batch", recording_collect)
     config = tiny_config(tiny_model_dir, tmp_path / "dapo", eval={"before": False, "after": False})
@@ -88,7 +89,8 @@ def test_dapo_masks_truncated_completions_out_of_the_loss(tiny_model_dir):
         probe, _ = load_policy(str(tiny_model_dir))
         optimizer = torch.optim.SGD(probe.parameters(), lr=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        return policy_update(probe, optimizer, scheduler, batch, advantages, None, None, config, CPU)["grad_norm"]
+        learner = Learner(probe, optimizer, scheduler, CPU)
+        return policy_update(learner, UpdateBatch(batch, advantages), config)["grad_norm"]
 
     assert grad_norm(truncated=True) == 0.0  # every completion was cut by max_new_tokens: nothing to learn from
     assert grad_norm(truncated=False) > 0.0

@@ -257,11 +257,11 @@ def poison_weights_from(step_to_break: int, monkeypatch) -> None:
         steps.append(step)
         return real_step(run, step)
 
-    def update_then_poison(model, *args, **kwargs):
-        metrics = real_update(model, *args, **kwargs)
+    def update_then_poison(learner, *args, **kwargs):
+        metrics = real_update(learner, *args, **kwargs)
         if steps[-1] >= step_to_break:
             with torch.no_grad():
-                next(model.parameters()).view(-1)[0] = float("inf")
+                next(learner.model.parameters()).view(-1)[0] = float("inf")
         return metrics
 
     monkeypatch.setattr(trainer, "rl_step", note_step)
@@ -296,10 +296,10 @@ def test_rollbacks_that_do_not_help_stop_the_run_naming_the_checkpoint_before_th
 def test_non_finite_weights_stop_the_run_even_with_jump_checks_off(tiny_model_dir, tmp_path, monkeypatch):
     real_update = rl_step_module.policy_update
 
-    def update_then_poison(model, *args, **kwargs):
-        metrics = real_update(model, *args, **kwargs)
+    def update_then_poison(learner, *args, **kwargs):
+        metrics = real_update(learner, *args, **kwargs)
         with torch.no_grad():
-            next(model.parameters()).view(-1)[0] = float("inf")
+            next(learner.model.parameters()).view(-1)[0] = float("inf")
         return metrics
 
     monkeypatch.setattr(rl_step_module, "policy_update", update_then_poison)

@@ -15,10 +15,10 @@ from polo.data import make_task
 from polo.generation.cpu_sampler import rollout
 from polo.models.loading import load_policy
 from polo.rewards import RewardFunctionError, RewardSet
-from polo.rl.batching import batch_rows
+from polo.rl.batching import UpdateBatch, batch_rows
 from polo.rl.setup import lr_lambda
 from polo.rl.train import train
-from polo.rl.update import policy_update
+from polo.rl.update import Learner, policy_update
 from polo.runtime.device import CPU
 from polo.runtime.errors import NonFiniteLossError
 
@@ -176,7 +176,7 @@ def test_padding_never_contributes_to_the_update(tiny_model_dir):
         probe, _ = load_policy(str(tiny_model_dir))
         optimizer = torch.optim.SGD(probe.parameters(), lr=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        metrics = policy_update(probe, optimizer, scheduler, rollouts, advantages, None, None, config, CPU)
+        metrics = policy_update(Learner(probe, optimizer, scheduler, CPU), UpdateBatch(rollouts, advantages), config)
         return [p.grad.clone() for p in probe.parameters()], metrics
 
     clean_grads, clean_metrics = gradients(batch)
@@ -204,7 +204,7 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny_model_dir):
             probe, _ = load_policy(str(tiny_model_dir))
             optimizer = torch.optim.SGD(probe.parameters(), lr=0.0)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-            policy_update(probe, optimizer, scheduler, batch, advantages, None, None, config, CPU)
+            policy_update(Learner(probe, optimizer, scheduler, CPU), UpdateBatch(batch, advantages), config)
             results.append([p.grad.clone() for p in probe.parameters()])
         for full, accumulated in zip(results[-2], results[-1]):
             torch.testing.assert_close(full, accumulated, atol=1e-6, rtol=1e-4)
@@ -220,7 +220,8 @@ def test_nan_loss_is_a_clear_error_and_applies_no_update(tiny_model_dir, tmp_pat
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     with pytest.raises(NonFiniteLossError, match="not applied"):
-        policy_update(model, optimizer, scheduler, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), None, None, config, CPU)
+        advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        policy_update(Learner(model, optimizer, scheduler, CPU), UpdateBatch(batch, advantages), config)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, before[name], equal_nan=True)
 

@@ -48,7 +48,7 @@ def guarded_rl_step(config: dict, overrides: list[str] | None = None) -> tuple[d
     with implicit_device_guard(default_device=None):  # loading builds modules on the default device: keep it real
         run = set_up(config, overrides)
     with implicit_device_guard():
-        metrics, _ = rl_step(run, 1)
+        metrics = rl_step(run, 1).metrics
         checkpoint = run.save(1)
     return metrics, checkpoint
 
@@ -132,6 +132,7 @@ def test_an_eval_batch_names_the_device_of_every_tensor(tiny_model_dir):
     from polo.config import load_config
     from polo.data import instruction_for, make_task
     from polo.evaluation.evaluate import greedy_accuracy
+    from polo.generation.grouped import GroupSampling
     from polo.models.loading import load_policy
 
     config = load_config(
@@ -141,9 +142,8 @@ def test_an_eval_batch_names_the_device_of_every_tensor(tiny_model_dir):
     model, tokenizer = load_policy(str(tiny_model_dir))
     prompts = task.prompts(tokenizer, task.eval_rows, instruction_for(config, task), None)
     with implicit_device_guard():
-        result = greedy_accuracy(
-            model, tokenizer, prompts, task.eval_rows, task.correctness, max_new_tokens=6, batch_size=4, compute=CPU
-        )
+        sampling = GroupSampling(max_new_tokens=6, batch_size=4, compute=CPU)
+        result = greedy_accuracy(model, tokenizer, prompts, task.eval_rows, task.correctness, sampling)
     assert 0.0 <= result["accuracy"] <= 1.0
 
 
@@ -160,8 +160,8 @@ def test_the_guard_catches_an_implicit_allocation_planted_in_the_rl_step(tiny_mo
     from polo.rl.setup import set_up
 
     run = set_up(rl_config(tiny_model_dir, tmp_path / "run"))
-    batch, metrics, samples = step.collect_batch(run, 1, {})  # sampled outside: the planted line is the only leak
-    monkeypatch.setattr(step, "collect_batch", lambda *args: (batch, metrics, samples))
+    sampled = step.collect_batch(run, 1, {})  # sampled outside: the planted line is the only leak
+    monkeypatch.setattr(step, "collect_batch", lambda *args: sampled)
     source = (
         "def planted_advantages(batch, *args):\n"
         "    scratch = torch.zeros(len(batch.rewards))  # planted: no device\n"

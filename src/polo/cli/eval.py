@@ -290,7 +290,7 @@ def evaluate_to_file(args: argparse.Namespace) -> int:
     import torch
 
     from polo.evaluation.evaluate import evaluate_policy
-    from polo.generation.grouped import load_for_sampling
+    from polo.generation.grouped import GroupSampling, load_for_sampling
     from polo.runtime.device import inference_compute
 
     samples = check_numbers(args)
@@ -332,12 +332,7 @@ def evaluate_to_file(args: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.perf_counter()
-    result = evaluate_policy(
-        model,
-        tokenizer,
-        prompts,
-        rows,
-        task.correctness,
+    sampling = GroupSampling(
         samples=samples,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -345,7 +340,10 @@ def evaluate_to_file(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         compute=compute,
         progress=not args.no_progress,
+        description="polo eval",
+        sampler=recipe_sampler(args, task, compute),
     )
+    result = evaluate_policy(model, tokenizer, prompts, rows, task.correctness, sampling)
     if reward_model is not None:
         from polo.evaluation.evaluate import add_reward_scores
 
@@ -358,6 +356,17 @@ def evaluate_to_file(args: argparse.Namespace) -> int:
     print(format_summary(summary, max_new_tokens))
     print(f"per-problem results: {output}")
     return 0
+
+
+def recipe_sampler(args: argparse.Namespace, task, compute):
+    """Return the sampler a recipe's task runs with (episodes through its environment), None for the default one."""
+    if task.environment is None:
+        return None
+    from polo.config import load_config
+    from polo.data.environments import sampler_for
+
+    recipe = Path(args.recipe)
+    return sampler_for(load_config(str(recipe / "config.yaml" if recipe.is_dir() else recipe)), task, compute)
 
 
 def format_summary(summary: dict, max_new_tokens: int) -> str:
@@ -380,6 +389,16 @@ def format_summary(summary: dict, max_new_tokens: int) -> str:
                 )
             ]
             if "reward_model_mean" in summary
+            else []
+        ),
+        *(
+            [
+                ("tool calls per episode", f"{summary['tool_calls_per_episode']:.3f}"),
+                ("tool call success rate", f"{summary['tool_call_success_rate']:.3f}"),
+                ("model turns per episode", f"{summary['turns_per_episode']:.2f}"),
+                ("correct answers that used the tool", f"{summary['correct_that_used_the_tool']:.3f}"),
+            ]
+            if "tool_calls_per_episode" in summary
             else []
         ),
         ("problems", str(summary["num_problems"])),

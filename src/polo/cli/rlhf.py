@@ -172,8 +172,8 @@ def sampled_preferences(args: argparse.Namespace, config) -> int:
     from polo.config import ConfigError
     from polo.data import instruction_for, make_task
     from polo.data.preferences import write_jsonl
-    from polo.finetune.sampled_preferences import check_sampling_request, sampled_preference_data
-    from polo.generation.grouped import load_for_sampling
+    from polo.finetune.sampled_preferences import PreferenceDraw, check_sampling_request, sampled_preference_data
+    from polo.generation.grouped import GroupSampling, load_for_sampling
     from polo.runtime.device import inference_compute
 
     task = make_task(config)
@@ -181,28 +181,29 @@ def sampled_preferences(args: argparse.Namespace, config) -> int:
         raise ConfigError(
             f"make-preferences --from-model: --temperature must be > 0 and finite (samples must differ), got {args.temperature}"
         )
+    draw = PreferenceDraw(
+        num_prompts=args.num_prompts,
+        num_prompts_eval=args.num_prompts_eval,
+        max_pairs=args.max_pairs,
+        seed=args.seed,
+        instruction=instruction_for(config, task),
+        system_prompt=config.task.system_prompt,
+    )
     try:  # before the model loads: a bad count costs nothing
-        check_sampling_request(task, args.num_prompts, args.num_prompts_eval, args.samples, args.max_pairs)
+        check_sampling_request(task, draw, args.samples)
     except ValueError as error:
         raise ConfigError(f"make-preferences --from-model: {error}") from None
     compute = inference_compute("auto", args.device)
     model, tokenizer = load_for_sampling(args.from_model, compute)
-    splits, stats = sampled_preference_data(
-        model,
-        tokenizer,
-        task,
-        instruction=instruction_for(config, task),
-        system_prompt=config.task.system_prompt,
-        num_prompts=args.num_prompts,
-        num_prompts_eval=args.num_prompts_eval,
+    sampling = GroupSampling(
         samples=args.samples,
-        temperature=args.temperature,
         max_new_tokens=config.sampling.max_new_tokens,
-        max_pairs=args.max_pairs,
-        seed=args.seed,
+        temperature=args.temperature,
         compute=compute,
         progress=True,
+        description="polo make-preferences",
     )
+    splits, stats = sampled_preference_data(model, tokenizer, task, draw, sampling)
     out_dir = Path(args.out_dir)
     for name, rows in splits.items():
         print(f"{write_jsonl(out_dir / f'{name}.jsonl', rows)}  ({len(rows)} rows)")

@@ -44,6 +44,20 @@ class PromptExample:
 
 
 @dataclass
+class EnvironmentConfig:
+    """The LM environment episodes run in (docs/tools.md); `name: null` keeps one-turn completions."""
+
+    name: str | None = None  # null (one turn) | python_tool | module:Name (a class your module registers)
+    tools: bool = True  # false switches the environment's tools off: a call is answered "the tool is off"
+    timeout_s: float = 2.0  # wall-clock limit of one tool call (the sandbox's SandboxLimits.timeout_s)
+    memory_mb: int = 256  # address-space limit of one tool call
+    max_output_chars: int = 200  # a tool's answer is cut to this many characters
+    options: dict[str, bool | int | float | str] = field(
+        default_factory=dict
+    )  # passed to a module:Name environment as keyword arguments
+
+
+@dataclass
 class TaskConfig:
     """Which prompts to train and evaluate on, and how they are phrased."""
 
@@ -71,6 +85,7 @@ class TaskConfig:
     subset: str | None = None  # the Hub dataset's configuration (load_dataset's name), e.g. main
     split: str = "train"
     eval_split: str | None = None  # null: "test" when the dataset has one, else the last num_eval train rows
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  # multi-turn episodes with tools
 
 
 @dataclass
@@ -83,6 +98,8 @@ class SamplingConfig:
     sampler: str = (
         "auto"  # auto | kv_cache | static: auto is the static-cache sampler on CUDA, the KV-cache one on the CPU
     )
+    max_turns: int = 4  # with task.environment: the model's turns per episode (max_new_tokens is per turn)
+    max_episode_tokens: int = 256  # with task.environment: tokens after the first prompt (turns and observations)
 
 
 @dataclass

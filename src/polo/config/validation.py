@@ -43,6 +43,7 @@ _FLOAT_RANGES = {
     "model.lora.dropout": "[0, 1)",
     "sampling.temperature": "> 0",
     "sampling.top_p": "(0, 1]",
+    "task.environment.timeout_s": "> 0",
     "algorithm.advantage_eps": ">= 0",
     "algorithm.clip_eps_low": ">= 0",
     "algorithm.clip_eps_high": ">= 0",
@@ -211,6 +212,10 @@ def check_sizes(config: Config) -> None:
             "train.micro_batch_size": config.train.micro_batch_size,
             "train.max_nonfinite_steps": config.train.max_nonfinite_steps,
             "sampling.max_new_tokens": config.sampling.max_new_tokens,
+            "sampling.max_turns": config.sampling.max_turns,
+            "sampling.max_episode_tokens": config.sampling.max_episode_tokens,
+            "task.environment.memory_mb": config.task.environment.memory_mb,
+            "task.environment.max_output_chars": config.task.environment.max_output_chars,
             "eval.batch_size": config.eval.batch_size,
             "output.keep_checkpoints": config.output.keep_checkpoints,
         }

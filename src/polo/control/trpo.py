@@ -10,6 +10,8 @@ value targets, `train.epochs` passes of minibatches.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from polo.control.base import OnPolicyAlgorithm, explained_variance, normalize
@@ -25,22 +27,29 @@ from polo.core.trpo import (
 )
 
 
+@dataclass(frozen=True)
+class TrustRegion:
+    """TRPO's step: the KL radius δ, and how the natural-gradient direction and the step length are found."""
+
+    max_kl: float  # δ
+    cg_iterations: int = 10  # conjugate-gradient iterations for x = F⁻¹g
+    cg_damping: float = 0.1  # F + damping·I keeps the solve well conditioned
+    line_search_steps: int = 10  # at most this many backtracks of the line search
+    line_search_shrink: float = 0.5  # each backtrack multiplies the step by this
+
+
 def trpo_step(
     policy: ActorCritic,
     observations: torch.Tensor,
     actions: torch.Tensor,
     advantages: torch.Tensor,
-    max_kl: float,
-    *,
-    cg_iterations: int = 10,
-    cg_damping: float = 0.1,
-    line_search_steps: int = 10,
-    line_search_shrink: float = 0.5,
+    region: TrustRegion,
 ) -> dict[str, float]:
-    """Update the policy's actor in place by one TRPO step; return its diagnostics.
+    """Update the policy's actor in place by one TRPO step within `region`; return its diagnostics.
 
     Shapes: observations (M, observation_size), actions (M,) or (M, action_dim), advantages (M,).
     """
+    max_kl, cg_damping = region.max_kl, region.cg_damping
     params = policy.actor_parameters()
     with torch.no_grad():
         old_params = policy.actor(observations)
@@ -61,7 +70,7 @@ def trpo_step(
     def fisher(vector: torch.Tensor) -> torch.Tensor:
         return fisher_vector_product(kl_grad, params, vector, cg_damping)
 
-    direction = conjugate_gradient(fisher, gradient, cg_iterations)
+    direction = conjugate_gradient(fisher, gradient, region.cg_iterations)
     full_step = trust_region_step(direction, fisher(direction), max_kl)
     expected_improvement = float(gradient @ full_step)
     start = policy.flat_actor.detach().clone()
@@ -75,7 +84,12 @@ def trpo_step(
         return improvement, kl
 
     step, backtracks = backtracking_line_search(
-        evaluate, full_step, expected_improvement, max_kl, shrink=line_search_shrink, max_backtracks=line_search_steps
+        evaluate,
+        full_step,
+        expected_improvement,
+        max_kl,
+        shrink=region.line_search_shrink,
+        max_backtracks=region.line_search_steps,
     )
     with torch.no_grad():
         policy.flat_actor.copy_(start + step)
@@ -114,17 +128,15 @@ class TRPO(OnPolicyAlgorithm):
         advantages, returns = batch.flatten(advantages), batch.flatten(returns)
         if self.algorithm.normalize_advantages:
             advantages = normalize(advantages)
-        metrics = trpo_step(
-            self.policy,
-            batch.observations,
-            batch.actions,
-            advantages,
-            self.algorithm.max_kl,
-            cg_iterations=self.algorithm.cg_iterations,
-            cg_damping=self.algorithm.cg_damping,
-            line_search_steps=self.algorithm.line_search_steps,
-            line_search_shrink=self.algorithm.line_search_shrink,
+        alg = self.algorithm
+        region = TrustRegion(
+            max_kl=alg.max_kl,
+            cg_iterations=alg.cg_iterations,
+            cg_damping=alg.cg_damping,
+            line_search_steps=alg.line_search_steps,
+            line_search_shrink=alg.line_search_shrink,
         )
+        metrics = trpo_step(self.policy, batch.observations, batch.actions, advantages, region)
         with torch.no_grad():
             metrics["entropy"] = float(self.policy.entropy(self.policy.actor(batch.observations)).mean())
         metrics["loss/value"] = self.fit_critic(self.critic_optimizer, batch, returns)

@@ -22,6 +22,7 @@ from polo.data.base import (
     read_jsonl,
 )
 from polo.data.code import code_task
+from polo.data.environments import make_environment
 from polo.data.gsm8k import gsm8k_task
 from polo.data.hf import hf_task
 from polo.data.jsonl import jsonl_task
@@ -135,6 +136,7 @@ def make_task(config: Config, train_dataset: object = None, eval_dataset: object
             raise
         raise ConfigError(f"task {name}: {error}") from error
     task.few_shot = few_shot
+    task.environment = make_environment(config, instruction_for(config, task), few_shot)
     return task
 
 

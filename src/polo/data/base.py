@@ -23,6 +23,7 @@ from polo.generation.prompts import (  # noqa: F401  (re-exported: tasks own the
     default_instruction,
     fill_instruction,
     format_prompt,
+    render_messages,
 )
 
 
@@ -59,6 +60,7 @@ class Task:
     correctness: Callable[[str, dict], float]
     instruction: str = DEFAULT_INSTRUCTION
     few_shot: tuple[tuple[str, str], ...] = ()
+    environment: Callable[[], Any] | None = None  # makes the LM environment episodes run in (None: one turn)
 
     def prompts(
         self,
@@ -67,7 +69,13 @@ class Task:
         instruction: str | None = None,
         system_prompt: str | None = None,
     ) -> list[str]:
-        """Return one prompt string per row, in order (see ``format_prompt``)."""
+        """Return one prompt string per row, in order (see ``format_prompt``).
+
+        With an ``environment`` the prompt is its ``reset(row)`` through the chat template (the
+        environment was built with the run's instruction and system prompt).
+        """
+        if self.environment is not None:
+            return [render_messages(tokenizer, self.environment().reset(row)) for row in rows]
         template = self.instruction if instruction is None else instruction
         return [format_prompt(tokenizer, row["question"], template, system_prompt, self.few_shot) for row in rows]
 

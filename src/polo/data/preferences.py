@@ -34,14 +34,14 @@ from polo.data.arithmetic import OPERATIONS, arithmetic_task
 from polo.data.base import Task, TaskDataError, fill_instruction, read_jsonl
 from polo.generation.prompts import prompt_messages
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")  # tool: an observation in a multi-turn episode (docs/tools.md)
 
 
 @dataclass(frozen=True)
 class Demonstration:
     """One SFT example: the conversation before the reply, and the reply to learn."""
 
-    messages: tuple[dict, ...]  # ends with a user turn
+    messages: tuple[dict, ...]  # ends with a user turn (or a tool's output, mid-episode)
     response: str
 
 
@@ -123,9 +123,9 @@ def demonstration_from_row(row: dict, path: str | Path, line: int) -> Demonstrat
         raise TaskDataError(
             path, line, f"a demonstration needs 'prompt' and 'response', or 'messages'; fields present: {sorted(row)}"
         )
-    if prompt[-1]["role"] != "user":
+    if prompt[-1]["role"] not in ("user", "tool"):  # a tool's output: the model's next turn in an episode
         raise TaskDataError(
-            path, line, f"the prompt must end with a user message, got a {prompt[-1]['role']!r} message"
+            path, line, f"the prompt must end with a user or tool message, got a {prompt[-1]['role']!r} message"
         )
     return Demonstration(prompt, response)
 

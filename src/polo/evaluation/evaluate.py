@@ -24,11 +24,12 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
-from polo.generation.grouped import Completion, sample_groups
-from polo.generation.rollouts import Sampler
+from polo.generation.episodes import episode_metrics
+from polo.generation.grouped import Completion, GroupSampling, sample_groups
 from polo.rewards.answers import (
     _math_verify_timeout,
     answer_region,
@@ -40,7 +41,6 @@ from polo.rewards.answers import (
     math_verify_answer,
 )
 from polo.rewards.format import r1_format
-from polo.runtime.device import CPU, Compute
 
 AnswerKey = Callable[[str], "str | None"]
 
@@ -195,6 +195,7 @@ def score_problem(
                 "answer": answer_key(text),
                 "length": completion.length,
                 "truncated": completion.truncated,
+                **({} if completion.episode is None else episode_fields(completion.episode)),
             }
         )
     correct = [sample["correct"] for sample in samples]
@@ -211,6 +212,16 @@ def score_problem(
         "cons@k": {str(k): cons_at_k(answers, correct, k) for k in ks},
         "majority_answer": None if winner is None else answers[winner],
         "samples": samples,
+    }
+
+
+def episode_fields(episode) -> dict:
+    """Return what a sample of a multi-turn episode adds to its result: its transcript and its tool use."""
+    return {
+        "episode": episode.transcript,
+        "turns": len(episode.turns),
+        "tool_calls": episode.tool_calls,
+        "tool_failures": episode.tool_failures,
     }
 
 
@@ -235,6 +246,20 @@ def summarize(problems: Sequence[dict]) -> dict:
         "answered": mean(sample["answer"] is not None for sample in samples),
         "mean_response_length": mean(sample["length"] for sample in samples),
         "truncated": mean(sample["truncated"] for sample in samples),
+        **(tool_summary(samples) if "tool_calls" in samples[0] else {}),
+    }
+
+
+def tool_summary(samples: Sequence[dict]) -> dict:
+    """Return the tool use over episode samples: calls per episode, success rate, turns, use by the correct ones."""
+    calls = sum(sample["tool_calls"] for sample in samples)
+    failures = sum(sample["tool_failures"] for sample in samples)
+    right = [sample for sample in samples if sample["correct"] > 0.5]
+    return {
+        "tool_calls_per_episode": calls / len(samples),
+        "tool_call_success_rate": (calls - failures) / calls if calls else 0.0,
+        "turns_per_episode": sum(sample["turns"] for sample in samples) / len(samples),
+        "correct_that_used_the_tool": sum(sample["tool_calls"] > 0 for sample in right) / len(right) if right else 0.0,
     }
 
 
@@ -244,46 +269,27 @@ def evaluate_policy(
     prompts: list[str],
     rows: list[dict],
     correctness: Callable[[str, dict], float],
+    sampling: GroupSampling,
     *,
-    samples: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float = 1.0,
-    batch_size: int = 64,
-    compute: Compute = CPU,
     ks: Sequence[int] | None = None,
     answer_key: AnswerKey | None = None,
-    progress: bool = False,
-    sampler: Sampler | None = None,
 ) -> dict:
-    """Return `{"summary", "problems"}`: `samples` completions per prompt, scored (see module doc).
+    """Return `{"summary", "problems"}`: `sampling.samples` completions per prompt, scored (see module doc).
 
     A prompt's samples are one group of the sampler (`polo.generation.grouped.sample_groups`; one
-    prefill shared by them), `batch_size` sequences a batch. `ks` defaults to `default_ks(samples)`;
-    `answer_key` to the one matching `correctness`. Temperature 0 is greedy decoding (then ask for
-    one sample: the others would be copies).
+    prefill shared by them), `sampling.batch_size` sequences a batch. `ks` defaults to
+    `default_ks(samples)`; `answer_key` to the one matching `correctness`. Temperature 0 is greedy
+    decoding (then ask for one sample: the others would be copies).
     """
     if len(prompts) != len(rows):
         raise ValueError(f"got {len(prompts)} prompts for {len(rows)} rows")
+    samples = sampling.samples
     ks = default_ks(samples) if ks is None else list(ks)
     bad = [k for k in ks if not 1 <= k <= samples]
     if bad:
         raise ValueError(f"every k must be in [1, samples={samples}], got {bad}")
     answer_key = answer_key_for(correctness) if answer_key is None else answer_key
-    completions = sample_groups(
-        model,
-        tokenizer,
-        prompts,
-        samples,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        batch_size=batch_size,
-        compute=compute,
-        sampler=sampler,
-        progress=progress,
-        description="polo eval",
-    )
+    completions = sample_groups(model, tokenizer, prompts, sampling, rows)
     problems = [score_problem(row, done, correctness, answer_key, ks) for row, done in zip(rows, completions)]
     for prompt, problem in zip(prompts, problems):
         problem["prompt"] = prompt
@@ -324,35 +330,19 @@ def add_reward_scores(
 
 @torch.no_grad()
 def greedy_accuracy(
-    model,
-    tokenizer,
-    prompts: list[str],
-    rows: list[dict],
-    correctness,
-    *,
-    max_new_tokens: int,
-    batch_size: int = 64,
-    compute: Compute = CPU,
-    sampler: Sampler | None = None,
+    model, tokenizer, prompts: list[str], rows: list[dict], correctness, sampling: GroupSampling
 ) -> dict:
     """Return `{"accuracy", "completion_length", "truncated", "samples"}` for greedy decoding.
 
     `correctness(completion, row) -> float` is the task's checker; accuracy is the mean of it
     over `rows`. "samples" keeps the first few (prompt, completion, score) triples for reports.
+    `sampling` gives max_new_tokens, batch size, device and sampler; decoding is greedy, one sample
+    per prompt, whatever its temperature and sample count.
     """
     if len(prompts) != len(rows):
         raise ValueError(f"got {len(prompts)} prompts for {len(rows)} rows")
-    completions = sample_groups(
-        model,
-        tokenizer,
-        prompts,
-        1,
-        max_new_tokens=max_new_tokens,
-        temperature=0.0,
-        batch_size=batch_size,
-        compute=compute,
-        sampler=sampler,
-    )
+    greedy = replace(sampling, samples=1, temperature=0.0, top_p=1.0)
+    completions = sample_groups(model, tokenizer, prompts, greedy, rows)
     scores, samples = [], []
     for row, (completion,) in zip(rows, completions):
         score = float(correctness(completion.text, row))
@@ -362,14 +352,16 @@ def greedy_accuracy(
                 {
                     "question": row.get("question"),
                     "answer": row.get("answer"),
-                    "completion": completion.text,
+                    "completion": completion.text if completion.episode is None else completion.episode.transcript,
                     "score": score,
                 }
             )
     count = max(len(scores), 1)
+    episodes = [done[0].episode for done in completions if done[0].episode is not None]
     return {
         "accuracy": sum(scores) / count,
         "completion_length": sum(done[0].length for done in completions) / count,
         "truncated": sum(done[0].truncated for done in completions) / count,
+        **(episode_metrics(episodes, scores, prefix="") if episodes else {}),
         "samples": samples,
     }

@@ -89,7 +89,37 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     written.append(_save(figure, output_dir / "length.png"))
     if any(R1_FORMAT_KEY in row for row in train_rows):
         written.append(plot_r1(rows, output_dir / "r1.png"))
+    if any("tool/calls_per_episode" in row for row in train_rows):
+        written.append(plot_tools(rows, output_dir / "tools.png"))
     return written
+
+
+def plot_tools(rows: list[dict], path: Path) -> Path:
+    """Write a multi-turn run's accuracy and tool use against step to `path` (tools.png) and return it."""
+    import matplotlib.pyplot as plt
+
+    train_rows = [row for row in rows if "reward/mean" in row]
+    figure, (accuracy, calls) = plt.subplots(1, 2, figsize=(11, 4))
+    for axis, panel in ((accuracy, TOOL_ACCURACY), (calls, TOOL_USE)):
+        for key, label, style in panel:
+            steps, values = _series(rows if key.startswith("eval/") else train_rows, key)
+            if steps:
+                axis.plot(steps, values, style, label=label, linewidth=2 if key.startswith("eval/") else 1.2)
+        axis.set(xlabel="step", ylim=(-0.02, None if panel is TOOL_USE else 1.02))
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    accuracy.set(title="Accuracy", ylabel="accuracy")
+    calls.set(title="Tool use", ylabel="per episode / rate")
+    return _save(figure, path)
+
+
+TOOL_ACCURACY = (("accuracy", "train (sampled)", "-"), ("eval/accuracy", "held-out (greedy)", "o-"))
+TOOL_USE = (
+    ("tool/calls_per_episode", "calls per episode (sampled)", "-"),
+    ("eval/tool/calls_per_episode", "calls per episode (held-out, greedy)", "o-"),
+    ("tool/call_success_rate", "call success rate", "--"),
+    ("tool/used_by_correct", "correct answers that called", ":"),
+)
 
 
 # DeepSeek-R1's pictures of a run: held-out accuracy, the format rate and the response length

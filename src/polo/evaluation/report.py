@@ -219,6 +219,15 @@ def single_series_figure(train_rows: list[dict], keys: dict[str, str], title: st
     return figure_png(figure)
 
 
+# The tool-use curves of a run whose task has an environment (docs/tools.md); absent for one-turn runs.
+TOOL_SERIES = {
+    "tool/calls_per_episode": "calls per episode (sampled)",
+    "eval/tool/calls_per_episode": "calls per episode (held-out, greedy)",
+    "tool/call_success_rate": "call success rate",
+    "tool/used_by_correct": "share of correct answers that called",
+}
+
+
 # ---------------------------------------------------------------- HTML pieces
 
 
@@ -356,6 +365,7 @@ def build_report(run_dir: str | Path, sample_steps: int = 4) -> str:
             "fraction of tokens",
         ),
         single_series_figure(train_rows, {"grad_norm": "before clipping"}, "Gradient norm", "L2 norm"),
+        single_series_figure([*train_rows, *eval_rows], TOOL_SERIES, "Tool use (multi-turn episodes)", "per episode"),
     ]
     images = "".join(f'<img alt="training curve" src="data:image/png;base64,{png}">' for png in figures if png)
     body = [

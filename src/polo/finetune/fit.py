@@ -37,6 +37,7 @@ from polo.config import ConfigError, build_dataclass, check_at_least_one, check_
 from polo.config.validation import check_counts, check_device, check_floats, check_output_dir
 from polo.core.schedules import lr_multiplier
 from polo.kernels import supports_fused_logprobs, token_logprobs
+from polo.models.family import cache_keyword
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
 from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
 from polo.runtime.checkpoint import claim_output_dir, staged_directory
@@ -227,21 +228,25 @@ def shared_prompt_hidden(trunk, batch: RankingBatch) -> tuple[torch.Tensor, torc
     flow back through the cache into the shared prompt pass. Position ids count real tokens only,
     so the values equal those of `[prompt | response]` run whole.
     """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=trunk.config)  # filled by the prompt pass, under the keyword this transformers takes
+    with_cache = {cache_keyword(trunk): cache}
     prompt_out = trunk(
         input_ids=batch.prompt_ids,
         attention_mask=batch.prompt_mask,
         position_ids=position_ids_from_mask(batch.prompt_mask),
         use_cache=True,
+        **with_cache,
     )
-    cache = prompt_out.past_key_values
     cache.batch_select_indices(batch.owner)
     attention_mask = torch.cat([batch.prompt_mask[batch.owner], batch.response_mask], dim=1)
     response_hidden = trunk(
         input_ids=batch.response_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask)[:, batch.prompt_ids.shape[1] :],
-        past_key_values=cache,
         use_cache=True,
+        **with_cache,
     ).last_hidden_state
     return prompt_out.last_hidden_state[batch.owner], response_hidden
 

@@ -9,16 +9,33 @@ sampler for a `Compute`; `load_for_sampling` loads a model the way these jobs sa
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from polo.generation import cpu_sampler, static_sampler
-from polo.generation.rollouts import Sampler
+from polo.generation.rollouts import EpisodeRecord, Sampler
 from polo.models.family import encode_prompts
 from polo.runtime.device import CPU, Compute
 
 SAMPLERS = ("auto", "kv_cache", "static")  # the choices of `sampling.sampler`
+
+
+@dataclass(frozen=True)
+class GroupSampling:
+    """How `sample_groups` samples: completions per prompt, decoding, batch size, device and sampler."""
+
+    samples: int = 1  # completions per prompt, sampled as one group
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 is greedy decoding (then one sample: the others would be copies)
+    top_p: float = 1.0
+    batch_size: int = 64  # sequences per sampler call: batch_size // samples prompts (at least one)
+    compute: Compute = CPU
+    sampler: Sampler | None = None  # None: pick_sampler("auto", compute)
+    progress: bool = False  # a progress bar
+    description: str = "polo sample"  # the progress bar's label
 
 
 @dataclass(frozen=True)
@@ -29,6 +46,7 @@ class Completion:
     text: str
     length: int
     truncated: bool
+    episode: EpisodeRecord | None = None  # a multi-turn episode's turns and tool use (None: one turn)
 
 
 def pick_sampler(name: str, compute: Compute) -> Sampler:
@@ -37,11 +55,24 @@ def pick_sampler(name: str, compute: Compute) -> Sampler:
     auto is the static-cache sampler on CUDA (a captured decode step) and the KV-cache sampler elsewhere
     (on the CPU it drops finished rows, which a fixed-shape decode cannot).
     """
+    return sampler_module(name, compute).rollout
+
+
+def pick_generator(name: str, compute: Compute) -> Callable:
+    """Return the `generate` (token ids in, one turn out) of the sampler `name` picks for `compute`.
+
+    The episode sampler (`polo.generation.episodes`) samples every turn with it.
+    """
+    return sampler_module(name, compute).generate
+
+
+def sampler_module(name: str, compute: Compute) -> ModuleType:
+    """Return the sampler module `name` (auto | kv_cache | static) names for `compute` (see `pick_sampler`)."""
     if name not in SAMPLERS:
         raise ValueError(f"sampler {name!r} is not one of {', '.join(SAMPLERS)}")
     if name == "static" or (name == "auto" and compute.is_cuda):
-        return static_sampler.rollout
-    return cpu_sampler.rollout
+        return static_sampler
+    return cpu_sampler
 
 
 def load_for_sampling(name: str, compute: Compute) -> tuple:
@@ -67,45 +98,39 @@ def group_batches(lengths: list[int], samples_per_prompt: int, batch_size: int) 
 
 @torch.no_grad()
 def sample_groups(
-    model,
-    tokenizer,
-    prompts: list[str],
-    samples_per_prompt: int,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float = 1.0,
-    batch_size: int = 64,
-    compute: Compute = CPU,
-    sampler: Sampler | None = None,
-    progress: bool = False,
-    description: str = "polo sample",
+    model, tokenizer, prompts: list[str], settings: GroupSampling, rows: Sequence[dict] | None = None
 ) -> list[list[Completion]]:
-    """Return, per prompt in the given order, its `samples_per_prompt` completions, each prompt sampled as one group.
+    """Return, per prompt in the given order, its `settings.samples` completions, each prompt sampled as one group.
 
-    `batch_size` counts sequences: a batch holds `batch_size // samples_per_prompt` prompts (at
-    least one). `sampler` defaults to `pick_sampler("auto", compute)`. Temperature 0 is greedy.
+    `settings.batch_size` counts sequences: a batch holds `batch_size // samples` prompts (at least
+    one). The sampler defaults to `pick_sampler("auto", compute)`. Temperature 0 is greedy.
+    `rows` (the task rows behind the prompts) go to the sampler: an episode sampler starts from them.
     """
     from tqdm.auto import tqdm
 
-    sampler = pick_sampler("auto", compute) if sampler is None else sampler
+    samples_per_prompt, compute = settings.samples, settings.compute
+    sampler = pick_sampler("auto", compute) if settings.sampler is None else settings.sampler
     lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts)]  # as the sampler tokenizes them (BOS included)
     results: list[list[Completion]] = [[] for _ in prompts]
     total = len(prompts) * samples_per_prompt
-    with tqdm(total=total, desc=description, unit="sample", disable=not progress, dynamic_ncols=True) as bar:
-        for chunk in group_batches(lengths, samples_per_prompt, batch_size):
+    progress = {"desc": settings.description, "disable": not settings.progress}
+    with tqdm(total=total, unit="sample", dynamic_ncols=True, **progress) as bar:
+        for chunk in group_batches(lengths, samples_per_prompt, settings.batch_size):
             sampled = sampler(
                 model,
                 tokenizer,
                 [prompts[index] for index in chunk],
                 samples_per_prompt,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
+                max_new_tokens=settings.max_new_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
                 compute=compute,
+                rows=None if rows is None else [rows[index] for index in chunk],
             )
-            counts, cut = sampled.completion_lengths.tolist(), sampled.truncated.tolist()
+            counts, cut = sampled.model_token_mask.sum(-1).tolist(), sampled.truncated.tolist()
+            episodes = sampled.episodes or [None] * len(sampled.texts)
             for row, text in enumerate(sampled.texts):
-                results[chunk[row // samples_per_prompt]].append(Completion(text, int(counts[row]), bool(cut[row])))
+                done = Completion(text, int(counts[row]), bool(cut[row]), episodes[row])
+                results[chunk[row // samples_per_prompt]].append(done)
             bar.update(len(sampled.texts))
     return results

@@ -4,16 +4,50 @@ Layout used everywhere: prompts are left-padded to a common length `prompt_len`,
 right-padded to `completion_len`, so a batch is the concatenation `[prompt | completion]` of
 shape `(batch, prompt_len + completion_len)` and the completion tokens are always its last
 `completion_len` positions. Groups of `group_size` rows share a prompt and are contiguous.
+
+A multi-turn episode (`polo.generation.episodes`) keeps the same layout: its first prompt is the
+prompt, and everything after it (the model's turns, the tools' observations, the chat template's
+tokens between them) is the completion, so `completion_mask` stays contiguous. `loss_mask` then
+marks the tokens the model wrote, the only ones the policy loss, the KL and the entropy count.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from polo.runtime.device import CPU, Compute
+
+
+@dataclass
+class EpisodeRecord:
+    """What happened in one episode: the model's turns, the observations, the environment's reward, the tool use."""
+
+    turns: list[str] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)
+    reward: float | None = None  # the sum of the environment's rewards (None when it gave none)
+    done: bool = False  # the environment ended it (not a limit)
+    tool_calls: int = 0
+    tool_failures: int = 0
+    tool_seconds: float = 0.0
+
+    @property
+    def answer(self) -> str:
+        """Return the model's last turn: the text its final answer is read from."""
+        return self.turns[-1] if self.turns else ""
+
+    @property
+    def transcript(self) -> str:
+        """Return the episode as text: the model's turns with each observation after the turn it answered."""
+        parts = []
+        for index, turn in enumerate(self.turns):
+            parts.append(turn)
+            if index < len(self.observations):
+                parts.append(f"[observation]\n{self.observations[index]}\n[/observation]")
+        return "\n".join(parts)
 
 
 @dataclass
@@ -25,8 +59,15 @@ class Rollouts:
     completion_ids: torch.Tensor  # (batch, completion_len), right-padded
     completion_mask: torch.Tensor  # (batch, completion_len), 1 on generated tokens (EOS included)
     truncated: torch.Tensor  # (batch,) bool: stopped by max_new_tokens, not by EOS
-    texts: list[str]  # decoded completions, special tokens removed
+    texts: list[str]  # decoded completions, special tokens removed (an episode's: its last turn, what is graded)
     group_size: int
+    loss_mask: torch.Tensor | None = None  # (batch, completion_len), 1 on tokens the model wrote; None: completion_mask
+    episodes: list[EpisodeRecord] | None = None  # per row, what happened in a multi-turn episode (None: one turn)
+
+    @property
+    def model_token_mask(self) -> torch.Tensor:
+        """Return the mask of the tokens the model wrote, (batch, completion_len): `loss_mask` or `completion_mask`."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def completion_lengths(self) -> torch.Tensor:
@@ -50,7 +91,14 @@ class Rollouts:
             truncated=self.truncated[rows],
             texts=texts,
             group_size=self.group_size,
+            loss_mask=None if self.loss_mask is None else self.loss_mask[rows],
+            episodes=None if self.episodes is None else [self.episodes[i] for i in _indices(rows, len(self))],
         )
+
+
+def _indices(rows: torch.Tensor | slice, length: int) -> list[int]:
+    """Return `rows` (a slice or index tensor) as a list of row indices into `length` rows."""
+    return list(range(length))[rows] if isinstance(rows, slice) else rows.tolist()
 
 
 class Sampler(Protocol):
@@ -59,10 +107,12 @@ class Sampler(Protocol):
     Two implementations, one prefill per prompt shared by its samples in both: the CPU KV-cache
     sampler (`polo.generation.cpu_sampler.rollout`, finished rows dropped) and the static-cache
     sampler (`polo.generation.static_sampler.rollout`, fixed shapes, captured on CUDA).
-    `polo.generation.grouped.pick_sampler` chooses one for a `Compute`.
+    `polo.generation.grouped.pick_sampler` chooses one for a `Compute`. The multi-turn sampler
+    (`polo.generation.episodes.EpisodeSampler`) drives an environment over either; it starts each
+    episode from its task row, so callers pass `rows` (the one-turn samplers do not read them).
     """
 
-    def __call__(
+    def __call__(  # noqa: PLR0913  (the seam every caller uses; a new sampler setting goes in its own object)
         self,
         model,
         tokenizer,
@@ -73,4 +123,5 @@ class Sampler(Protocol):
         temperature: float,
         top_p: float = 1.0,
         compute: Compute = CPU,
+        rows: Sequence[dict] | None = None,
     ) -> Rollouts: ...

@@ -24,6 +24,7 @@ samples), laid out for a GPU:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from polo.generation.prompts import stop_token_ids, tokenize_prompts
 from polo.generation.rollouts import Rollouts
 from polo.generation.sampling import sample_on_device
+from polo.generation.stopping import StopStrings
 from polo.models.family import cache_keyword
 from polo.models.scoring import position_ids_from_mask
 from polo.runtime.device import CPU, Compute
@@ -172,11 +174,19 @@ class StaticDecoder:
         self.column.add_(1)
 
     @torch.no_grad()
-    def decode(self) -> None:
-        """Return nothing: decode until every row has finished (checked every `CHECK_EVERY` tokens) or T are drawn."""
+    def decode(self, stop_strings: StopStrings | None = None) -> None:
+        """Return nothing: decode until every row has finished (checked every `CHECK_EVERY` tokens) or T are drawn.
+
+        `stop_strings` are looked for on the host at those checks (a row may run a few tokens past
+        one; the episode sampler cuts each turn at its first stop string).
+        """
         for step in range(1, self.shape.max_new_tokens):
-            if step % CHECK_EVERY == 0 and bool(self.finished.all()):
-                break
+            if step % CHECK_EVERY == 0:
+                if stop_strings is not None:
+                    reached = stop_strings.reached(self.completion_ids[:, :step], new_tokens=CHECK_EVERY)
+                    self.finished.logical_or_(reached.to(self.finished.device))
+                if bool(self.finished.all()):
+                    break
             self.step()
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -223,6 +233,7 @@ def generate(
     samples_per_prompt: int = 1,
     generator: torch.Generator | None = None,
     capture: bool | None = None,
+    stop_strings: StopStrings | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return `(completion_ids, completion_mask, truncated)` as `cpu_sampler.generate` does, with fixed shapes.
 
@@ -253,7 +264,7 @@ def generate(
     try:
         with compute.autocast():
             decoder.start(prompt_ids, prompt_mask, samples_per_prompt, None if capture else generator)
-            decoder.decode()
+            decoder.decode(stop_strings)
     finally:
         model.train(was_training)
     return decoder.finish()
@@ -271,8 +282,12 @@ def rollout(
     compute: Compute = CPU,
     generator: torch.Generator | None = None,
     capture: bool | None = None,
+    rows: Sequence[dict] | None = None,
 ) -> Rollouts:
-    """Return `group_size` sampled completions for each prompt, groups contiguous, on `compute.device` (a `Sampler`)."""
+    """Return `group_size` sampled completions for each prompt, groups contiguous, on `compute.device` (a `Sampler`).
+
+    `rows` (the task rows behind the prompts) are not read: a one-turn prompt is the whole context.
+    """
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     prompt_ids, prompt_mask = prompt_ids.to(compute.device), prompt_mask.to(compute.device)
     completion_ids, completion_mask, truncated = generate(

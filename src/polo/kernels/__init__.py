@@ -10,6 +10,7 @@ its inputs), and never names a device itself:
     contiguous_head_input(model)           any device: the LM head's input made contiguous
     sharing_pays(..., device)              CPU: the shared-prompt cost model; CUDA: plain rows
     share_prompts, attends_blockwise       the shared-prompt layout and whether attention skips its blocks
+    without_padding                        the layout's real tokens as one row, for attention that skips blocks
     supports_fused_logprobs, token_logprobs, completion_logprobs_fused
                                            chunked lm_head log-probs (polo.kernels.logprobs): plain torch
                                            on the inputs' device, never full fp32 logits on any device
@@ -29,7 +30,7 @@ from polo.kernels.cpu import linear as _cpu_linear
 from polo.kernels.cpu import shared_prompt as _cpu_shared_prompt
 from polo.kernels.cpu.kv_cache import sampling_cache
 from polo.kernels.cpu.linear import contiguous_head_input
-from polo.kernels.cpu.shared_prompt import SharedPromptBatch, share_prompts
+from polo.kernels.cpu.shared_prompt import SharedPromptBatch, share_prompts, without_padding
 from polo.kernels.logprobs import completion_logprobs_fused, supports_fused_logprobs, token_logprobs
 from polo.runtime.device import Compute
 
@@ -45,6 +46,7 @@ __all__ = [
     "supports_fused_logprobs",
     "token_logprobs",
     "use_fast_attention",
+    "without_padding",
 ]
 
 # Attention implementations that are transformers' SDPA underneath (torch picks flash or

@@ -18,6 +18,7 @@ from polo.kernels import (
     sharing_pays,
     supports_fused_logprobs,
     token_logprobs,
+    without_padding,
 )
 from polo.models.family import fits_attention_window
 
@@ -45,13 +46,15 @@ def completion_logprobs(
 
     With `group_size` > 1 and rows in groups of identical prompts, each group's prompt is run
     once for all its completions when that saves compute on the inputs' device (polo.kernels.sharing_pays).
+    Where attention reads the shared layout's blocks (polo's, on the CPU), the model runs the real
+    tokens only, without the batch's padding (`shared_completion_logprobs`).
 
     log π(y_t | x, y_<t) = z[y_t]/T − logsumexp(z/T): taken with a gather and a logsumexp so
     no full-vocabulary log-softmax tensor is kept for backward. Logits are computed only for
     the completion positions. With `with_entropy`, also returns the per-token entropy of the
     sampling distribution (no gradient).
     """
-    if FUSED_LOGPROBS and group_size > 1:
+    if FUSED_LOGPROBS:
         shared = shared_completion_logprobs(
             model,
             prompt_ids,
@@ -78,6 +81,7 @@ def completion_logprobs(
             completion_ids,
             temperature=temperature,
             with_entropy=with_entropy,
+            completion_mask=completion_mask,
         )
     # The head gets a contiguous input: for a frozen lm_head (a reference, a LoRA base) matmul would
     # otherwise copy the whole (V, d) weight per row to multiply the strided slice of kept positions
@@ -128,25 +132,34 @@ def shared_completion_logprobs(
     Applies when the model supports the chunked lm_head path (polo.kernels.logprobs), the batch is
     whole groups with identical prompts, `sharing_pays` on the inputs' device, and a row fits in
     every sliding attention window of the model (the shared layout's mask has no window; `polo.models.family`).
+    With `group_size` 1 (every row its own group: SFT, or RL rows not worth sharing) it applies only
+    where attention reads the layout's blocks and the batch has padding to leave out.
     """
-    if group_size < 2 or not supports_fused_logprobs(model):
+    if not supports_fused_logprobs(model):
         return None
     if not fits_attention_window(model, prompt_ids.shape[1] + completion_ids.shape[1]):
         return None
-    hidden_size, per_layer = _params_per_layer(model)
-    if not sharing_pays(
-        prompt_ids.shape[1],
-        completion_ids.shape[1],
-        group_size,
-        hidden_size,
-        per_layer,
-        blockwise=attends_blockwise(model),
-        device=prompt_ids.device,
-    ):
-        return None
+    blockwise = attends_blockwise(model)
+    if group_size == 1:
+        if not blockwise or (bool(prompt_mask.all()) and bool(completion_mask.all())):
+            return None
+    else:
+        hidden_size, per_layer = _params_per_layer(model)
+        if not sharing_pays(
+            prompt_ids.shape[1],
+            completion_ids.shape[1],
+            group_size,
+            hidden_size,
+            per_layer,
+            blockwise=blockwise,
+            device=prompt_ids.device,
+        ):
+            return None
     shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
     if shared is None:
         return None
+    if blockwise:  # the trunk runs real tokens only; attention gathers them into the blocks
+        shared = without_padding(shared)
     # polo's attention (polo.kernels.cpu.attention, picked by polo.kernels) reads `shared_layout` and skips the all-masked blocks;
     # any other attention implementation ignores it and applies the full mask.
     hidden = model.get_decoder()(
@@ -163,4 +176,5 @@ def shared_completion_logprobs(
         completion_ids,
         temperature=temperature,
         with_entropy=with_entropy,
+        mask=completion_mask,
     )

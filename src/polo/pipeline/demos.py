@@ -12,6 +12,11 @@ RL only has to improve what goes inside it. Built in for two tasks:
 
 Prompts are the RL stage's own (`polo.data.preferences.user_prompt` with the same instruction
 and system prompt), so the demonstrations are the completions the policy would be rewarded for.
+
+With a task environment (docs/tools.md) the demonstrations are episodes instead, one SFT row per
+model turn so the loss falls on the model's turns only: arithmetic with `python_tool` gives the
+call (``<python>print(47 * 38)</python>``) after the environment's opening messages, then the
+answer (``The answer is 1786.``) after the call and the tool's output.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ def cold_start_rows(task: Task, rows: list[dict], instruction: str, system_promp
         raise ValueError(
             f"no built-in cold-start demonstrations for task {task.name!r} (built in: {', '.join(WORKINGS)})"
         )
+    if task.environment is not None:
+        return tool_rows(task, rows)
     working = WORKINGS[task.name]
     return [
         {
@@ -89,3 +96,31 @@ def cold_start_rows(task: Task, rows: list[dict], instruction: str, system_promp
         }
         for row in rows
     ]
+
+
+def tool_rows(task: Task, rows: list[dict]) -> list[dict]:
+    """Return two SFT rows per arithmetic row for the `python_tool` environment: the call, then the answer after it.
+
+    The opening messages are the environment's own `reset(row)` (the RL stage's prompt); the tool's
+    output is what Python prints for the product, as the sandbox would.
+    """
+    from polo.data.environments import PythonToolEnvironment
+
+    demos = []
+    for row in rows:
+        environment = task.environment()
+        if task.name != "arithmetic" or not isinstance(environment, PythonToolEnvironment):
+            raise ValueError(
+                "built-in tool demonstrations are for the arithmetic task with the python_tool environment"
+            )
+        messages = environment.reset(row)
+        a, b = row["operands"]
+        call = f"<python>print({a} {row['operator']} {b})</python>"
+        after_call = [
+            *messages,
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": str(row["answer"])},
+        ]
+        for prompt, response in ((messages, call), (after_call, f"The answer is {row['answer']}.")):
+            demos.append({"prompt": prompt, "response": response, "question": row["question"], "answer": row["answer"]})
+    return demos

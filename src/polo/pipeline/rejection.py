@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 from polo.data.base import Task
 from polo.data.preferences import user_prompt
-from polo.generation.grouped import sample_groups
+from polo.generation.grouped import GroupSampling, sample_groups
 from polo.rewards.format import r1_format
-from polo.runtime.device import CPU, Compute
 
 
 @dataclass
@@ -104,44 +103,28 @@ def training_prompts(task: Task, num_prompts: int, seed: int) -> list[dict]:
     return rows[:num_prompts]
 
 
-def rejection_sample(
-    model,
-    tokenizer,
-    task: Task,
-    *,
-    instruction: str,
-    system_prompt: str | None,
-    num_prompts: int,
-    samples: int,
-    max_per_prompt: int,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: int,
-    batch_size: int = 64,
-    seed: int = 0,
-    compute: Compute = CPU,
-    progress: bool = False,
-) -> RejectionResult:
-    """Sample `samples` completions for each of `num_prompts` training prompts and keep what `select` keeps.
+@dataclass(frozen=True)
+class RejectionDraw:
+    """Which training prompts rejection sampling draws, how they are phrased, and how much it keeps of each."""
 
-    Prompts are phrased exactly as the RL stage phrased them (`instruction`, `system_prompt`), so
-    the rows teach the model its own best answers to the prompts it will see again.
+    num_prompts: int  # N training prompts
+    max_per_prompt: int  # M: at most this many accepted completions kept per prompt
+    instruction: str  # phrased exactly as the RL stage phrased them
+    system_prompt: str | None = None
+    seed: int = 0  # the shuffle that picks the prompts
+
+
+def rejection_sample(model, tokenizer, task: Task, draw: RejectionDraw, sampling: GroupSampling) -> RejectionResult:
+    """Sample `sampling.samples` completions for each of `draw.num_prompts` training prompts and keep what `select` keeps.
+
+    Prompts are phrased exactly as the RL stage phrased them (`draw.instruction`,
+    `draw.system_prompt`), so the rows teach the model its own best answers to the prompts it will
+    see again.
     """
-    rows = training_prompts(task, num_prompts, seed)
+    instruction, system_prompt, max_per_prompt = draw.instruction, draw.system_prompt, draw.max_per_prompt
+    rows = training_prompts(task, draw.num_prompts, draw.seed)
     prompts = task.prompts(tokenizer, rows, instruction, system_prompt)
-    completions = sample_groups(
-        model,
-        tokenizer,
-        prompts,
-        samples,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        batch_size=batch_size,
-        compute=compute,
-        progress=progress,
-        description="polo pipeline",
-    )
+    completions = sample_groups(model, tokenizer, prompts, sampling)
     kept_rows, per_prompt = [], []
     totals = Selection(kept=[])
     for row, done in zip(rows, completions):
@@ -154,7 +137,8 @@ def rejection_sample(
             {"prompt": prompt, "response": text, "question": row["question"], "answer": row["answer"]}
             for text in selection.kept
         )
-    return RejectionResult(kept_rows, rejection_summary(totals, len(kept_rows), per_prompt, samples, max_per_prompt))
+    summary = rejection_summary(totals, len(kept_rows), per_prompt, sampling.samples, max_per_prompt)
+    return RejectionResult(kept_rows, summary)
 
 
 def rejection_summary(totals: Selection, kept: int, per_prompt: list[dict], samples: int, max_per_prompt: int) -> dict:

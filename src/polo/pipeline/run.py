@@ -226,8 +226,8 @@ def run_reject_sft(plan: Plan, stage: Stage, config: Any, model: str, resumable:
     """
     from polo.data.preferences import write_jsonl
     from polo.finetune.sft import sft
-    from polo.generation.grouped import load_for_sampling
-    from polo.pipeline.rejection import rejection_sample
+    from polo.generation.grouped import GroupSampling, load_for_sampling
+    from polo.pipeline.rejection import RejectionDraw, rejection_sample
     from polo.runtime.device import inference_compute
     from polo.runtime.seeding import seed_everything
 
@@ -238,23 +238,24 @@ def run_reject_sft(plan: Plan, stage: Stage, config: Any, model: str, resumable:
         f"polo pipeline: rejection sampling {settings.num_prompts} prompts x {settings.samples} samples from {model}",
         flush=True,
     )
-    sampled = rejection_sample(
-        policy,
-        tokenizer,
-        plan.task,
+    draw = RejectionDraw(
+        num_prompts=settings.num_prompts,
+        max_per_prompt=settings.max_per_prompt,
         instruction=plan.instruction,
         system_prompt=plan.task_config.task.system_prompt,
-        num_prompts=settings.num_prompts,
+        seed=settings.seed,
+    )
+    sampling = GroupSampling(
         samples=settings.samples,
-        max_per_prompt=settings.max_per_prompt,
+        max_new_tokens=settings.max_new_tokens or plan.max_new_tokens,
         temperature=settings.temperature,
         top_p=settings.top_p,
-        max_new_tokens=settings.max_new_tokens or plan.max_new_tokens,
         batch_size=settings.batch_size,
-        seed=settings.seed,
         compute=compute,
         progress=plan.settings.progress,
+        description="polo pipeline",
     )
+    sampled = rejection_sample(policy, tokenizer, plan.task, draw, sampling)
     del policy
     gc.collect()
     summary = sampled.summary

@@ -14,8 +14,9 @@ import json
 import time
 from pathlib import Path
 
+from polo.data.environments import sampler_for
 from polo.evaluation.evaluate import evaluate_policy
-from polo.generation.grouped import load_for_sampling
+from polo.generation.grouped import GroupSampling, load_for_sampling
 from polo.pipeline.recipe import Plan
 
 EVAL_FILE = "stage_eval.json"
@@ -89,15 +90,24 @@ def run_evaluation(plan: Plan, model_name: str, settings: dict) -> dict:
     model, tokenizer = load_for_sampling(model_name, compute)
     rows = eval_rows(plan)
     prompts = plan.task.prompts(tokenizer, rows, plan.instruction, plan.task_config.task.system_prompt)
-    common = {
-        "max_new_tokens": plan.max_new_tokens,
-        "batch_size": evaluation.batch_size,
-        "compute": compute,
-        "progress": plan.settings.progress,
-    }
+    common = GroupSampling(
+        max_new_tokens=plan.max_new_tokens,
+        batch_size=evaluation.batch_size,
+        compute=compute,
+        progress=plan.settings.progress,
+        description="polo eval",
+        sampler=sampler_for(plan.task_config, plan.task, compute),  # episodes when the task has an environment
+    )
     print(f"polo pipeline: evaluating {model_name} on {len(rows)} held-out problems ({compute})", flush=True)
     greedy = (
-        evaluate_policy(model, tokenizer, prompts, rows, plan.task.correctness, samples=1, temperature=0.0, **common)
+        evaluate_policy(
+            model,
+            tokenizer,
+            prompts,
+            rows,
+            plan.task.correctness,
+            dataclasses.replace(common, samples=1, temperature=0.0),
+        )
         if evaluation.greedy
         else None
     )
@@ -107,10 +117,9 @@ def run_evaluation(plan: Plan, model_name: str, settings: dict) -> dict:
         prompts,
         rows,
         plan.task.correctness,
-        samples=evaluation.samples,
-        temperature=evaluation.temperature,
-        top_p=evaluation.top_p,
-        **common,
+        dataclasses.replace(
+            common, samples=evaluation.samples, temperature=evaluation.temperature, top_p=evaluation.top_p
+        ),
     )
     return {
         "settings": settings,

@@ -42,6 +42,8 @@ def trim_padding(rollouts: Rollouts) -> Rollouts:
         truncated=rollouts.truncated,
         texts=rollouts.texts,
         group_size=rollouts.group_size,
+        loss_mask=None if rollouts.loss_mask is None else rollouts.loss_mask[:, :completion_len],
+        episodes=rollouts.episodes,
     )
 
 
@@ -54,10 +56,17 @@ def on_device(rollouts: Rollouts, device: torch.device) -> Rollouts:
         rollouts.completion_mask,
         rollouts.truncated,
     )
-    if all(tensor.device == device for tensor in tensors):
+    loss_mask = rollouts.loss_mask
+    if all(tensor.device == device for tensor in tensors) and (loss_mask is None or loss_mask.device == device):
         return rollouts
     moved = [tensor.to(device) for tensor in tensors]
-    return Rollouts(*moved, texts=rollouts.texts, group_size=rollouts.group_size)
+    return Rollouts(
+        *moved,
+        texts=rollouts.texts,
+        group_size=rollouts.group_size,
+        loss_mask=None if loss_mask is None else loss_mask.to(device),
+        episodes=rollouts.episodes,
+    )
 
 
 def micro_batches(rows: torch.Tensor, size: int, group_size: int = 1) -> list[torch.Tensor]:
@@ -81,6 +90,42 @@ class Batch:
     prompts: list[str]  # one per group
     columns: dict[str, torch.Tensor] | None = None  # (batch,) per reward function, for the completions table
 
+    def select(self, rows: torch.Tensor) -> Batch:
+        """Return the rows `rows` (1-D indices of whole groups, each group's rows contiguous and in order)."""
+        group_size = self.rollouts.group_size
+        prompts = [self.prompts[int(group)] for group in rows[::group_size] // group_size]
+        columns = {name: column[rows] for name, column in self.columns.items()} if self.columns is not None else None
+        return Batch(self.rollouts.select(rows), self.rewards[rows], prompts, columns)
+
+
+def concat_batches(parts: list[Batch]) -> Batch:
+    """Return the rows of several batches as one batch, in order (see `concat_rollouts`)."""
+    columns = parts[0].columns
+    if columns is not None:
+        columns = {name: torch.cat([part.columns[name] for part in parts]) for name in columns}
+    return Batch(
+        concat_rollouts([part.rollouts for part in parts]),
+        torch.cat([part.rewards for part in parts]),
+        [prompt for part in parts for prompt in part.prompts],
+        columns,
+    )
+
+
+@dataclass
+class UpdateBatch:
+    """What one policy update trains on: whole groups of rollouts and the per-token targets of its losses.
+
+    Every tensor but `advantages` is (batch, completion_len); `advantages` is that too, or (batch,)
+    with one advantage per sequence.
+    """
+
+    rollouts: Rollouts
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None = None  # the sampling policy's, scored when mu > 1, a critic or kl_in_reward
+    reference_logprobs: torch.Tensor | None = None  # the reference's, scored when beta > 0
+    old_values: torch.Tensor | None = None  # the critic's values before the update (None without a critic)
+    returns: torch.Tensor | None = None  # the critic's regression targets (None without a critic)
+
 
 def concat_rollouts(parts: list[Rollouts]) -> Rollouts:
     """Return the rows of several rollouts in one batch (prompts re-left-padded, completions re-right-padded)."""
@@ -103,6 +148,10 @@ def concat_rollouts(parts: list[Rollouts]) -> Rollouts:
         truncated=torch.cat([part.truncated for part in parts]),
         texts=[text for part in parts for text in part.texts],
         group_size=parts[0].group_size,
+        loss_mask=None
+        if parts[0].loss_mask is None
+        else torch.cat([right(part.loss_mask, completion_len) for part in parts]),
+        episodes=None if parts[0].episodes is None else [episode for part in parts for episode in part.episodes],
     )
 
 
@@ -118,6 +167,4 @@ def align_groups(batch: Batch | None, group_size: int) -> Batch | None:
         return None
     if groups * group_size == len(batch.rollouts):
         return batch
-    rows = torch.arange(groups * group_size, device=batch.rewards.device)
-    columns = {name: column[rows] for name, column in batch.columns.items()} if batch.columns is not None else None
-    return Batch(batch.rollouts.select(rows), batch.rewards[rows], batch.prompts[:groups], columns)
+    return batch.select(torch.arange(groups * group_size, device=batch.rewards.device))

@@ -21,7 +21,7 @@ from polo.config import Config
 from polo.generation.rollouts import Rollouts
 from polo.models.critic import ValueModel, completion_values, logprobs_and_values, new_value_head
 from polo.models.loading import enable_activation_checkpointing
-from polo.rl.batching import micro_batches, trim_padding
+from polo.rl.batching import UpdateBatch, micro_batches, trim_padding
 from polo.runtime.device import Compute
 
 
@@ -110,13 +110,13 @@ class Critic:
 
 
 def value_loss(
-    values: torch.Tensor, value_targets, micro: torch.Tensor, mask: torch.Tensor, alg, normalisers: dict
+    values: torch.Tensor, batch: UpdateBatch, micro: torch.Tensor, mask: torch.Tensor, alg, normalisers: dict
 ) -> torch.Tensor:
     """Return the clipped value loss of one micro-batch, token-mean over the whole minibatch.
 
-    `value_targets` = (old values, returns), each (batch, completion_len); `micro` the rows.
+    The targets are `batch.old_values` and `batch.returns`, each (batch, completion_len); `micro` the rows.
     """
-    old_values, returns = value_targets
+    old_values, returns = batch.old_values, batch.returns
     width = values.shape[1]
     per_token = core.value_loss(values.float(), old_values[micro, :width], returns[micro, :width], mask, alg.value_clip)
     return core.aggregate_loss(per_token, mask, "dapo", **normalisers)

@@ -17,9 +17,9 @@ from polo import core
 from polo.config import Config, ConfigError, config_to_dict, load_config
 from polo.data import instruction_for, make_task
 from polo.data.base import Task
+from polo.data.environments import sampler_for
 from polo.data.hf import check_same_datasets, passed_datasets_note
 from polo.generation.cpu_sampler import rollout
-from polo.generation.grouped import pick_sampler
 from polo.generation.rollouts import Sampler
 from polo.kernels import use_fast_attention
 from polo.models.hub import check_push
@@ -30,7 +30,7 @@ from polo.rewards import RewardSet
 from polo.rl.critic import Critic, build_critic
 from polo.rl.guard import RollbackState, check_guard_settings
 from polo.rl.modules import UpdateModules
-from polo.rl.update import update_modules
+from polo.rl.update import Learner, update_modules
 from polo.runtime import distributed as parallel
 from polo.runtime.checkpoint import Checkpointer, claim_output_dir, load_trainer_state
 from polo.runtime.device import Compute, train_compute
@@ -39,7 +39,7 @@ from polo.runtime.metrics import truncate_metrics
 from polo.runtime.seeding import restore_rng, seed_everything
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """The state of one RL run: its config, data, models, optimizer and where it writes."""
 
@@ -65,6 +65,11 @@ class Run:
     # batches seen between the checkpoint and the jump are skipped, not replayed.
     data_offset: int = 0
     rollbacks: int = 0
+
+    @property
+    def learner(self) -> Learner:
+        """Return what the policy update changes and runs through: policy, optimizer, schedule, critic, modules."""
+        return Learner(self.model, self.optimizer, self.scheduler, self.compute, self.critic, self.modules)
 
     def checkpoint_state(self) -> dict:
         """Return the run state a checkpoint keeps beside the weights and the optimizer."""
@@ -231,22 +236,22 @@ def set_up(
         config, model, optimizer, lr_lambda(config)
     )  # before the scheduler: a value head joins the optimizer
     run = Run(
-        config,
-        compute,
-        task,
-        reward_set,
-        instruction_for(config, task),
-        model,
-        tokenizer,
-        reference,
-        optimizer,
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config)),
-        critic,
-        update_modules(model, critic),
-        masters,
-        checkpointer,
-        output_dir,
-        sampler=pick_sampler(config.sampling.sampler, compute),
+        config=config,
+        compute=compute,
+        task=task,
+        reward_set=reward_set,
+        instruction=instruction_for(config, task),
+        model=model,
+        tokenizer=tokenizer,
+        reference=reference,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config)),
+        critic=critic,
+        modules=update_modules(model, critic),
+        masters=masters,
+        checkpointer=checkpointer,
+        output_dir=output_dir,
+        sampler=sampler_for(config, task, compute),
     )
     if resume_from is not None:
         resume(run, resume_from)

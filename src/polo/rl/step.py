@@ -10,20 +10,70 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
 from polo import core
 from polo.config import Config
+from polo.generation.episodes import episode_metrics
 from polo.generation.rollouts import Rollouts
 from polo.models.lora import merged_for_sampling, reference_scope
 from polo.models.scoring import completion_logprobs
-from polo.rl.batching import Batch, align_groups, batch_rows, concat_rollouts, micro_batches, on_device, trim_padding
+from polo.rl.batching import (
+    Batch,
+    UpdateBatch,
+    align_groups,
+    batch_rows,
+    concat_batches,
+    micro_batches,
+    on_device,
+    trim_padding,
+)
 from polo.rl.setup import Run
 from polo.rl.update import policy_update
 from polo.runtime import distributed as parallel
 from polo.runtime.device import Compute, memory_metrics
 from polo.runtime.trackers import logs_tables
+
+
+@dataclass
+class ScoredRound:
+    """One sampling round of this rank: the sampled groups with their rewards, correctness and reward errors."""
+
+    batch: Batch  # rollouts, total rewards (shaping included), one prompt per group, per-function reward columns
+    correct: torch.Tensor  # (batch,) 1.0 where the task's checker accepts the completion
+    errors: list = field(default_factory=list)  # the reward functions' errors scored 0 (train.on_reward_error: zero)
+
+
+@dataclass
+class SampledStep:
+    """What sampling and scoring hand to the update: the batch to train on, and what to log about every sample."""
+
+    batch: Batch | None  # None when dynamic sampling found no informative group within its cap
+    metrics: dict[str, float]  # reward, accuracy, length and failure metrics over every completion of every rank
+    samples: list[dict]  # the best and the worst completion, as samples.jsonl rows
+    messages: list[str] = field(default_factory=list)  # warnings for the user (this rank's)
+
+
+@dataclass
+class PreUpdateScores:
+    """Each (batch, completion_len), scored before the update; None where the step does not need it."""
+
+    reference_logprobs: torch.Tensor | None = None  # under the reference (beta > 0)
+    old_logprobs: torch.Tensor | None = None  # under the sampling policy (mu > 1, a critic, or kl_in_reward)
+    old_values: torch.Tensor | None = None  # the critic's values
+
+
+@dataclass
+class StepResult:
+    """What one RL step hands the training loop, combined over ranks."""
+
+    metrics: dict[str, float]  # the step's metrics row
+    samples: list[dict] = field(default_factory=list)  # samples.jsonl rows
+    # A completions-table row per completion trained on, from every rank (only when a tracker keeps tables).
+    completions: list[dict] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)  # lines to show the user
 
 
 @contextmanager
@@ -37,7 +87,10 @@ def sampling_weights(model) -> Iterator[torch.nn.Module]:
 def score_completions(
     model, rollouts: Rollouts, micro_batch_size: int, compute: Compute, temperature: float
 ) -> torch.Tensor:
-    """Return per-token log-probs of every completion under `model` (no gradient), (batch, completion_len) on the rollouts' device."""
+    """Return per-token log-probs of every completion under `model` (no gradient).
+
+    Shape (batch, completion_len), on the rollouts' device.
+    """
     device = rollouts.completion_ids.device
     scored = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32, device=device)
     for rows in micro_batches(torch.arange(len(rollouts), device=device), micro_batch_size, rollouts.group_size):
@@ -56,11 +109,10 @@ def score_completions(
     return scored
 
 
-def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> dict:
-    """Sample this rank's share of the step's prompts (draw `round_index`) and score them.
+def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> ScoredRound:
+    """Return this rank's share of the step's prompts (draw `round_index`), sampled and scored.
 
-    Returns the round as a dict: rollouts, prompts, rewards (batch,) with shaping, per-function
-    reward columns, and correctness (batch,). Adds the seconds to `timings`.
+    Adds the seconds spent sampling and scoring to `timings`.
     """
     config, alg, sampling = run.config, run.config.algorithm, run.config.sampling
     # Every rank draws the same step's prompts and keeps its own share: whole prompts, so whole groups.
@@ -84,6 +136,7 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> di
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             compute=run.compute,
+            rows=row_batch,
         )
     rollouts = on_device(rollouts, run.compute.device)  # the one place a step's data is put on the run's device
     timings["generation"] += time.perf_counter() - started
@@ -100,20 +153,18 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> di
             alg.overlong_penalty,
         )
         rewards, columns = rewards + shaping, {**columns, "overlong": shaping}
+    if rollouts.episodes is not None and any(episode.reward is not None for episode in rollouts.episodes):
+        # An environment that owns a reward adds it as one more column.
+        own = [episode.reward or 0.0 for episode in rollouts.episodes]
+        own = torch.tensor(own, dtype=rewards.dtype, device=rewards.device)
+        rewards, columns = rewards + own, {**columns, "environment": own}
     correct = run.reward_set.correctness(rollouts.texts, rows, run.compute.device)
     timings["reward"] += time.perf_counter() - started
-    return {
-        "rollouts": rollouts,
-        "prompts": prompts,
-        "rewards": rewards,
-        "columns": columns,
-        "correct": correct,
-        "errors": errors,
-    }
+    return ScoredRound(Batch(rollouts, rewards, prompts, columns), correct, errors)
 
 
-def collect_batch(run: Run, step: int, timings: dict) -> tuple[Batch | None, dict, list[dict]]:
-    """Sample and score this step's groups; return (batch to train on, sampling metrics, sample log rows).
+def collect_batch(run: Run, step: int, timings: dict) -> SampledStep:
+    """Return this step's groups sampled and scored: the batch to train on, its metrics and sample log rows.
 
     With `algorithm.dynamic_sampling` (DAPO), groups whose rewards are all equal are dropped and
     more prompts are sampled, up to `max_sampling_rounds` rounds, until `prompts_per_step`
@@ -124,58 +175,42 @@ def collect_batch(run: Run, step: int, timings: dict) -> tuple[Batch | None, dic
     timings.setdefault("reward", 0.0)
     alg, group_size = run.config.algorithm, run.config.algorithm.group_size
     wanted = run.config.train.prompts_per_step // parallel.world_size()  # this rank's groups
-    kept: list[tuple[Rollouts, torch.Tensor, list[str], dict]] = []
-    seen: list[dict] = []
+    kept: list[Batch] = []
+    seen: list[ScoredRound] = []
     kept_groups = 0
     for round_index in range(alg.max_sampling_rounds if alg.dynamic_sampling else 1):
         scored = sample_and_score(run, step, round_index, timings)
         seen.append(scored)
-        rollouts, rewards = scored["rollouts"], scored["rewards"]
+        rewards = scored.batch.rewards
         keep = (
             core.informative_rows(rewards, group_size)
             if alg.dynamic_sampling
-            else torch.arange(len(rollouts), device=rewards.device)
+            else torch.arange(len(rewards), device=rewards.device)
         )
         keep = keep[: (wanted - kept_groups) * group_size]
         if len(keep):
-            prompts = [scored["prompts"][int(i)] for i in keep[::group_size] // group_size]
-            kept.append(
-                (
-                    rollouts.select(keep),
-                    rewards[keep],
-                    prompts,
-                    {name: column[keep] for name, column in scored["columns"].items()},
-                )
-            )
+            kept.append(scored.batch.select(keep))
             kept_groups += len(keep) // group_size
         if kept_groups >= wanted:
             break
-    batch = None
-    if kept:
-        columns = {name: torch.cat([part[3][name] for part in kept]) for name in kept[0][3]}
-        batch = Batch(
-            concat_rollouts([part[0] for part in kept]),
-            torch.cat([part[1] for part in kept]),
-            [p for part in kept for p in part[2]],
-            columns,
-        )
-    metrics = sampling_metrics(run, seen, kept_groups)
-    first = seen[0]
-    samples = sample_log_rows(
-        step, first["rollouts"], first["prompts"], first["rewards"], first["columns"], first["correct"]
+    return SampledStep(
+        batch=concat_batches(kept) if kept else None,
+        metrics=sampling_metrics(run, seen, kept_groups),
+        samples=sample_log_rows(step, seen[0]),
+        messages=reward_error_messages(run, seen),
     )
-    return batch, metrics, samples
 
 
-def sampling_metrics(run: Run, seen: list[dict], kept_groups: int) -> dict:
+def sampling_metrics(run: Run, seen: list[ScoredRound], kept_groups: int) -> dict:
     """Return the step's reward, accuracy, length and failure metrics over every completion of every rank."""
     alg, reward_set = run.config.algorithm, run.reward_set
+    batches = [entry.batch for entry in seen]
     local = {
-        "rewards": torch.cat([entry["rewards"] for entry in seen]),
-        "correct": torch.cat([entry["correct"] for entry in seen]),
-        "lengths": torch.cat([entry["rollouts"].completion_lengths for entry in seen]).float(),
-        "truncated": torch.cat([entry["rollouts"].truncated for entry in seen]),
-        **{f"column/{name}": torch.cat([entry["columns"][name] for entry in seen]) for name in seen[0]["columns"]},
+        "rewards": torch.cat([batch.rewards for batch in batches]),
+        "correct": torch.cat([entry.correct for entry in seen]),
+        "lengths": torch.cat([batch.rollouts.completion_lengths for batch in batches]).float(),
+        "truncated": torch.cat([batch.rollouts.truncated for batch in batches]),
+        **{f"column/{name}": torch.cat([batch.columns[name] for batch in batches]) for name in batches[0].columns},
     }
     gathered = parallel.gather_objects(local)  # small per-completion vectors
     every = {key: torch.cat([part[key] for part in gathered]) for key in local}
@@ -196,6 +231,7 @@ def sampling_metrics(run: Run, seen: list[dict], kept_groups: int) -> dict:
             for name, column in columns.items()
         },
     }
+    metrics.update(tool_metrics(seen))
     failures = {
         f"reward/{name}/failures/{kind}": float(count)
         for name, counts in reward_set.failure_counts().items()
@@ -205,13 +241,11 @@ def sampling_metrics(run: Run, seen: list[dict], kept_groups: int) -> dict:
         for key, count in part.items():
             metrics[key] = metrics.get(key, 0.0) + count
     if reward_set.on_error == "zero":
-        reward_errors = [error for entry in seen for error in entry["errors"]]
+        reward_errors = [error for entry in seen for error in entry.errors]
         counts = {"reward/errors": float(len(reward_errors))}
         for name in reward_set.names:
             counts[f"reward/{name}/errors"] = float(sum(error.reward_name == name for error in reward_errors))
         metrics.update(parallel.sum_over_ranks(counts))
-        # Shown to the user by the training loop (first few only: one broken function can fail every sample).
-        metrics["_messages"] = [f"polo: warning: scored 0: {error}" for error in reward_errors[:3]]
     if alg.dynamic_sampling:
         metrics.update(
             {
@@ -222,27 +256,58 @@ def sampling_metrics(run: Run, seen: list[dict], kept_groups: int) -> dict:
     return metrics
 
 
-def sample_log_rows(step: int, rollouts: Rollouts, prompts: list[str], rewards, columns: dict, correct) -> list[dict]:
-    """Return the best and the worst completion of the step as `samples.jsonl` rows (for reports)."""
+def tool_metrics(seen: list[ScoredRound]) -> dict:
+    """Return the tool use of every rank's episodes in these rounds (`polo.generation.episodes.episode_metrics`).
+
+    Empty for one-turn completions.
+    """
+    local = [
+        (episode, float(value))
+        for entry in seen
+        if entry.batch.rollouts.episodes is not None
+        for episode, value in zip(entry.batch.rollouts.episodes, entry.correct.tolist())
+    ]
+    pairs = [pair for part in parallel.gather_objects(local) for pair in part]
+    if not pairs:
+        return {}
+    return episode_metrics([episode for episode, _ in pairs], [value for _, value in pairs])
+
+
+def reward_error_messages(run: Run, seen: list[ScoredRound]) -> list[str]:
+    """Return the warnings for reward functions that failed and scored 0 (the first few: one broken function can
+    fail every sample)."""
+    if run.reward_set.on_error != "zero":
+        return []
+    reward_errors = [error for entry in seen for error in entry.errors]
+    return [f"polo: warning: scored 0: {error}" for error in reward_errors[:3]]
+
+
+def sample_log_rows(step: int, scored: ScoredRound) -> list[dict]:
+    """Return the best and the worst completion of a round as `samples.jsonl` rows (for reports)."""
+    batch = scored.batch
+    rollouts, rewards = batch.rollouts, batch.rewards
     picks = {"best": int(rewards.argmax()), "worst": int(rewards.argmin())}
+    episodes = rollouts.episodes
     return [
         {
             "step": step,
             "kind": kind,
-            "prompt": prompts[index // rollouts.group_size],
-            "completion": rollouts.texts[index],
+            "prompt": batch.prompts[index // rollouts.group_size],
+            # An episode's whole transcript (turns and observations); its last turn is what was graded.
+            "completion": rollouts.texts[index] if episodes is None else episodes[index].transcript,
             "reward": float(rewards[index]),
-            "rewards": {name: float(column[index]) for name, column in columns.items()},
-            "correct": float(correct[index]),
+            "rewards": {name: float(column[index]) for name, column in batch.columns.items()},
+            "correct": float(scored.correct[index]),
         }
         for kind, index in picks.items()
     ]
 
 
 def completion_rows(batch: Batch, advantages: torch.Tensor) -> list[dict]:
-    """Return a completions-table row per completion of `batch`: prompt, completion, reward in total and per function, advantage.
+    """Return a completions-table row per completion of `batch`.
 
-    The advantage is the mean over the completion's tokens (its sequence advantage under GRPO-style estimators).
+    Each row holds the prompt, the completion, the reward in total and per function, and the advantage:
+    the mean over the completion's tokens (its sequence advantage under GRPO-style estimators).
     """
     rollouts, mask = batch.rollouts, batch.rollouts.completion_mask.float()
     per_completion = ((advantages.float() * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
@@ -260,10 +325,8 @@ def completion_rows(batch: Batch, advantages: torch.Tensor) -> list[dict]:
     ]
 
 
-def reference_and_old(
-    run: Run, rollouts: Rollouts
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Return (reference log-probs, old log-probs, old values), each (batch, completion_len) or None when not needed.
+def score_before_update(run: Run, rollouts: Rollouts) -> PreUpdateScores:
+    """Return the reference log-probs, the old log-probs and the critic's old values the step needs.
 
     The reference is scored only when beta > 0; old log-probs only when the update needs them
     (update_epochs > 1, or the KL folded into the rewards); old values only with a critic.
@@ -273,92 +336,95 @@ def reference_and_old(
         run.config.train.micro_batch_size,
         run.config.sampling.temperature,
     )
-    ref_logprobs = old_logprobs = old_values = None
+    scores = PreUpdateScores()
     if alg.beta > 0:
         with reference_scope(run.model, run.reference):  # the LoRA policy itself, adapters off
-            ref_logprobs = score_completions(run.reference, rollouts, micro_batch_size, run.compute, temperature)
+            scores.reference_logprobs = score_completions(
+                run.reference, rollouts, micro_batch_size, run.compute, temperature
+            )
     if run.critic is not None:
-        old_values, old_logprobs = run.critic.score(run.model, rollouts, micro_batch_size, run.compute, temperature)
-    if old_logprobs is None and (alg.update_epochs > 1 or alg.kl_in_reward):
+        scores.old_values, scores.old_logprobs = run.critic.score(
+            run.model, rollouts, micro_batch_size, run.compute, temperature
+        )
+    if scores.old_logprobs is None and (alg.update_epochs > 1 or alg.kl_in_reward):
         with parallel.gathered_weights(run.model):
-            old_logprobs = score_completions(run.model, rollouts, micro_batch_size, run.compute, temperature)
-    return ref_logprobs, old_logprobs, old_values
+            scores.old_logprobs = score_completions(run.model, rollouts, micro_batch_size, run.compute, temperature)
+    return scores
 
 
-def compute_advantages(
-    batch: Batch, old_logprobs, ref_logprobs, old_values, config: Config
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Return (per-token advantages (batch, completion_len), value targets or None) from the registered estimator."""
+def compute_advantages(batch: Batch, scores: PreUpdateScores, config: Config) -> UpdateBatch:
+    """Return the update's batch: the rollouts, advantages from the registered estimator and the losses' targets."""
     alg = config.algorithm
-    kl = core.kl_estimate(old_logprobs, ref_logprobs, alg.kl_estimator) if alg.kl_in_reward else None
-    inputs = core.AdvantageInputs(
-        batch.rewards, batch.rollouts.completion_mask.float(), alg.group_size, kl=kl, values=old_values
+    kl = (
+        core.kl_estimate(scores.old_logprobs, scores.reference_logprobs, alg.kl_estimator) if alg.kl_in_reward else None
     )
-    return core.ADVANTAGE_ESTIMATORS[alg.advantage_estimator](inputs, alg)
+    inputs = core.AdvantageInputs(
+        batch.rewards, batch.rollouts.completion_mask.float(), alg.group_size, kl=kl, values=scores.old_values
+    )
+    advantages, returns = core.ADVANTAGE_ESTIMATORS[alg.advantage_estimator](inputs, alg)
+    return UpdateBatch(
+        batch.rollouts,
+        advantages,
+        old_logprobs=scores.old_logprobs,
+        reference_logprobs=scores.reference_logprobs,
+        old_values=scores.old_values,
+        returns=returns,
+    )
 
 
-def rl_step(run: Run, step: int) -> tuple[dict, list[dict]]:
-    """Run one sampling + update step in place; return (metrics row, sample log rows), combined over ranks.
+def skipped_step(run: Run, sampled: SampledStep, timings: dict) -> StepResult:
+    """Return the result of a step with no update: dynamic sampling found no informative group within its cap."""
+    metrics = {
+        **sampled.metrics,
+        "update_skipped": 1.0,
+        "learning_rate": run.scheduler.get_last_lr()[0],
+        **{f"time/{k}": v for k, v in timings.items()},
+    }
+    metrics["time/step"] = sum(timings.values())
+    return StepResult(parallel.combine_metrics(parallel.gather_objects(metrics)), sampled.samples, [], sampled.messages)
 
-    When a tracker in `output.report_to` keeps tables, the row also holds `_completions`: a
-    `completion_rows` row for every completion the step trained on, from every rank.
+
+def rl_step(run: Run, step: int) -> StepResult:
+    """Run one sampling + update step in place; return its metrics row, sample rows and messages, combined over ranks.
+
+    When a tracker in `output.report_to` keeps tables, the result also holds a `completion_rows`
+    row for every completion the step trained on, from every rank.
     """
     alg, timings = run.config.algorithm, {}
-    batch, metrics, samples = collect_batch(run, step, timings)
-    batch = align_groups(batch, alg.group_size) if alg.dynamic_sampling else batch
-    if batch is None:  # dynamic sampling found no informative group within its cap
-        metrics.update(
-            {
-                "update_skipped": 1.0,
-                "learning_rate": run.scheduler.get_last_lr()[0],
-                **{f"time/{k}": v for k, v in timings.items()},
-            }
-        )
-        metrics["time/step"] = sum(timings.values())
-        return parallel.combine_metrics(parallel.gather_objects(metrics)), samples
+    sampled = collect_batch(run, step, timings)
+    batch = align_groups(sampled.batch, alg.group_size) if alg.dynamic_sampling else sampled.batch
+    if batch is None:
+        return skipped_step(run, sampled, timings)
     rollouts = batch.rollouts
 
     started = time.perf_counter()
-    ref_logprobs, old_logprobs, old_values = reference_and_old(run, rollouts)
-    advantages, returns = compute_advantages(batch, old_logprobs, ref_logprobs, old_values, run.config)
+    update_batch = compute_advantages(batch, score_before_update(run, rollouts), run.config)
     timings["reference"] = time.perf_counter() - started
+    advantages = update_batch.advantages
     completions = completion_rows(batch, advantages) if logs_tables(run.config.output.report_to) else None
 
     started = time.perf_counter()
-    update_metrics = policy_update(
-        run.model,
-        run.optimizer,
-        run.scheduler,
-        rollouts,
-        advantages,
-        old_logprobs,
-        ref_logprobs,
-        run.config,
-        run.compute,
-        critic=run.critic,
-        value_targets=(old_values, returns) if run.critic is not None else None,
-        train_policy=run.critic is None or run.critic.trains_policy(step),
-        modules=run.modules,
-    )
+    train_policy = run.critic is None or run.critic.trains_policy(step)
+    update_metrics = policy_update(run.learner, update_batch, run.config, train_policy=train_policy)
     timings["update"] = time.perf_counter() - started
 
     total_time = sum(timings.values())
-    metrics.update(
-        {
-            "advantage/abs_mean": core.masked_mean(advantages.abs(), rollouts.completion_mask).item(),
-            "learning_rate": run.scheduler.get_last_lr()[0],
-            **update_metrics,
-            **{f"time/{name}": seconds for name, seconds in timings.items()},
-            "time/step": total_time,
-            "tokens_per_second": float(rollouts.completion_mask.sum() + rollouts.prompt_mask.sum())
-            / max(total_time, 1e-9),
-            **memory_metrics(run.compute),  # the device's peak since the last step (CUDA only)
-        }
-    )
-    if returns is not None:
-        metrics["value/explained_variance"] = core.explained_variance(old_values, returns, rollouts.completion_mask)
-        metrics["value/mean"] = core.masked_mean(old_values, rollouts.completion_mask).item()
-    combined = parallel.combine_metrics(parallel.gather_objects(metrics))
-    if completions is not None:  # every rank's, for a tracker's completions table; the training loop logs and drops it
-        combined["_completions"] = [row for part in parallel.gather_objects(completions) for row in part]
-    return combined, samples
+    metrics = {
+        **sampled.metrics,
+        "advantage/abs_mean": core.masked_mean(advantages.abs(), rollouts.model_token_mask).item(),
+        "learning_rate": run.scheduler.get_last_lr()[0],
+        **update_metrics,
+        **{f"time/{name}": seconds for name, seconds in timings.items()},
+        "time/step": total_time,
+        "tokens_per_second": float(rollouts.completion_mask.sum() + rollouts.prompt_mask.sum()) / max(total_time, 1e-9),
+        **memory_metrics(run.compute),  # the device's peak since the last step (CUDA only)
+    }
+    if update_batch.returns is not None:
+        old_values, mask = update_batch.old_values, rollouts.completion_mask
+        metrics["value/explained_variance"] = core.explained_variance(old_values, update_batch.returns, mask)
+        metrics["value/mean"] = core.masked_mean(old_values, mask).item()
+    result = StepResult(parallel.combine_metrics(parallel.gather_objects(metrics)), sampled.samples)
+    result.messages = sampled.messages
+    if completions is not None:  # every rank's, for a tracker's completions table
+        result.completions = [row for part in parallel.gather_objects(completions) for row in part]
+    return result

@@ -18,11 +18,12 @@ import torch
 from polo.config import Config, config_to_dict, load_config
 from polo.evaluation.evaluate import greedy_accuracy
 from polo.evaluation.plots import plot_run
+from polo.generation.grouped import GroupSampling
 from polo.models.lora import trainable_summary
 from polo.rl.guard import DivergenceGuard, Rollback, RollbackState
 from polo.rl.publish import publish_model
 from polo.rl.setup import Run, set_up
-from polo.rl.step import rl_step, sampling_weights
+from polo.rl.step import StepResult, rl_step, sampling_weights
 from polo.runtime import distributed as parallel
 from polo.runtime.device import resolve_device
 from polo.runtime.distributed import is_main_process
@@ -116,15 +117,15 @@ def train_loop(run: Run) -> TrainResult:
             raise RunStopped(stop.signum, run.start_step, run.checkpointer.latest())
         for step in range(run.start_step + 1, config.train.steps + 1):
             try:
-                metrics, samples = rl_step(run, step)
+                result = rl_step(run, step)
                 nonfinite_streak = 0
             except NonFiniteLossError as error:  # the update was not applied: skip the step, or stop after too many
                 nonfinite_streak = skip_or_stop(run, logger, step, nonfinite_streak + 1, error)
-                metrics, samples = {"skipped_nonfinite": 1.0}, []
-            diverged = guard.judge(step, metrics)  # before anything could evaluate or save the step's weights
+                result = StepResult({"skipped_nonfinite": 1.0})
+            diverged = guard.judge(step, result.metrics)  # before anything could evaluate or save the step's weights
             if run.rollbacks:
-                metrics["rollbacks"] = run.rollbacks
-            log_step(logger, step, metrics, samples)
+                result.metrics["rollbacks"] = run.rollbacks
+            log_step(logger, step, result)
             if diverged:
                 logger.close()
                 raise Rollback(
@@ -176,15 +177,14 @@ def banner(run: Run) -> str:
     )
 
 
-def log_step(logger: MetricsLogger, step: int, metrics: dict, samples: list[dict]) -> None:
-    """Write the step's metrics row, sample rows and completions table, its messages, and advance the progress bar."""
-    for message in metrics.pop("_messages", []):
+def log_step(logger: MetricsLogger, step: int, result: StepResult) -> None:
+    """Write the step's messages, metrics row, sample rows and completions table, and advance the progress bar."""
+    for message in result.messages:
         logger.write(message)
-    completions = metrics.pop("_completions", [])
-    metrics["step"] = step
+    metrics = {**result.metrics, "step": step}
     logger.log(metrics)
-    logger.log_samples(samples)
-    logger.log_completions(step, completions)
+    logger.log_samples(result.samples)
+    logger.log_completions(step, result.completions)
     summary = {"reward": "reward/mean", "acc": "accuracy", "len": "completion_length/mean"}
     logger.advance(step, {label: metrics.get(key, float("nan")) for label, key in summary.items()})
 
@@ -208,6 +208,10 @@ def skip_or_stop(run: Run, logger: MetricsLogger, step: int, streak: int, error:
     return streak
 
 
+# Held-out tool use of an environment's episodes (`polo.generation.episodes.episode_metrics`), logged as eval/tool/<key>.
+TOOL_EVAL_KEYS = ("calls_per_episode", "call_success_rate", "turns", "episodes_with_calls", "used_by_correct")
+
+
 class HeldOutEvaluation:
     """Greedy accuracy on the task's held-out rows, each rank decoding its share; logged and saved per step."""
 
@@ -215,24 +219,19 @@ class HeldOutEvaluation:
         self.run, self.logger = run, logger
         self.rows = parallel.eval_share(run.task.eval_rows)
         self.prompts = run.task.prompts(run.tokenizer, self.rows, run.instruction, run.config.task.system_prompt)
-        self.max_new_tokens = run.config.eval.max_new_tokens or run.config.sampling.max_new_tokens
+        self.sampling = GroupSampling(
+            max_new_tokens=run.config.eval.max_new_tokens or run.config.sampling.max_new_tokens,
+            batch_size=run.config.eval.batch_size,
+            compute=run.compute,
+            sampler=run.sampler,
+        )
 
     def __call__(self, step: int) -> dict:
         """Return the held-out result at `step` (combined over ranks) after logging it and writing eval_stepNNNNNN.json."""
         run = self.run
         with sampling_weights(run.model) as sampler:
             result = (
-                greedy_accuracy(
-                    sampler,
-                    run.tokenizer,
-                    self.prompts,
-                    self.rows,
-                    run.task.correctness,
-                    max_new_tokens=self.max_new_tokens,
-                    batch_size=run.config.eval.batch_size,
-                    compute=run.compute,
-                    sampler=run.sampler,
-                )
+                greedy_accuracy(sampler, run.tokenizer, self.prompts, self.rows, run.task.correctness, self.sampling)
                 if self.rows
                 else None
             )
@@ -243,6 +242,7 @@ class HeldOutEvaluation:
                 "eval/accuracy": result["accuracy"],
                 "eval/completion_length": result["completion_length"],
                 "eval/truncated": result["truncated"],
+                **{f"eval/tool/{key}": result[key] for key in TOOL_EVAL_KEYS if key in result},
             }
         )
         self.logger.write(
@@ -259,8 +259,6 @@ def combine_eval(per_rank: list[tuple[int, dict | None]]) -> dict:
     parts = [(count, result) for count, result in per_rank if result is not None]
     if len(parts) == 1:
         return parts[0][1]
-    combined = {
-        key: sum(count * result[key] for count, result in parts) / total
-        for key in ("accuracy", "completion_length", "truncated")
-    }
+    keys = ("accuracy", "completion_length", "truncated", *(key for key in TOOL_EVAL_KEYS if key in parts[0][1]))
+    combined = {key: sum(count * result[key] for count, result in parts) / total for key in keys}
     return {**combined, "samples": parts[0][1]["samples"]}

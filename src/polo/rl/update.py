@@ -10,14 +10,14 @@ the full-minibatch gradient.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from polo import core
 from polo.config import Config
-from polo.generation.rollouts import Rollouts
 from polo.models.critic import completion_values
-from polo.rl.batching import micro_batches, trim_padding
+from polo.rl.batching import UpdateBatch, micro_batches, trim_padding
 from polo.rl.critic import Critic, value_loss
 from polo.rl.modules import UpdateModules, build_update_modules
 from polo.runtime import distributed as parallel
@@ -51,34 +51,31 @@ def backward_checked(loss: torch.Tensor, optimizer, scheduler, loss_scale: float
         (loss * loss_scale if loss_scale != 1.0 else loss).backward()
 
 
-class UpdateContext:
-    """What every micro-batch of one `policy_update` call shares: the batch, its targets and running sums."""
+@dataclass
+class Learner:
+    """What a policy update changes and runs through: the policy, its optimizer and schedule, the critic."""
 
-    def __init__(
-        self,
-        rollouts: Rollouts,
-        advantages,
-        old_logprobs,
-        ref_logprobs,
-        config: Config,
-        compute: Compute,
-        critic: Critic | None,
-        value_targets,
-        train_policy: bool,
-        modules: UpdateModules,
-    ):
-        self.rollouts, self.advantages, self.old_logprobs, self.ref_logprobs = (
-            rollouts,
-            advantages,
-            old_logprobs,
-            ref_logprobs,
-        )
-        self.config, self.alg, self.compute = config, config.algorithm, compute
-        self.critic, self.value_targets, self.train_policy, self.modules = critic, value_targets, train_policy, modules
-        self.loss_mask = rollouts.completion_mask.float()
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    compute: Compute  # the device and precision the update runs in
+    critic: Critic | None = None  # PPO's value function (None for critic-free estimators)
+    modules: UpdateModules | None = None  # what forward and backward run through; built plain when None
+
+
+class UpdateContext:
+    """What every micro-batch of one `policy_update` call shares: the learner, the batch and running sums."""
+
+    def __init__(self, learner: Learner, batch: UpdateBatch, config: Config, train_policy: bool):
+        self.learner, self.batch, self.train_policy = learner, batch, train_policy
+        self.rollouts, self.advantages = batch.rollouts, batch.advantages
+        self.old_logprobs, self.ref_logprobs = batch.old_logprobs, batch.reference_logprobs
+        self.config, self.alg, self.compute, self.critic = config, config.algorithm, learner.compute, learner.critic
+        self.modules = learner.modules if learner.modules is not None else update_modules(learner.model, learner.critic)
+        self.loss_mask = self.rollouts.model_token_mask.float()  # an episode's tool output and template: context only
         if self.alg.mask_truncated:  # DAPO's overlong filtering: truncated completions teach nothing
-            self.loss_mask = self.loss_mask * (~rollouts.truncated).float().unsqueeze(-1)
-        self.kl_in_loss = ref_logprobs is not None and not self.alg.kl_in_reward
+            self.loss_mask = self.loss_mask * (~self.rollouts.truncated).float().unsqueeze(-1)
+        self.kl_in_loss = self.ref_logprobs is not None and not self.alg.kl_in_reward
         self.policy_loss = core.POLICY_LOSSES[self.alg.policy_loss]
         self.sums = {key: 0.0 for key in SUM_KEYS}
 
@@ -100,9 +97,10 @@ def policy_loss_term(
     return core.aggregate_loss(per_token, mask, alg.loss_aggregation, **normalisers)
 
 
-def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: dict, optimizer, scheduler) -> float:
+def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: dict) -> float:
     """Forward and backward one micro-batch (policy loss, and the critic's value loss); return its loss."""
     alg, critic, modules = ctx.alg, ctx.critic, ctx.modules
+    optimizer, scheduler = ctx.learner.optimizer, ctx.learner.scheduler
     part = trim_padding(ctx.rollouts.select(micro))
     mask = ctx.loss_mask[micro, : part.completion_ids.shape[1]]
     inputs = (part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
@@ -119,7 +117,7 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: dict,
         loss = policy_loss_term(ctx, logprobs.float(), micro, mask, normalisers)
         ctx.sums["entropy"] += float((entropy * mask).sum())
     if values is not None:  # value head on the shared trunk: one backward for both losses
-        head_loss = value_loss(values, ctx.value_targets, micro, mask, alg, normalisers)
+        head_loss = value_loss(values, ctx.batch, micro, mask, alg, normalisers)
         ctx.sums["value_loss"] += float(head_loss.detach())
         loss = loss + alg.value_coef * head_loss
     backward_checked(loss, optimizer, scheduler, modules.loss_scale)
@@ -128,7 +126,7 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: dict,
         # The critic's graph is built only after the policy's is freed: half the peak activations.
         with ctx.compute.autocast():
             values = completion_values(modules.critic, *inputs)
-        critic_loss = alg.value_coef * value_loss(values, ctx.value_targets, micro, mask, alg, normalisers)
+        critic_loss = alg.value_coef * value_loss(values, ctx.batch, micro, mask, alg, normalisers)
         backward_checked(critic_loss, critic.optimizer, scheduler, modules.loss_scale)
         ctx.sums["value_loss"] += float(critic_loss.detach()) / alg.value_coef
         total += critic_loss.item()
@@ -136,9 +134,9 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: dict,
     return total
 
 
-def minibatch_step(ctx: UpdateContext, rows: torch.Tensor, optimizer, scheduler) -> None:
+def minibatch_step(ctx: UpdateContext, rows: torch.Tensor) -> None:
     """Accumulate the gradient of minibatch `rows` over its micro-batches, clip it and take one optimizer step."""
-    train_config = ctx.config.train
+    train_config, optimizer, scheduler = ctx.config.train, ctx.learner.optimizer, ctx.learner.scheduler
     normalisers = {
         "num_sequences": core.global_count(len(rows)),
         "num_tokens": core.global_count(ctx.loss_mask[rows].sum().clamp(min=1.0)),
@@ -151,7 +149,7 @@ def minibatch_step(ctx: UpdateContext, rows: torch.Tensor, optimizer, scheduler)
     minibatch_loss = 0.0
     for index, micro in enumerate(micros):
         with ctx.modules.gradient_sync(index == len(micros) - 1):  # gradients all-reduce on the last micro-batch only
-            minibatch_loss += micro_batch_step(ctx, micro, normalisers, optimizer, scheduler)
+            minibatch_loss += micro_batch_step(ctx, micro, normalisers)
     grad_norm = parallel.global_norm(
         torch.nn.utils.clip_grad_norm_(
             [p for group in optimizer.param_groups for p in group["params"]], train_config.max_grad_norm
@@ -188,7 +186,7 @@ def update_metrics(ctx: UpdateContext, optimizer_steps: int) -> dict:
     if ctx.kl_in_loss and ctx.train_policy:
         metrics["kl"] = sums["kl"] / tokens
     elif ctx.ref_logprobs is not None and ctx.old_logprobs is not None:  # k1 of the sampled batch
-        metrics["kl"] = core.masked_mean(ctx.old_logprobs - ctx.ref_logprobs, ctx.rollouts.completion_mask).item()
+        metrics["kl"] = core.masked_mean(ctx.old_logprobs - ctx.ref_logprobs, ctx.rollouts.model_token_mask).item()
     if ctx.critic is not None:
         metrics["value/loss"] = sums["value_loss"] / optimizer_steps
         if ctx.critic.optimizer is not None:
@@ -196,37 +194,17 @@ def update_metrics(ctx: UpdateContext, optimizer_steps: int) -> dict:
     return metrics
 
 
-def policy_update(
-    model,
-    optimizer,
-    scheduler,
-    rollouts: Rollouts,
-    advantages: torch.Tensor,
-    old_logprobs,
-    ref_logprobs,
-    config: Config,
-    compute: Compute,
-    *,
-    critic: Critic | None = None,
-    value_targets: tuple[torch.Tensor, torch.Tensor] | None = None,
-    train_policy: bool = True,
-    modules: UpdateModules | None = None,
-) -> dict:
-    """Apply `update_epochs` x `num_minibatches` optimizer steps and return averaged update metrics.
+def policy_update(learner: Learner, batch: UpdateBatch, config: Config, *, train_policy: bool = True) -> dict:
+    """Apply `update_epochs` x `num_minibatches` optimizer steps to `learner` and return averaged update metrics.
 
-    `advantages` is (batch,) per sequence or (batch, completion_len) per token. With a critic,
-    `value_targets` = (old values, returns), each (batch, completion_len), and the value loss is
+    With a critic, `batch.old_values` and `batch.returns` are its targets and the value loss is
     trained alongside; `train_policy=False` (critic warm-up) leaves the policy untouched.
-    Forward and backward go through `modules` (DDP-wrapped under torchrun; built plain when
-    None): gradients stay local until the last micro-batch of a minibatch, whose backward
-    all-reduces them.
+    Forward and backward go through `learner.modules` (DDP-wrapped under torchrun): gradients
+    stay local until the last micro-batch of a minibatch, whose backward all-reduces them.
     """
-    modules = modules if modules is not None else update_modules(model, critic)
-    ctx = UpdateContext(
-        rollouts, advantages, old_logprobs, ref_logprobs, config, compute, critic, value_targets, train_policy, modules
-    )
-    group_size = rollouts.group_size
-    num_groups = len(rollouts) // group_size
+    ctx = UpdateContext(learner, batch, config, train_policy)
+    group_size = batch.rollouts.group_size
+    num_groups = len(batch.rollouts) // group_size
     groups_per_minibatch = max(math.ceil(num_groups / config.train.num_minibatches), 1)
     optimizer_steps = 0
     for _ in range(config.algorithm.update_epochs):
@@ -234,8 +212,8 @@ def policy_update(
             rows = torch.arange(
                 first_group * group_size,
                 min(first_group + groups_per_minibatch, num_groups) * group_size,
-                device=advantages.device,
+                device=batch.advantages.device,
             )
-            minibatch_step(ctx, rows, optimizer, scheduler)
+            minibatch_step(ctx, rows)
             optimizer_steps += 1
     return update_metrics(ctx, optimizer_steps)

@@ -36,6 +36,8 @@ def polo_attention(module, query, key, value, attention_mask, *args, shared_layo
     upcast = torch.is_grad_enabled() and dtype == torch.bfloat16 and query.device.type == "cpu"
 
     def sdpa(q, k, v, mask):
+        if one_query_over_groups(module, q, k, mask, args, kwargs):
+            return decode_attention(q, k, v, mask, kwargs.get("scaling"))
         if gqa_without_copies(module, q, k, mask, args, kwargs):
             out = torch.nn.functional.scaled_dot_product_attention(
                 q,
@@ -96,6 +98,42 @@ def gqa_without_copies(module, query: torch.Tensor, key: torch.Tensor, mask, arg
         and not args
         and all(name in _PLAIN_KWARGS or value is None for name, value in kwargs.items())
     )
+
+
+def one_query_over_groups(module, query: torch.Tensor, key: torch.Tensor, mask, args: tuple, kwargs: dict) -> bool:
+    """Return whether this is a decode step (one query token) of grouped-query attention that `decode_attention` can take.
+
+    Only for a plain call on the CPU with a mask shared by every head (or none), and no extra terms.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    return (
+        query.device.type == "cpu"
+        and groups > 1
+        and query.dim() == 4
+        and key.dim() == 4
+        and query.shape[-2] == 1
+        and query.shape[-3] == key.shape[-3] * groups
+        and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1))
+        and not args
+        and all(name in _PLAIN_KWARGS or value is None for name, value in kwargs.items())
+    )
+
+
+def decode_attention(query, key, value, mask, scaling: float | None) -> torch.Tensor:
+    """Return attention for one query token per row, (batch, 1, heads, d), with each key/value head's query heads as its rows.
+
+    query (batch, heads, 1, d); key, value (batch, kv_heads, len, d); mask None or (batch, 1, 1, len).
+    The G query heads that share a key/value head become G query rows of that head, so SDPA runs
+    on (batch, kv_heads, G, d) without repeating keys and values. transformers does this only when
+    a mask is given; without one it asks SDPA for `enable_gqa`, whose CPU kernel took 1.9 ms per
+    layer for 32 rows x 130 cached tokens of SmolLM2-135M against 0.38 ms this way (torch 2.13,
+    2-core EPYC): over half of a 64-token rollout.
+    """
+    batch, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    packed = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, 1, heads, head_dim)
 
 
 def _register() -> None:

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SharedAttentionLayout", "SharedPromptBatch", "share_prompts", "shared_attention", "sharing_pays"]
+__all__ = [
+    "SharedAttentionLayout",
+    "SharedPromptBatch",
+    "share_prompts",
+    "shared_attention",
+    "sharing_pays",
+    "without_padding",
+]
 
 # Weight of one attention score entry relative to one token through the linear layers, per unit of
 # FLOPs: attention ran at about half the FLOP rate of the matmuls on the CPU (its backward more so).
@@ -71,9 +78,13 @@ class SharedAttentionLayout:
     group_size: int  # G
     completion_len: int  # C
     prompt_mask: torch.Tensor  # (groups, 1, P, P) bool: prompt queries over prompt keys
-    completion_mask: (
-        torch.Tensor
-    )  # (groups·G, 1, C, P + C) bool: each completion's queries over [prompt | its own tokens]
+    # (groups·G, 1, C, P + C) bool: each completion's queries over [prompt | its own tokens]
+    completion_mask: torch.Tensor
+    # Set by `without_padding`: the model runs one row of real tokens only, and attention gathers them
+    # into the blocks. (groups, P + G·C) long: the real token at each block position (0 for padding) ...
+    token_index: torch.Tensor | None = None
+    # ... and (T,) long: the flat (groups·(P + G·C)) block position of each real token.
+    block_position: torch.Tensor | None = None
 
 
 @dataclass
@@ -81,14 +92,13 @@ class SharedPromptBatch:
     """Inputs of the shared layout for `groups` groups (L = P + G·C)."""
 
     input_ids: torch.Tensor  # (groups, L)
-    attention_mask: torch.Tensor  # (groups, 1, L, L) bool, True where a query may attend to a key
+    attention_mask: torch.Tensor | None  # (groups, 1, L, L) bool, True where a query may attend to a key
     position_ids: torch.Tensor  # (groups, L)
-    predictor_index: (
-        torch.Tensor
-    )  # (groups·G, C) long: flat (groups·L) position whose hidden state predicts each completion token
-    layout: (
-        SharedAttentionLayout  # the same mask cut into blocks, for attention that skips the blocks that are all False
-    )
+    # (groups·G, C) long: the flat (groups·L) position whose hidden state predicts each completion token
+    predictor_index: torch.Tensor
+    # the same mask cut into blocks, for attention that skips the blocks that are all False
+    layout: SharedAttentionLayout
+    real_tokens: torch.Tensor | None = None  # (groups, L) bool: the positions that hold a real token
 
 
 def share_prompts(
@@ -101,12 +111,13 @@ def share_prompts(
     """Return the shared layout of a batch whose rows come in groups of `group_size` with identical prompts, else None.
 
     Shapes: prompt (batch, P) left-padded, completion (batch, C) right-padded, as in
-    polo.generation.cpu_sampler. None when group_size < 2, the batch is not whole groups, or a group's rows
-    do not share their prompt ids and mask exactly.
+    polo.generation.cpu_sampler. None when the batch is not whole groups, or a group's rows
+    do not share their prompt ids and mask exactly. `group_size` 1 lays every row out as its own group
+    (nothing shared): with `without_padding`, for attention that skips blocks, rows then run unpadded.
     """
     batch, prompt_len = prompt_ids.shape
     completion_len = completion_ids.shape[1]
-    if group_size < 2 or batch == 0 or batch % group_size or completion_len == 0:
+    if group_size < 1 or batch == 0 or batch % group_size or completion_len == 0:
         return None
     groups, g = batch // group_size, group_size
     grouped_ids, grouped_mask = prompt_ids.view(groups, g, prompt_len), prompt_mask.view(groups, g, prompt_len)
@@ -156,7 +167,41 @@ def share_prompts(
     to_prompt = mask[:, p:, :p].reshape(groups, g, c, p)
     completion_block = torch.cat([to_prompt, own], dim=3).reshape(batch, c, p + c)
     layout = SharedAttentionLayout(p, g, c, prompt_block[:, None], completion_block[:, None])
-    return SharedPromptBatch(input_ids, mask[:, None], position_ids, predictor_index, layout)
+    return SharedPromptBatch(input_ids, mask[:, None], position_ids, predictor_index, layout, key_is_real)
+
+
+def without_padding(shared: SharedPromptBatch) -> SharedPromptBatch:
+    """Return the same batch as one row of its real tokens only, for a model whose attention reads the layout's blocks.
+
+    The shared layout pads every prompt to the longest and every completion to the longest; the
+    linear layers, norms and MLPs (nearly all of a step's work) do not need the padding. Here the
+    model runs (1, T) real tokens (T = Σ real prompt tokens of the groups + Σ completion tokens) with
+    their positions, no mask (`attention_mask` None), and `shared_attention` gathers queries, keys and
+    values into the padded blocks, attends there and puts the outputs back (`layout.token_index`,
+    `layout.block_position`). The log-probs are those of the padded layout; the demo's update runs
+    1,777 tokens instead of 2,480. Only for polo's attention: any other ignores the layout.
+    """
+    groups, length = shared.input_ids.shape
+    device = shared.input_ids.device
+    block_position = shared.real_tokens.reshape(-1).nonzero().squeeze(1)  # (T,)
+    token_index = torch.zeros(groups * length, dtype=torch.long, device=device)
+    token_index[block_position] = torch.arange(block_position.shape[0], device=device)
+    layout = SharedAttentionLayout(
+        shared.layout.prompt_len,
+        shared.layout.group_size,
+        shared.layout.completion_len,
+        shared.layout.prompt_mask,
+        shared.layout.completion_mask,
+        token_index=token_index.view(groups, length),
+        block_position=block_position,
+    )
+    return SharedPromptBatch(
+        input_ids=shared.input_ids.reshape(-1)[block_position][None],
+        attention_mask=None,
+        position_ids=shared.position_ids.reshape(-1)[block_position][None],
+        predictor_index=token_index[shared.predictor_index],
+        layout=layout,
+    )
 
 
 def shared_attention(
@@ -171,6 +216,20 @@ def shared_attention(
     G·C·(P + C) + P² score entries instead of (P + G·C)², and the result equals attention over
     the full (L, L) mask (the blocks skipped are all masked).
     """
+    if layout.token_index is not None:  # one row of real tokens (`without_padding`): attend in the blocks
+        groups, length = layout.token_index.shape
+        index = layout.token_index.reshape(-1)
+
+        def to_blocks(x: torch.Tensor) -> torch.Tensor:  # (1, h, T, d) -> (groups, h, P + G·C, d)
+            return x[0][:, index].unflatten(1, (groups, length)).transpose(0, 1)
+
+        out = _attend_blocks(attend, to_blocks(query), to_blocks(key), to_blocks(value), layout)
+        return out.reshape(groups * length, *out.shape[2:])[layout.block_position][None]  # (1, T, H, d)
+    return _attend_blocks(attend, query, key, value, layout)
+
+
+def _attend_blocks(attend, query, key, value, layout: SharedAttentionLayout) -> torch.Tensor:
+    """Return `shared_attention` over the padded layout: query (groups, H, L, d) -> (groups, L, H, d)."""
     groups, heads, length, dim = query.shape
     p, g, c = layout.prompt_len, layout.group_size, layout.completion_len
 
