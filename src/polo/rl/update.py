@@ -20,7 +20,7 @@ from polo.models.critic import completion_values
 from polo.rl.batching import UpdateBatch, micro_batches, trim_padding
 from polo.rl.critic import Critic, value_loss
 from polo.rl.modules import UpdateModules, build_update_modules
-from polo.runtime import distributed as parallel
+from polo.runtime import parallel
 from polo.runtime.device import Compute
 from polo.runtime.errors import NonFiniteLossError
 
