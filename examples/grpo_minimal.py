@@ -33,7 +33,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
-from polo.core import aggregate_loss, expand_to_tokens, group_advantages, kl_estimate, masked_mean, ppo_clip_loss
+from polo.core import (
+    LossNormalisers,
+    expand_to_tokens,
+    group_advantages,
+    kl_estimate,
+    masked_mean,
+    ppo_clip_loss,
+    seq_mean_token_mean,
+)
 
 POLO_CACHE = Path(os.environ.get("POLO_CACHE", Path.home() / ".cache" / "polo")).expanduser()
 DEFAULT_MODEL = POLO_CACHE / "models" / "smollm2-135m-instruct"
@@ -236,14 +244,9 @@ def update(model, ref_model, optimizer, scheduler, rollout: Rollout, advantages:
                 kl_sum += masked_mean(kl, mask, dim=1).sum().item()
             # GRPO's mean over each sequence's tokens, then over sequences; dividing by the whole batch's
             # sequence count (not the micro-batch's) makes the micro-batch gradients add up to the batch's.
-            loss = aggregate_loss(
-                per_token,
-                mask,
-                "grpo",  # "dr_grpo" or "dapo" here would give those papers' averaging instead
-                num_sequences=batch_size,
-                num_tokens=num_tokens,
-                max_completion_length=args.max_new_tokens,
-            )
+            # (seq_mean_token_sum_norm or token_mean here would give Dr. GRPO's or DAPO's averaging instead)
+            normalisers = LossNormalisers(batch_size, num_tokens, args.max_new_tokens)
+            loss = seq_mean_token_mean(per_token, mask, normalisers)
             loss.backward()
             loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -69,7 +69,7 @@ def test_wrong_type_names_the_key():
 
 
 def test_bad_choice_names_the_valid_ones():
-    with pytest.raises(ConfigError, match="grpo, bnpo, dapo, dr_grpo"):
+    with pytest.raises(ConfigError, match="seq_mean_token_mean, token_mean, seq_mean_token_sum_norm, micro_batch"):
         load_config(None, ["algorithm.loss_aggregation=mean"])
 
 
@@ -110,13 +110,13 @@ def test_algorithm_presets_fill_fields_and_explicit_keys_win():
     assert (dapo.clip_eps_high, dapo.dynamic_sampling, dapo.loss_aggregation, dapo.overlong_buffer) == (
         0.28,
         True,
-        "dapo",
+        "token_mean",
         0.2,
     )
     mine = load_config(
         {"algorithm": {"name": "dapo", "clip_eps_high": 0.3}}, ["algorithm.dynamic_sampling=false"]
     ).algorithm
-    assert (mine.clip_eps_high, mine.dynamic_sampling, mine.loss_aggregation) == (0.3, False, "dapo")
+    assert (mine.clip_eps_high, mine.dynamic_sampling, mine.loss_aggregation) == (0.3, False, "token_mean")
     assert load_config(None, ["algorithm.name=ppo"]).algorithm.advantage_estimator == "gae"
     assert load_config(None, ["algorithm.name=dr_grpo"]).algorithm.scale_rewards is False
     assert load_config(None, ["algorithm.name=gspo"]).algorithm.policy_loss == "gspo"

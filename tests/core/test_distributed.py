@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from polo.core import aggregate_loss, all_reduce_sum, global_count, whiten
+from polo.core import LossNormalisers, aggregate_loss, all_reduce_sum, global_count, whiten
 
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [-2.0, 5.0, 0.0], [7.0, 1.0, 1.0]])
 MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
@@ -22,9 +22,7 @@ def _rank_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> No
     try:
         rows = slice(2 * rank, 2 * rank + 2)  # rank 0 holds sequences 0–1, rank 1 holds 2–3
         num_tokens = global_count(MASK[rows].sum())
-        loss = aggregate_loss(
-            VALUES[rows], MASK[rows], "dapo", num_sequences=4, num_tokens=num_tokens, max_completion_length=3
-        )
+        loss = aggregate_loss(VALUES[rows], MASK[rows], "token_mean", LossNormalisers(4, num_tokens, 3))
         torch.save(
             {"whitened": whiten(VALUES[rows], MASK[rows]), "num_tokens": num_tokens, "loss": loss},
             f"{out_dir}/rank{rank}.pt",
@@ -40,5 +38,5 @@ def test_two_ranks_see_the_global_batch(tmp_path):
     # Whitening with the all-reduced statistics equals whitening the whole batch in one process.
     torch.testing.assert_close(torch.cat([result["whitened"] for result in results]), whiten(VALUES, MASK))
     # Per-rank losses with global normalisers add up to the single-process loss.
-    single = aggregate_loss(VALUES, MASK, "dapo", num_sequences=4, num_tokens=9, max_completion_length=3)
+    single = aggregate_loss(VALUES, MASK, "token_mean", LossNormalisers(4, 9, 3))
     torch.testing.assert_close(results[0]["loss"] + results[1]["loss"], single)

@@ -1,11 +1,15 @@
 """Policy/value losses and loss aggregation against numbers worked out by hand."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from polo.core import (
+    POLICY_LOSSES,
+    LossNormalisers,
+    PolicyLossInputs,
     aggregate_loss,
     entropy_from_logits,
     gspo_loss,
@@ -27,10 +31,10 @@ MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
 PPO_EXPECTED = torch.tensor([[-2.56, -1.1, 0.8], [-0.5, 1.5, 0.0]])
 
 
-def _ppo(ratios=RATIOS, advantages=ADVANTAGES, old_logprobs=None, **kwargs):
+def _ppo(ratios=RATIOS, advantages=ADVANTAGES, old_logprobs=None):
     old_logprobs = torch.zeros_like(ratios) if old_logprobs is None else old_logprobs
     logprobs = (ratios.log() + old_logprobs).requires_grad_()
-    per_token, stats = ppo_clip_loss(logprobs, old_logprobs, advantages, MASK, 0.2, 0.28, **kwargs)
+    per_token, stats = ppo_clip_loss(logprobs, old_logprobs, advantages, MASK, 0.2, 0.28)
     per_token.sum().backward()
     return per_token, stats, logprobs.grad
 
@@ -69,14 +73,21 @@ def test_ppo_padding_never_contributes():
     assert stats["ratio_sum"].item() == pytest.approx(5.1)
 
 
-def test_ppo_dual_clip_caps_negative_advantage_loss():
-    ratios = torch.tensor([[5.0, 1.5, 1.0], [1.0, 1.0, 1.0]])
-    advantages = torch.tensor([[-1.0, -1.0, 2.0], [0.0, 0.0, 0.0]])
-    # t0: −min(−5, −1.28) = 5, capped at −3·(−1) = 3; t1: 1.5 < 3 stays; t2 (A > 0): −min(2, 2) = −2.
-    per_token, _, _ = _ppo(ratios, advantages, dual_clip=3.0)
-    torch.testing.assert_close(per_token[0], torch.tensor([3.0, 1.5, -2.0]))
-    with pytest.raises(ValueError, match="dual_clip must be > 1"):
-        _ppo(dual_clip=0.5)
+@pytest.mark.parametrize("name, loss", [("ppo_clip", ppo_clip_loss), ("gspo", gspo_loss)])
+def test_registered_policy_losses_take_their_clip_range_from_the_settings(name, loss):
+    """The loop hands a loss (inputs, settings); the built-ins read the recipe's clip range from the settings."""
+    settings = SimpleNamespace(clip_eps_low=0.2, clip_eps_high=0.28)
+    logprobs = RATIOS.log()
+    inputs = PolicyLossInputs(logprobs, torch.zeros_like(logprobs), ADVANTAGES, MASK)
+    per_token, stats = POLICY_LOSSES[name](inputs, settings)
+    expected, expected_stats = loss(logprobs, torch.zeros_like(logprobs), ADVANTAGES, MASK, 0.2, 0.28)
+    torch.testing.assert_close(per_token, expected)
+    assert stats == expected_stats
+    # Every ratio 1.5 with A > 0: clipped at 1 + clip_eps_high, which the settings set.
+    hot = PolicyLossInputs(torch.full_like(logprobs, math.log(1.5)), torch.zeros_like(logprobs), ADVANTAGES.abs(), MASK)
+    wide, _ = POLICY_LOSSES[name](hot, settings)
+    narrow, _ = POLICY_LOSSES[name](hot, SimpleNamespace(clip_eps_low=0.2, clip_eps_high=0.1))
+    torch.testing.assert_close(narrow, wide * 1.1 / 1.28)
 
 
 def test_gspo_ratio_is_exp_of_mean_log_ratio():
@@ -89,7 +100,7 @@ def test_gspo_ratio_is_exp_of_mean_log_ratio():
     torch.testing.assert_close(per_token, torch.tensor([[-s0, -s0, 0.0], [-s1, -s1, -s1]]))
     assert stats["ratio_sum"].item() == pytest.approx(2 * s0 + 3 * s1)
     # Seq-mean-token-mean recovers −mean_i s_i A_i; d/d log π_t = −s_i A_i / |y_i| / num_sequences.
-    loss = aggregate_loss(per_token, mask, "grpo", num_sequences=2, num_tokens=5, max_completion_length=3)
+    loss = aggregate_loss(per_token, mask, "seq_mean_token_mean", LossNormalisers(2, 5, 3))
     loss.backward()
     expected_grad = torch.tensor([[-s0 / 2, -s0 / 2, 0.0], [-s1 / 3, -s1 / 3, -s1 / 3]]) / 2
     torch.testing.assert_close(logprobs.grad, expected_grad)
@@ -130,44 +141,68 @@ def test_value_loss_by_hand():
 # Three sequences, one of them empty; max_completion_length 4; padding holds junk.
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 100.0, float("nan")], [float("nan")] * 4])
 AGG_MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]])
-NORMALISERS = dict(num_sequences=3, num_tokens=6, max_completion_length=4)
+NORMALISERS = LossNormalisers(num_sequences=3, num_tokens=6, max_completion_length=4)
 
 
 @pytest.mark.parametrize(
     "mode, expected",
     [
-        ("grpo", (2.5 + 5.5 + 0.0) / 3),  # per-sequence token means 2.5, 5.5, 0 (empty) over 3 sequences
-        ("bnpo", 21 / 6),  # 1 + 2 + 3 + 4 + 5 + 6 = 21 over 6 tokens
-        ("dapo", 21 / 6),
-        ("dr_grpo", 21 / (3 * 4)),  # 21 over 3 sequences × 4 max tokens
+        ("seq_mean_token_mean", (2.5 + 5.5 + 0.0) / 3),  # per-sequence token means 2.5, 5.5, 0 (empty) over 3
+        ("token_mean", 21 / 6),  # 1 + 2 + 3 + 4 + 5 + 6 = 21 over 6 tokens
+        ("seq_mean_token_sum_norm", 21 / (3 * 4)),  # 21 over 3 sequences × 4 max tokens
+        ("micro_batch_token_mean", 21 / 6 / 1),  # this micro-batch's 6 tokens, the step's only micro-batch
     ],
 )
 def test_aggregation_modes_by_hand(mode, expected):
-    loss = aggregate_loss(PER_TOKEN, AGG_MASK, mode, **NORMALISERS)
+    loss = aggregate_loss(PER_TOKEN, AGG_MASK, mode, NORMALISERS)
     assert not torch.isnan(loss)
     assert loss.item() == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("mode", ["grpo", "bnpo", "dapo", "dr_grpo"])
-def test_micro_batches_sum_to_full_batch(mode):
+def random_batch():
     generator = torch.Generator().manual_seed(0)
     per_token = torch.randn(6, 5, generator=generator)
     mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [0] * 5, [1] * 4 + [0], [1] + [0] * 4, [1] * 2 + [0] * 3])
-    normalisers = dict(num_sequences=6, num_tokens=int(mask.sum()), max_completion_length=5)
-    full = aggregate_loss(per_token, mask, mode, **normalisers)
+    return per_token, mask
+
+
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"])
+def test_micro_batches_sum_to_full_batch(mode):
+    per_token, mask = random_batch()
+    full = aggregate_loss(per_token, mask, mode, LossNormalisers(6, int(mask.sum()), 5, num_micro_batches=1))
+    normalisers = LossNormalisers(6, int(mask.sum()), 5, num_micro_batches=2)
     micro_batches = (slice(0, 2), slice(2, 6))
-    halves = sum(aggregate_loss(per_token[rows], mask[rows], mode, **normalisers) for rows in micro_batches)
+    halves = sum(aggregate_loss(per_token[rows], mask[rows], mode, normalisers) for rows in micro_batches)
     torch.testing.assert_close(halves, full)
 
 
-@pytest.mark.parametrize("mode", ["grpo", "bnpo", "dr_grpo"])
+def test_micro_batch_token_mean_averages_each_micro_batchs_own_token_mean():
+    """TRL's bnpo: the token count is the local batch's, so the result depends on how the step is cut."""
+    per_token, mask = random_batch()
+    micro_batches = (slice(0, 2), slice(2, 6))  # 8 and 7 valid tokens
+    normalisers = LossNormalisers(6, int(mask.sum()), 5, num_micro_batches=2)
+    summed = sum(
+        aggregate_loss(per_token[rows], mask[rows], "micro_batch_token_mean", normalisers) for rows in micro_batches
+    )
+    means = [masked_mean(per_token[rows], mask[rows]) for rows in micro_batches]
+    torch.testing.assert_close(summed, (means[0] + means[1]) / 2)
+    whole = aggregate_loss(per_token, mask, "micro_batch_token_mean", LossNormalisers(6, 15, 5, num_micro_batches=1))
+    torch.testing.assert_close(whole, aggregate_loss(per_token, mask, "token_mean", normalisers))  # one micro-batch
+    assert not torch.allclose(summed, whole)  # two micro-batches of 8 and 7 tokens weigh their tokens unequally
+    empty = aggregate_loss(per_token[2:3], mask[2:3], "micro_batch_token_mean", normalisers)
+    assert empty.item() == 0.0  # a micro-batch without valid tokens adds nothing
+
+
+@pytest.mark.parametrize(
+    "mode", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "micro_batch_token_mean"]
+)
 def test_aggregation_padding_has_no_effect_on_gradients(mode):
     clean = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]], requires_grad=True)
     junk = torch.tensor([[1.0, 2.0, 7.0], [3.0, -8.0, 9.0]], requires_grad=True)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    normalisers = dict(num_sequences=2, num_tokens=3, max_completion_length=3)
-    clean_loss = aggregate_loss(clean**2, mask, mode, **normalisers)
-    junk_loss = aggregate_loss(junk**2, mask, mode, **normalisers)
+    normalisers = LossNormalisers(num_sequences=2, num_tokens=3, max_completion_length=3)
+    clean_loss = aggregate_loss(clean**2, mask, mode, normalisers)
+    junk_loss = aggregate_loss(junk**2, mask, mode, normalisers)
     clean_loss.backward()
     junk_loss.backward()
     torch.testing.assert_close(junk_loss, clean_loss)
@@ -175,10 +210,12 @@ def test_aggregation_padding_has_no_effect_on_gradients(mode):
 
 
 def test_aggregation_errors_name_the_bad_value():
-    with pytest.raises(ValueError, match=r"'seq_mean'.*\['bnpo', 'dapo', 'dr_grpo', 'grpo'\]"):
-        aggregate_loss(PER_TOKEN, AGG_MASK, "seq_mean", **NORMALISERS)
+    with pytest.raises(ValueError, match=r"'seq_mean'.*\['micro_batch_token_mean', 'seq_mean_token_mean', "):
+        aggregate_loss(PER_TOKEN, AGG_MASK, "seq_mean", NORMALISERS)
     with pytest.raises(ValueError, match="num_tokens must be a positive count.*0"):
-        aggregate_loss(PER_TOKEN, AGG_MASK, "dapo", num_sequences=3, num_tokens=0, max_completion_length=4)
+        aggregate_loss(PER_TOKEN, AGG_MASK, "token_mean", LossNormalisers(3, 0, 4))
+    with pytest.raises(ValueError, match="num_micro_batches must be a positive count.*0"):
+        aggregate_loss(PER_TOKEN, AGG_MASK, "micro_batch_token_mean", LossNormalisers(3, 6, 4, num_micro_batches=0))
 
 
 def test_masked_helpers():

@@ -16,7 +16,7 @@ def main(batch_path: str, config_path: str, out_path: str) -> None:
     from cuda_helpers import GROUP_SIZE, one_step
 
     from polo.rl.batching import Batch
-    from polo.runtime import distributed as parallel
+    from polo.runtime import parallel
     from polo.runtime.device import resolve_device
 
     device = resolve_device("cuda")  # this rank's GPU, from LOCAL_RANK

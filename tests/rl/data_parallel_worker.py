@@ -17,7 +17,7 @@ import torch
 
 def rank_share_batch(batch, group_size: int):
     from polo.rl.batching import Batch
-    from polo.runtime import distributed as parallel
+    from polo.runtime import parallel
 
     groups = len(batch.rollouts) // group_size
     mine = parallel.rank_share(list(range(groups)), "groups")
@@ -33,7 +33,7 @@ def one_update(batch, config_dict: dict, model_dir: str):
     from polo.rl.critic import build_critic
     from polo.rl.setup import Run, lr_lambda
     from polo.rl.update import update_modules
-    from polo.runtime import distributed as parallel
+    from polo.runtime import parallel
     from polo.runtime.device import CPU
 
     config = load_config(config_dict)
@@ -80,7 +80,7 @@ def one_update(batch, config_dict: dict, model_dir: str):
 
 
 def main(argv: list[str]) -> None:
-    from polo.runtime import distributed as parallel
+    from polo.runtime import parallel
 
     mode = argv[0]
     if mode == "update":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 
@@ -195,7 +196,7 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny_model_dir):
     batch = rollout(model, tokenizer, ["3+4=", "5+6="], 4, max_new_tokens=8, temperature=1.0)
     advantages = torch.linspace(-1, 1, 8)
     results = []
-    for mode in ("grpo", "bnpo", "dr_grpo"):
+    for mode in ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"):
         for micro in (8, 3):
             config = load_config(
                 tiny_config(tiny_model_dir, "unused"),
@@ -208,6 +209,42 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny_model_dir):
             results.append([p.grad.clone() for p in probe.parameters()])
         for full, accumulated in zip(results[-2], results[-1]):
             torch.testing.assert_close(full, accumulated, atol=1e-6, rtol=1e-4)
+
+
+def test_micro_batch_token_mean_is_the_mean_of_each_micro_batchs_token_mean(tiny_model_dir):
+    """TRL's bnpo through the update: micro-batches of 3, 3 and 2 rows each normalise by their own tokens."""
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    torch.manual_seed(1)
+    batch = rollout(model, tokenizer, ["3+4=", "5+6="], 4, max_new_tokens=8, temperature=1.0)
+    for row, length in enumerate([2, 8, 5, 1, 8, 3, 6, 4]):  # unequal token counts per micro-batch
+        batch.completion_mask[row, length:] = 0
+    advantages = torch.linspace(-1, 1, 8)
+
+    def gradients(rollouts, advantages, overrides):  # unclipped: each call's norm differs
+        config = load_config(tiny_config(tiny_model_dir, "unused"), ["train.max_grad_norm=1e9", *overrides])
+        probe, _ = load_policy(str(tiny_model_dir))
+        optimizer = torch.optim.SGD(probe.parameters(), lr=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        policy_update(Learner(probe, optimizer, scheduler, CPU), UpdateBatch(rollouts, advantages), config)
+        return [p.grad.clone() for p in probe.parameters()]
+
+    local = gradients(batch, advantages, ["train.micro_batch_size=3", "algorithm.loss_aggregation=bnpo"])
+    parts = [slice(0, 3), slice(3, 6), slice(6, 8)]
+    alone = [  # each micro-batch as the whole step: its own token mean
+        gradients(
+            dataclasses.replace(batch.select(rows), group_size=1),
+            advantages[rows],
+            ["train.micro_batch_size=8", "algorithm.loss_aggregation=token_mean"],
+        )
+        for rows in parts
+    ]
+    for index, grad in enumerate(local):
+        torch.testing.assert_close(grad, sum(part[index] for part in alone) / 3, atol=1e-6, rtol=1e-4)
+    one_micro_batch = gradients(batch, advantages, ["train.micro_batch_size=8", "algorithm.loss_aggregation=bnpo"])
+    token_mean = gradients(batch, advantages, ["train.micro_batch_size=8", "algorithm.loss_aggregation=token_mean"])
+    for a, b in zip(one_micro_batch, token_mean):
+        torch.testing.assert_close(a, b)
+    assert any(not torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(local, token_mean))
 
 
 def test_nan_loss_is_a_clear_error_and_applies_no_update(tiny_model_dir, tmp_path):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polo.runtime import distributed as parallel
+from polo.runtime import parallel
 
 
 @pytest.fixture

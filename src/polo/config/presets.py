@@ -16,25 +16,26 @@ from polo.config.schema import ConfigError
 # a 4096-token buffer under a 20480 cap = 0.2); RLOO (Ahmadian et al. 2024); REINFORCE++ (Hu 2025:
 # KL in the reward, batch-normalised returns); GSPO (Zheng et al. 2025: clip range 3e-4 / 4e-4);
 # PPO for LMs (Ouyang et al. 2022; Stiennon et al. 2020). Every preset names its four registered
-# parts (polo.core.registry) explicitly, so a reader goes from the name straight to the functions.
+# parts (polo.core.registry) explicitly, so a reader goes from the name straight to the functions;
+# the paper names live here, the functions are named for what they compute.
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": {
         "advantage_estimator": "grpo",
         "policy_loss": "ppo_clip",
-        "loss_aggregation": "grpo",
+        "loss_aggregation": "seq_mean_token_mean",
         "kl_estimator": "k3",
     },
     "dr_grpo": {
         "advantage_estimator": "grpo",
         "policy_loss": "ppo_clip",
-        "loss_aggregation": "dr_grpo",
+        "loss_aggregation": "seq_mean_token_sum_norm",
         "kl_estimator": "k3",
         "scale_rewards": False,
     },
     "dapo": {
         "advantage_estimator": "grpo",
         "policy_loss": "ppo_clip",
-        "loss_aggregation": "dapo",
+        "loss_aggregation": "token_mean",
         "kl_estimator": "k3",
         "clip_eps_low": 0.2,
         "clip_eps_high": 0.28,
@@ -45,13 +46,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "rloo": {
         "advantage_estimator": "rloo",
         "policy_loss": "ppo_clip",
-        "loss_aggregation": "grpo",
+        "loss_aggregation": "seq_mean_token_mean",
         "kl_estimator": "k3",
     },
     "reinforce_pp": {
         "advantage_estimator": "reinforce_pp",
         "policy_loss": "ppo_clip",
-        "loss_aggregation": "dapo",
+        "loss_aggregation": "token_mean",
         "kl_estimator": "k1",
         "kl_in_reward": True,
         "beta": 0.01,
@@ -59,7 +60,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gspo": {
         "advantage_estimator": "grpo",
         "policy_loss": "gspo",
-        "loss_aggregation": "grpo",
+        "loss_aggregation": "seq_mean_token_mean",
         "kl_estimator": "k3",
         "clip_eps_low": 3e-4,
         "clip_eps_high": 4e-4,
@@ -67,7 +68,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "ppo": {
         "advantage_estimator": "gae",
         "policy_loss": "ppo_clip",
-        "loss_aggregation": "dapo",
+        "loss_aggregation": "token_mean",
         "kl_estimator": "k1",
         "kl_in_reward": True,
         "beta": 0.05,
@@ -77,12 +78,31 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# `algorithm.loss_aggregation` once took paper names; each still works and is read as the aggregation
+# named for what it computes (config.yaml records the new name). A run's config.yaml, and the copy in
+# every checkpoint and model card, names them, and `polo train config.yaml` must repeat that run.
+# "bnpo" is TRL's loss_type, the local (micro-)batch's token mean (polo's bnpo used to be token_mean, as dapo).
+LOSS_AGGREGATION_ALIASES: dict[str, str] = {
+    "grpo": "seq_mean_token_mean",
+    "dapo": "token_mean",
+    "dr_grpo": "seq_mean_token_sum_norm",
+    "bnpo": "micro_batch_token_mean",
+}
+
+
 def apply_preset(data: dict) -> dict:
-    """Return recipe data whose `algorithm` section is the named preset under the recipe's own keys."""
+    """Return recipe data whose `algorithm` section is the named preset under the recipe's own keys.
+
+    An old `loss_aggregation` name (`LOSS_AGGREGATION_ALIASES`) becomes the name of what it computes.
+    """
     algorithm = data.get("algorithm") or {}
     if not isinstance(algorithm, dict):
         raise ConfigError(f"algorithm: expected a mapping of AlgorithmConfig fields, got {algorithm!r}")
     name = algorithm.get("name", "grpo")
     if name not in PRESETS:
         raise ConfigError(f"algorithm.name: {name!r} is not one of {', '.join(PRESETS)}")
-    return {**data, "algorithm": {**PRESETS[name], **algorithm, "name": name}}
+    merged = {**PRESETS[name], **algorithm, "name": name}
+    aggregation = merged.get("loss_aggregation")
+    if isinstance(aggregation, str) and aggregation in LOSS_AGGREGATION_ALIASES:
+        merged["loss_aggregation"] = LOSS_AGGREGATION_ALIASES[aggregation]
+    return {**data, "algorithm": merged}

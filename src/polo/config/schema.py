@@ -118,7 +118,8 @@ class AlgorithmConfig:
     beta: float = 0.0  # KL coefficient; a reference model is kept only when beta > 0
     kl_estimator: str = "k3"
     kl_in_reward: bool = False  # fold -beta*KL into per-token rewards (REINFORCE++, PPO) instead of the loss
-    loss_aggregation: str = "grpo"  # grpo | bnpo | dapo | dr_grpo
+    # seq_mean_token_mean | token_mean | seq_mean_token_sum_norm | micro_batch_token_mean (polo.core.losses)
+    loss_aggregation: str = "seq_mean_token_mean"
     update_epochs: int = 1  # mu: passes over each batch; old log-probs are computed when > 1
     # DAPO
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal, sample more prompts to refill

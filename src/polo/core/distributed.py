@@ -39,6 +39,6 @@ def global_count(value: float | int | torch.Tensor) -> float:
         return float(value)  # nothing to reduce: no tensor at all
     else:
         # A host number: polo's process groups reduce tensors on the default (host) device with
-        # gloo, also on GPUs (`cpu:gloo,cuda:nccl`, polo.runtime.distributed), so core never names a device.
+        # gloo, also on GPUs (`cpu:gloo,cuda:nccl`, polo.runtime.parallel), so core never names a device.
         count = torch.tensor(float(value), dtype=torch.float64)
     return float(all_reduce_sum(count).item())

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from polo.core.registry import LOSS_AGGREGATIONS, register_aggregation, register_policy_loss
+from polo.core.registry import (
+    LOSS_AGGREGATIONS,
+    LossNormalisers,
+    PolicyLossInputs,
+    register_aggregation,
+    register_policy_loss,
+)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -42,12 +48,7 @@ def _token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 
 
 def _clipped_surrogate(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float | None,
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return the per-token clipped-surrogate loss and its clip counts (shared by PPO and GSPO)."""
     if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
@@ -55,13 +56,7 @@ def _clipped_surrogate(
     is_valid = mask.bool()
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
-    if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
-        # With A < 0 the min above grows without bound as the ratio grows; cap the loss at −c·A.
-        per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
-    per_token = torch.where(is_valid, per_token, 0.0)
+    per_token = torch.where(is_valid, -torch.minimum(unclipped, clipped), 0.0)
     with torch.no_grad():
         stats = {
             "clip_low_count": (is_valid & (ratio < 1.0 - eps_low) & (advantages < 0)).sum().float(),
@@ -72,7 +67,6 @@ def _clipped_surrogate(
     return per_token, stats
 
 
-@register_policy_loss("ppo_clip")
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -80,14 +74,11 @@ def ppo_clip_loss(
     mask: torch.Tensor,
     eps_low: float,
     eps_high: float,
-    *,
-    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return (per-token PPO-clip loss `(batch, seq)`, stats) — PPO, and DAPO's clip-higher.
 
         ρ_t = exp(log π(y_t) − log π_old(y_t))
         l_t = −min(ρ_t A_t, clip(ρ_t, 1 − eps_low, 1 + eps_high) A_t)
-        l_t ← min(l_t, −c A_t) where A_t < 0                 (dual clip, if `dual_clip` = c)
 
     eps_low = eps_high is classic PPO; eps_high > eps_low is clip-higher (DAPO).
     Shapes: logprobs, old_logprobs, mask (batch, seq); advantages (batch,) — one per
@@ -101,10 +92,22 @@ def ppo_clip_loss(
     is_valid = mask.bool()
     # Zeroing the log-ratio before exp keeps padding out of the backward pass as well.
     ratio = torch.exp(torch.where(is_valid, logprobs - old_logprobs, 0.0))
-    return _clipped_surrogate(ratio, _token_advantages(advantages, mask), is_valid, eps_low, eps_high, dual_clip)
+    return _clipped_surrogate(ratio, _token_advantages(advantages, mask), is_valid, eps_low, eps_high)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("ppo_clip")
+def ppo_clip_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return `ppo_clip_loss` of a micro-batch with the recipe's clip range (`clip_eps_low`, `clip_eps_high`)."""
+    return ppo_clip_loss(
+        inputs.logprobs,
+        inputs.old_logprobs,
+        inputs.advantages,
+        inputs.mask,
+        settings.clip_eps_low,
+        settings.clip_eps_high,
+    )
+
+
 def gspo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -118,8 +121,8 @@ def gspo_loss(
         s_i = exp( (1/|y_i|) Σ_t (log π(y_it) − log π_old(y_it)) )      (over valid tokens)
         L_i = −min(s_i A_i, clip(s_i, 1 − eps_low, 1 + eps_high) A_i)
 
-    L_i is written on every valid token of sequence i, so the "grpo" aggregation
-    (seq-mean-token-mean) gives exactly the sequence-level objective mean_i L_i.
+    L_i is written on every valid token of sequence i, so the `seq_mean_token_mean` aggregation
+    gives exactly the sequence-level objective mean_i L_i.
     Shapes: logprobs, old_logprobs, mask (batch, seq); advantages (batch,), or (batch, seq)
     reduced to its per-sequence masked mean (exact for a broadcast sequence advantage).
     Stats are as for `ppo_clip_loss`, counting every valid token of a clipped sequence.
@@ -131,7 +134,20 @@ def gspo_loss(
     if token_advantages.shape == mask.shape:
         token_advantages = masked_mean(token_advantages, is_valid, dim=-1).unsqueeze(-1)
     ratio = sequence_ratio.unsqueeze(-1).expand_as(logprobs)
-    return _clipped_surrogate(ratio, token_advantages, is_valid, eps_low, eps_high, None)
+    return _clipped_surrogate(ratio, token_advantages, is_valid, eps_low, eps_high)
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return `gspo_loss` of a micro-batch with the recipe's clip range (`clip_eps_low`, `clip_eps_high`)."""
+    return gspo_loss(
+        inputs.logprobs,
+        inputs.old_logprobs,
+        inputs.advantages,
+        inputs.mask,
+        settings.clip_eps_low,
+        settings.clip_eps_high,
+    )
 
 
 def vanilla_pg_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -174,68 +190,83 @@ def _checked(name: str, value: float) -> float:
     return value
 
 
-@register_aggregation("grpo")
-def _seq_mean_token_mean(
-    per_token: torch.Tensor, mask: torch.Tensor, *, num_sequences: float, **_unused: float
-) -> torch.Tensor:
-    return masked_mean(per_token, mask, dim=-1).sum() / _checked("num_sequences", num_sequences)
+@register_aggregation("seq_mean_token_mean")
+def seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, normalisers: LossNormalisers) -> torch.Tensor:
+    """Return each sequence's mean over its tokens, averaged over the step's sequences (GRPO's objective).
+
+        L = Σ_i (Σ_t m_it l_it / Σ_t m_it) / num_sequences
+
+    Every sequence weighs the same, so a token of a short completion weighs more than one of a
+    long one (Shao et al. 2024, DeepSeekMath; the length bias Liu et al. 2025 point out).
+    Shapes: per_token, mask (batch, seq) → scalar.
+    """
+    return masked_mean(per_token, mask, dim=-1).sum() / _checked("num_sequences", normalisers.num_sequences)
 
 
-@register_aggregation("dapo")
-@register_aggregation("bnpo")
-def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, *, num_tokens: float, **_unused: float) -> torch.Tensor:
-    return masked_sum(per_token, mask) / _checked("num_tokens", num_tokens)
+@register_aggregation("token_mean")
+def token_mean(per_token: torch.Tensor, mask: torch.Tensor, normalisers: LossNormalisers) -> torch.Tensor:
+    """Return the mean over every valid token of the optimizer step (DAPO's token-level loss).
+
+        L = Σ_it m_it l_it / num_tokens
+
+    Every token weighs the same, whatever the length of its completion (Yu et al. 2025, DAPO).
+    Shapes: per_token, mask (batch, seq) → scalar.
+    """
+    return masked_sum(per_token, mask) / _checked("num_tokens", normalisers.num_tokens)
 
 
-@register_aggregation("dr_grpo")
-def _seq_mean_token_sum_norm(
-    per_token: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    num_sequences: float,
-    max_completion_length: int,
-    **_unused: float,
-) -> torch.Tensor:
-    normaliser = _checked("num_sequences", num_sequences) * _checked("max_completion_length", max_completion_length)
+@register_aggregation("seq_mean_token_sum_norm")
+def seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, normalisers: LossNormalisers) -> torch.Tensor:
+    """Return the sum over valid tokens divided by a constant: sequences times the longest allowed completion.
+
+        L = Σ_it m_it l_it / (num_sequences · max_completion_length)
+
+    The normaliser does not depend on the lengths sampled, so no length is favoured
+    (Liu et al. 2025, Dr. GRPO). Shapes: per_token, mask (batch, seq) → scalar.
+    """
+    normaliser = _checked("num_sequences", normalisers.num_sequences) * _checked(
+        "max_completion_length", normalisers.max_completion_length
+    )
     return masked_sum(per_token, mask) / normaliser
 
 
-AGGREGATIONS = LOSS_AGGREGATIONS  # the registry under its older name
+@register_aggregation("micro_batch_token_mean")
+def micro_batch_token_mean(per_token: torch.Tensor, mask: torch.Tensor, normalisers: LossNormalisers) -> torch.Tensor:
+    """Return this micro-batch's mean over its own valid tokens, averaged over the step's micro-batches.
+
+        L = (Σ_it m_it l_it / Σ_it m_it) / num_micro_batches          (sums over this micro-batch only)
+
+    TRL's "bnpo": the token count is the local batch's (this micro-batch on this rank), so unlike
+    every other aggregation the result depends on `train.micro_batch_size` and the number of
+    ranks; with one micro-batch on one rank it equals `token_mean`. A micro-batch without valid
+    tokens contributes 0. Shapes: per_token, mask (batch, seq) → scalar.
+    """
+    local_tokens = mask.float().sum().clamp(min=1.0)
+    return masked_sum(per_token, mask) / local_tokens / _checked("num_micro_batches", normalisers.num_micro_batches)
 
 
 def aggregate_loss(
-    per_token: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    *,
-    num_sequences: float,
-    num_tokens: float,
-    max_completion_length: int,
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str, normalisers: LossNormalisers
 ) -> torch.Tensor:
-    """Return the scalar loss for this micro-batch, normalised by whole-step counts.
+    """Return the scalar loss of this micro-batch under the registered aggregation `mode`.
 
-        "grpo"          seq-mean-token-mean:     Σ_i (Σ_t m_it l_it / Σ_t m_it) / num_sequences
-        "bnpo", "dapo"  token-mean:              Σ_it m_it l_it / num_tokens
-        "dr_grpo"       seq-mean-token-sum-norm: Σ_it m_it l_it / (num_sequences · max_completion_length)
+        seq_mean_token_mean       Σ_i (Σ_t m_it l_it / Σ_t m_it) / num_sequences            (GRPO)
+        token_mean                Σ_it m_it l_it / num_tokens                               (DAPO)
+        seq_mean_token_sum_norm   Σ_it m_it l_it / (num_sequences · max_completion_length)  (Dr. GRPO)
+        micro_batch_token_mean    (Σ_it m_it l_it / Σ_it m_it) / num_micro_batches          (TRL's bnpo)
 
-    num_sequences and num_tokens are GLOBAL: the counts for the whole optimizer step, over
-    every micro-batch of gradient accumulation and every rank (see
+    The counts in `normalisers` are GLOBAL: for the whole optimizer step, over every
+    micro-batch of gradient accumulation and every rank (see
     `polo.core.distributed.global_count`). Each term above is then a plain sum over
-    sequences or tokens, so the micro-batch losses add up to exactly the full-batch loss
-    and no extra division by the number of micro-batches is needed. The same holds across
-    ranks when their gradients are summed; DistributedDataParallel averages them instead, so
-    a DDP trainer multiplies this loss by the world size. A sequence with no valid tokens
-    contributes 0.
+    sequences, tokens or micro-batches, so the micro-batch losses add up to exactly the
+    full-batch loss and no extra division by the number of micro-batches is needed. The same
+    holds across ranks when their gradients are summed; DistributedDataParallel averages them
+    instead, so a DDP trainer multiplies this loss by the world size. A sequence with no valid
+    tokens contributes 0.
 
     Shapes: per_token (batch, seq), mask (batch, seq) → scalar.
     """
-    return LOSS_AGGREGATIONS[mode](
-        per_token,
-        mask,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        max_completion_length=max_completion_length,
-    )
+    return LOSS_AGGREGATIONS[mode](per_token, mask, normalisers)
 
 
 def entropy_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = None) -> torch.Tensor:

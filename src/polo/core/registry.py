@@ -3,9 +3,12 @@
 Four kinds of part are registered, each a pure function:
 
     ADVANTAGE_ESTIMATORS  (AdvantageInputs, settings) -> (advantages (batch, seq), returns | None)
-    POLICY_LOSSES         (logprobs, old_logprobs, advantages, mask, eps_low, eps_high) -> (per_token, stats)
-    LOSS_AGGREGATIONS     (per_token, mask, *, num_sequences, num_tokens, max_completion_length) -> scalar
+    POLICY_LOSSES         (PolicyLossInputs, settings) -> (per_token (batch, seq), stats)
+    LOSS_AGGREGATIONS     (per_token, mask, LossNormalisers) -> scalar
     KL_ESTIMATORS         (logprobs, ref_logprobs) -> (batch, seq)
+
+`settings` is the recipe's `algorithm` section (`polo.config.AlgorithmConfig`), so a new estimator
+or loss reads its knobs from there and the loop that calls it does not change.
 
 A user adds one with a decorator in their own module::
 
@@ -101,12 +104,17 @@ def register_advantage(
 
 
 def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
-    """Register a policy loss `(logprobs, old_logprobs, advantages, mask, eps_low, eps_high) -> (per_token, stats)`."""
+    """Register a policy loss `(PolicyLossInputs, settings) -> (per_token (batch, seq), stats)`.
+
+    `per_token` is 0 at padding. `stats` holds detached float sums the loop adds up over
+    micro-batches and ranks; it reports `clip_low_count` and `clip_high_count` (tokens clipped
+    below and above) as `clip_fraction/low` and `/high` when the loss gives them.
+    """
     return POLICY_LOSSES.register(name)
 
 
 def register_aggregation(name: str) -> Callable[[Callable], Callable]:
-    """Register a loss aggregation `(per_token, mask, *, num_sequences, num_tokens, max_completion_length) -> scalar`."""
+    """Register a loss aggregation `(per_token, mask, LossNormalisers) -> scalar`."""
     return LOSS_AGGREGATIONS.register(name)
 
 
@@ -130,3 +138,30 @@ class AdvantageInputs:
     group_size: int
     kl: torch.Tensor | None = None
     values: torch.Tensor | None = None
+
+
+@dataclass
+class PolicyLossInputs:
+    """What the loop hands every policy loss for one micro-batch.
+
+    logprobs (batch, seq) under the policy being trained, with gradient; old_logprobs (batch, seq)
+    under the policy that sampled, without (the same values as logprobs when the update is
+    on-policy); advantages (batch,) per sequence or (batch, seq) per token; mask (batch, seq) 1 on
+    the tokens the loss counts.
+    """
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LossNormalisers:
+    """The counts a loss aggregation divides by, each for the whole optimizer step: every micro-batch of gradient
+    accumulation on every rank (`polo.core.distributed.global_count`)."""
+
+    num_sequences: float
+    num_tokens: float  # valid tokens
+    max_completion_length: int  # sampling.max_new_tokens
+    num_micro_batches: float = 1.0

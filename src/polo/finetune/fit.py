@@ -42,9 +42,9 @@ from polo.models.scoring import completion_logprobs, position_ids_from_mask
 from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
 from polo.runtime.checkpoint import claim_output_dir, staged_directory
 from polo.runtime.device import CPU, Compute, autocast_compute
-from polo.runtime.distributed import is_main_process
 from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
+from polo.runtime.parallel import is_main_process
 from polo.runtime.run_lock import owned_run_dir
 
 # ---------------------------------------------------------------- recipe sections

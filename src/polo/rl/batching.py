@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from polo.generation.rollouts import Rollouts
-from polo.runtime import distributed as parallel
+from polo.runtime import parallel
 
 
 def batch_rows(rows: list[dict], step: int, prompts_per_step: int, seed: int, stream: int = 0) -> list[dict]:

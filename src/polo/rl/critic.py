@@ -110,7 +110,12 @@ class Critic:
 
 
 def value_loss(
-    values: torch.Tensor, batch: UpdateBatch, micro: torch.Tensor, mask: torch.Tensor, alg, normalisers: dict
+    values: torch.Tensor,
+    batch: UpdateBatch,
+    micro: torch.Tensor,
+    mask: torch.Tensor,
+    alg,
+    normalisers: core.LossNormalisers,
 ) -> torch.Tensor:
     """Return the clipped value loss of one micro-batch, token-mean over the whole minibatch.
 
@@ -119,7 +124,7 @@ def value_loss(
     old_values, returns = batch.old_values, batch.returns
     width = values.shape[1]
     per_token = core.value_loss(values.float(), old_values[micro, :width], returns[micro, :width], mask, alg.value_clip)
-    return core.aggregate_loss(per_token, mask, "dapo", **normalisers)
+    return core.aggregate_loss(per_token, mask, "token_mean", normalisers)
 
 
 def build_critic(config: Config, model, optimizer, lr_lambda) -> Critic | None:

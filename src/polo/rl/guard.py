@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from polo.config import Config, ConfigError
-from polo.runtime import distributed as parallel
+from polo.runtime import parallel
 from polo.runtime.checkpoint import Checkpointer
 from polo.runtime.errors import DivergenceError
 

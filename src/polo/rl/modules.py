@@ -2,7 +2,7 @@
 
 In one process they are plain modules; inside a process group the policy (and a separate critic)
 are wrapped in DistributedDataParallel, and FSDP-sharded policies reduce their own gradients.
-See `polo.runtime.distributed` for why the loss is scaled by the world size.
+See `polo.runtime.parallel` for why the loss is scaled by the world size.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from polo.models.critic import logprobs_and_values
 from polo.models.scoring import completion_logprobs
-from polo.runtime.distributed import data_parallel, is_distributed, is_sharded, world_size
+from polo.runtime.parallel import data_parallel, is_distributed, is_sharded, world_size
 
 
 class TrainingForward(nn.Module):

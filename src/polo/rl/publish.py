@@ -15,7 +15,7 @@ from polo.config import config_to_dict
 from polo.models.hub import model_card, push_folder
 from polo.models.lora import is_adapter_dir
 from polo.runtime.checkpoint import SaveError
-from polo.runtime.distributed import is_main_process
+from polo.runtime.parallel import is_main_process
 
 if TYPE_CHECKING:
     from polo.rl.setup import Run

@@ -31,11 +31,11 @@ from polo.rl.critic import Critic, build_critic
 from polo.rl.guard import RollbackState, check_guard_settings
 from polo.rl.modules import UpdateModules
 from polo.rl.update import Learner, update_modules
-from polo.runtime import distributed as parallel
+from polo.runtime import parallel
 from polo.runtime.checkpoint import Checkpointer, claim_output_dir, load_trainer_state
 from polo.runtime.device import Compute, train_compute
-from polo.runtime.distributed import is_main_process
 from polo.runtime.metrics import truncate_metrics
+from polo.runtime.parallel import is_main_process
 from polo.runtime.seeding import restore_rng, seed_everything
 
 

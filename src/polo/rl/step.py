@@ -32,7 +32,7 @@ from polo.rl.batching import (
 )
 from polo.rl.setup import Run
 from polo.rl.update import policy_update
-from polo.runtime import distributed as parallel
+from polo.runtime import parallel
 from polo.runtime.device import Compute, memory_metrics
 from polo.runtime.trackers import logs_tables
 

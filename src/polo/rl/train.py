@@ -24,12 +24,12 @@ from polo.rl.guard import DivergenceGuard, Rollback, RollbackState
 from polo.rl.publish import publish_model
 from polo.rl.setup import Run, set_up
 from polo.rl.step import StepResult, rl_step, sampling_weights
-from polo.runtime import distributed as parallel
+from polo.runtime import parallel
 from polo.runtime.device import resolve_device
-from polo.runtime.distributed import is_main_process
 from polo.runtime.errors import NonFiniteLossError
 from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
+from polo.runtime.parallel import is_main_process
 from polo.runtime.run_lock import owned_run_dir
 from polo.runtime.trackers import Trackers
 
@@ -60,7 +60,7 @@ def train(
     added to the configured rewards. `train_dataset` / `eval_dataset` (a `datasets.Dataset` or a
     list of dicts) are the rows of the hf task (`polo.data.hf`; a resume needs the same ones again).
     Launched by `torchrun`, every process calls it and the run is data-parallel (see
-    `polo.runtime.distributed`); the process group is joined and left here.
+    `polo.runtime.parallel`); the process group is joined and left here.
     """
     if not isinstance(config, Config) or overrides:  # read once, here: the process group's backend follows train.device
         config, overrides = (

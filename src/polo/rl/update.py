@@ -20,7 +20,7 @@ from polo.models.critic import completion_values
 from polo.rl.batching import UpdateBatch, micro_batches, trim_padding
 from polo.rl.critic import Critic, value_loss
 from polo.rl.modules import UpdateModules, build_update_modules
-from polo.runtime import distributed as parallel
+from polo.runtime import parallel
 from polo.runtime.device import Compute
 from polo.runtime.errors import NonFiniteLossError
 
@@ -81,23 +81,27 @@ class UpdateContext:
 
 
 def policy_loss_term(
-    ctx: UpdateContext, logprobs: torch.Tensor, micro: torch.Tensor, mask: torch.Tensor, normalisers: dict
+    ctx: UpdateContext,
+    logprobs: torch.Tensor,
+    micro: torch.Tensor,
+    mask: torch.Tensor,
+    normalisers: core.LossNormalisers,
 ) -> torch.Tensor:
     """Return the aggregated policy loss (+ beta * KL) of one micro-batch and add its statistics to `ctx.sums`."""
     alg, width = ctx.alg, logprobs.shape[1]
     old = ctx.old_logprobs[micro, :width] if ctx.old_logprobs is not None else logprobs.detach()
     token_advantages = ctx.advantages[micro, :width] if ctx.advantages.dim() == 2 else ctx.advantages[micro]
-    per_token, stats = ctx.policy_loss(logprobs, old, token_advantages, mask, alg.clip_eps_low, alg.clip_eps_high)
+    per_token, stats = ctx.policy_loss(core.PolicyLossInputs(logprobs, old, token_advantages, mask), alg)
     if ctx.kl_in_loss:
         kl = core.kl_estimate(logprobs, ctx.ref_logprobs[micro, :width], alg.kl_estimator)
         per_token = per_token + alg.beta * kl
         ctx.sums["kl"] += float((kl.detach() * mask).sum())
-    ctx.sums["clip_low"] += float(stats["clip_low_count"])
-    ctx.sums["clip_high"] += float(stats["clip_high_count"])
-    return core.aggregate_loss(per_token, mask, alg.loss_aggregation, **normalisers)
+    ctx.sums["clip_low"] += float(stats.get("clip_low_count", 0.0))
+    ctx.sums["clip_high"] += float(stats.get("clip_high_count", 0.0))
+    return core.aggregate_loss(per_token, mask, alg.loss_aggregation, normalisers)
 
 
-def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: dict) -> float:
+def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.LossNormalisers) -> float:
     """Forward and backward one micro-batch (policy loss, and the critic's value loss); return its loss."""
     alg, critic, modules = ctx.alg, ctx.critic, ctx.modules
     optimizer, scheduler = ctx.learner.optimizer, ctx.learner.scheduler
@@ -137,15 +141,16 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: dict)
 def minibatch_step(ctx: UpdateContext, rows: torch.Tensor) -> None:
     """Accumulate the gradient of minibatch `rows` over its micro-batches, clip it and take one optimizer step."""
     train_config, optimizer, scheduler = ctx.config.train, ctx.learner.optimizer, ctx.learner.scheduler
-    normalisers = {
-        "num_sequences": core.global_count(len(rows)),
-        "num_tokens": core.global_count(ctx.loss_mask[rows].sum().clamp(min=1.0)),
-        "max_completion_length": ctx.config.sampling.max_new_tokens,
-    }
+    micros = micro_batches(rows, train_config.micro_batch_size, ctx.rollouts.group_size)
+    normalisers = core.LossNormalisers(
+        num_sequences=core.global_count(len(rows)),
+        num_tokens=core.global_count(ctx.loss_mask[rows].sum().clamp(min=1.0)),
+        max_completion_length=ctx.config.sampling.max_new_tokens,
+        num_micro_batches=core.global_count(len(micros)),
+    )
     optimizer.zero_grad(set_to_none=True)
     if ctx.critic is not None:
         ctx.critic.zero_grad()
-    micros = micro_batches(rows, train_config.micro_batch_size, ctx.rollouts.group_size)
     minibatch_loss = 0.0
     for index, micro in enumerate(micros):
         with ctx.modules.gradient_sync(index == len(micros) - 1):  # gradients all-reduce on the last micro-batch only

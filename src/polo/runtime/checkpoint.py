@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from polo.config import ConfigError
-from polo.runtime import distributed as parallel
-from polo.runtime.distributed import is_main_process
+from polo.runtime import parallel
+from polo.runtime.parallel import is_main_process
 from polo.runtime.seeding import rng_state
 
 

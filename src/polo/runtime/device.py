@@ -23,7 +23,7 @@ import torch
 
 from polo import core
 from polo.config import Config, ConfigError
-from polo.runtime import distributed as parallel
+from polo.runtime import parallel
 from polo.runtime.rates import cached_rates
 
 PRECISIONS = ("fp32", "bf16", "bf16_master", "bf16_weights")

@@ -8,7 +8,7 @@ import math
 import time
 from pathlib import Path
 
-from polo.runtime.distributed import is_main_process
+from polo.runtime.parallel import is_main_process
 from polo.runtime.trackers import Sink, Trackers, open_sinks
 
 

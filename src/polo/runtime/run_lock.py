@@ -26,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 
 from polo.config import ConfigError
-from polo.runtime import distributed as parallel
+from polo.runtime import parallel
 from polo.runtime.checkpoint import previous_run
 
 LOCK_FILE = ".polo.lock"
