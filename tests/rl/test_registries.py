@@ -88,7 +88,7 @@ def test_user_registered_estimator_and_loss_train_through_polo_train(tiny_model_
         {"advantage_estimator": "my_algorithms:batch_centered", "policy_loss": "my_algorithms:plain_pg"}
     )
     recipe["train"].update({"steps": 2})
-    recipe["output"].update({"plots": False, "tensorboard": False})
+    recipe["output"].update({"plots": False, "report_to": []})
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     polo = Path(sys.executable).with_name("polo")
     finished = subprocess.run(

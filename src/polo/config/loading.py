@@ -14,9 +14,16 @@ from typing import Any, Union
 
 import yaml
 
+from polo.config.errors import ConfigError
 from polo.config.presets import apply_preset
-from polo.config.schema import Config, ConfigError
+from polo.config.schema import Config
 from polo.config.validation import validate
+
+# Keys polo no longer reads, and what a recipe naming one should say instead (one line, not "unknown key").
+REMOVED_KEYS = {
+    "output.tensorboard": "output.report_to replaced it: list the trackers, e.g. output.report_to=[tensorboard] "
+    "(the default), or [] for none (metrics.jsonl is always written)",
+}
 
 
 def _type_name(annotation: Any) -> str:
@@ -91,6 +98,8 @@ def _build(cls: type, values: dict, prefix: str = "") -> Any:
     kwargs = {}
     for name, value in values.items():
         key = f"{prefix}.{name}" if prefix else str(name)
+        if key in REMOVED_KEYS:
+            raise ConfigError(f"{key} was removed; {REMOVED_KEYS[key]}")
         if name not in hints:
             raise ConfigError(
                 f"unknown config key {key!r}; valid keys{' in ' + prefix if prefix else ''}: {', '.join(valid)}"

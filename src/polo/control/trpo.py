@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from polo.control.base import OnPolicyAlgorithm, explained_variance, normalize
+from polo.control.base import OnPolicyAlgorithm, explained_variance, normalize, register_algorithm
 from polo.control.policies import ActorCritic
 from polo.control.rollout import Batch
 from polo.core.advantages import gae_advantages
@@ -91,6 +91,7 @@ def trpo_step(
     }
 
 
+@register_algorithm("trpo")
 class TRPO(OnPolicyAlgorithm):
     collects = "steps"
     uses_critic = True
