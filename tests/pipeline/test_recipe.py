@@ -38,7 +38,7 @@ def recipe(tmp_path) -> dict:
         (["stages.reason.kind=ppo"], "stages.reason.kind: 'ppo' is not one of sft, grpo, reject_sft"),
         (
             ["stages.reason.train.stepz=3"],
-            "stages.reason: unknown config key 'train.stepz'; valid keys in train: steps,",
+            "stages.reason: unknown config key 'train.stepz'; valid keys in train: learning_rate, weight_decay,",
         ),
         (["stages.reason.train.steps=-1"], "stages.reason: train.steps must be at least 0, got -1"),
         (
@@ -151,7 +151,7 @@ def test_the_command_line_says_one_line(recipe, tmp_path):
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(recipe))
     message = polo_error("pipeline", str(path), "stages.reason.train.stepz=3", cwd=tmp_path)
-    assert message.startswith("stages.reason: unknown config key 'train.stepz'; valid keys in train: steps,")
+    assert message.startswith("stages.reason: unknown config key 'train.stepz'; valid keys in train: learning_rate,")
     assert (
         polo_error("pipeline", str(tmp_path / "missing.yaml"), cwd=tmp_path)
         == f"recipe {tmp_path / 'missing.yaml'} does not exist"

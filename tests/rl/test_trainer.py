@@ -42,7 +42,13 @@ def tiny_config(model_dir, output_dir, **sections):
             "seed": 3,
         },
         "eval": {"batch_size": 4, "max_new_tokens": 6},
-        "output": {"dir": str(output_dir), "save_every": 2, "progress": False, "tensorboard": True, "plots": True},
+        "output": {
+            "dir": str(output_dir),
+            "save_every": 2,
+            "progress": False,
+            "report_to": ["tensorboard"],
+            "plots": True,
+        },
     }
     for section, values in sections.items():
         config.setdefault(section, {}).update(values)
