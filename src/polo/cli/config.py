@@ -7,6 +7,8 @@ docs/config.md (`polo config --markdown > docs/config.md` writes that file).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from polo.config import ConfigError
 from polo.config import describe as doc
@@ -102,17 +104,21 @@ def add_parser(subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print what `polo config` was asked for; return the exit status."""
-    if args.markdown:
-        print(reference(), end="")
-        return 0
     words = list(args.words)
-    if not words:
-        print(index())
-        return 0
-    command = words.pop(0) if words[0] in COMMANDS else "train"
-    if len(words) > 1:
-        raise ConfigError(f"polo config: one section or key at a time, got {' '.join(words)}")
-    print(describe(command, words[0] if words else ""))
+    if args.markdown:
+        text = reference().rstrip("\n")
+    elif not words:
+        text = index()
+    else:
+        command = words.pop(0) if words[0] in COMMANDS else "train"
+        if len(words) > 1:
+            raise ConfigError(f"polo config: one section or key at a time, got {' '.join(words)}")
+        text = describe(command, words[0] if words else "")
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `polo config | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
