@@ -17,11 +17,11 @@ from polo.models.loading import load_policy
 from polo.rewards import RewardFunctionError, RewardSet
 from polo.rl.batching import batch_rows
 from polo.rl.setup import optimizer_steps
-from polo.runtime.optimizer import build_optimizer, build_schedule
 from polo.rl.train import train
 from polo.rl.update import policy_update
 from polo.runtime.device import CPU
 from polo.runtime.errors import NonFiniteLossError
+from polo.runtime.optimizer import build_optimizer, build_schedule
 
 TIME_KEYS = ("time/", "tokens_per_second", "timestamp")
 

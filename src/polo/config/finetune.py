@@ -22,8 +22,8 @@ from polo.config.schema import (
     push_to_hub_setting,
     report_to_setting,
     run_name_setting,
-    tracker_dir_setting,
     threads_setting,
+    tracker_dir_setting,
 )
 from polo.config.validation import check_device, check_output, check_settings
 
