@@ -112,7 +112,7 @@ def polo_config(steps: int, output_dir: Path, lora: bool = False, device: str = 
             "device": device,
         },
         "eval": {"before": False, "after": False},
-        "output": {"dir": str(output_dir), "save_every": 0, "tensorboard": False, "plots": False, "progress": False},
+        "output": {"dir": str(output_dir), "save_every": 0, "report_to": [], "plots": False, "progress": False},
     }
 
 
@@ -126,7 +126,7 @@ def demo_config(steps: int, output_dir: Path, device: str) -> dict:
     config["output"] = {
         "dir": str(output_dir),
         "save_every": 0,
-        "tensorboard": False,
+        "report_to": [],
         "plots": False,
         "progress": False,
     }

@@ -43,7 +43,7 @@ def run(processes: int, steps: int, output_dir: Path, recipe: str, extra: list[s
         "eval.after=false",
         "output.save_every=0",
         "output.plots=false",
-        "output.tensorboard=false",
+        "output.report_to=[]",
         "output.progress=false",
         f"output.dir={output_dir}",
         *extra,

@@ -37,7 +37,7 @@ def rl_recipe(tmp_path: Path, model: str | None = None, **sections) -> Path:
         "algorithm": {"group_size": 2},
         "train": {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 4, "precision": "fp32"},
         "eval": {"batch_size": 4, "before": False, "after": False},
-        "output": {"dir": str(tmp_path / "run"), "progress": False, "tensorboard": False, "plots": False},
+        "output": {"dir": str(tmp_path / "run"), "progress": False, "report_to": [], "plots": False},
     }
     for section, values in sections.items():
         recipe[section].update(values)
@@ -154,7 +154,7 @@ def test_control_bad_learning_rate(tmp_path):
         f"output.dir={tmp_path / 'out'}",
         cwd=tmp_path,
     )
-    assert line == "train.learning_rate must be a finite number > 0, got -0.0003"
+    assert line == "train.learning_rate must be a finite number >= 0, got -0.0003"
 
 
 def test_eval_misspelled_checker(tmp_path):

@@ -131,3 +131,11 @@ def test_unknown_algorithm_names_the_valid_ones():
         load_config(None, ["algorithm.name=ppo2"])
     with pytest.raises(ConfigError, match="kl_in_reward needs algorithm.beta > 0"):
         load_config(None, ["algorithm.name=ppo", "algorithm.beta=0"])
+
+
+def test_a_section_keeps_its_command_s_own_defaults_for_the_keys_a_recipe_leaves_out():
+    from polo.config.finetune import load_dpo_config, load_sft_config
+
+    dpo = load_dpo_config({"data": {"train_path": "x.jsonl"}, "train": {"epochs": 2}, "output": {"progress": False}})
+    assert (dpo.train.learning_rate, dpo.train.epochs, dpo.output.dir) == (5e-7, 2, "runs/dpo")  # not the class's 1e-5
+    assert load_sft_config({"data": {"train_path": "x.jsonl"}, "output": {"overwrite": True}}).output.dir == "runs/sft"

@@ -11,7 +11,7 @@ from polo.config import ConfigError
 from polo.control import load_control_config, train
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-FAST = ["train.rollout_steps=16", "train.epochs=2", "output.progress=false", "output.tensorboard=false"]
+FAST = ["train.rollout_steps=16", "train.epochs=2", "output.progress=false", "output.report_to=[]"]
 
 
 @pytest.mark.parametrize("algorithm", ["reinforce", "a2c", "trpo", "ppo", "grpo"])

@@ -31,7 +31,7 @@ def run_config(model_dir: Path, output_dir: Path, device: str, precision: str = 
             "gradient_checkpointing": False,
         },
         "eval": {"before": False, "after": False},
-        "output": {"dir": str(output_dir), "save_every": 1, "progress": False, "tensorboard": False, "plots": False},
+        "output": {"dir": str(output_dir), "save_every": 1, "progress": False, "report_to": [], "plots": False},
     }
     for section, values in sections.items():
         config.setdefault(section, {}).update(values)

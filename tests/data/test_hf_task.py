@@ -270,7 +270,7 @@ def one_step(model_dir: Path, output_dir: Path, task: dict | None = None, **data
         output_dir,
         train={"steps": 1},
         eval={"before": False, "after": False},
-        output={"save_every": 0, "tensorboard": False, "plots": False},
+        output={"save_every": 0, "report_to": [], "plots": False},
     )
     config["task"] = task or {"num_eval": None}
     result = polo.train(config, reward_functions={row_reward: 1.0}, **datasets_passed)

@@ -448,3 +448,11 @@ def test_make_task_unknown_name_and_impossible_arithmetic(tmp_path):
         make_task(load_config(None, ["task.name=jsnl"]))
     with pytest.raises(ConfigError, match=r"^task arithmetic: .*only 100\b"):
         make_task(load_config(None, ["task.min_digits=1", "task.max_digits=1", "task.num_train=200"]))
+
+
+def test_unseen_train_rows_leave_out_every_held_out_question():
+    from polo.data.base import Task
+
+    rows = [{"question": q, "answer": "1"} for q in ("a", "b", "c", "b")]
+    task = Task("toy", rows, [{"question": "b", "answer": "1"}], lambda completion, row: 0.0)
+    assert [row["question"] for row in task.unseen_train_rows()] == ["a", "c"]

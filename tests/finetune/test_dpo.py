@@ -80,7 +80,7 @@ def test_dpo_end_to_end_logs_trl_metrics_and_saves_a_loadable_model(tiny_model_d
         },
         "dpo": {"beta": 0.5},
         "train": {"epochs": 3, "batch_size": 4, "micro_batch_size": 4, "learning_rate": 3e-3, "precision": "fp32"},
-        "output": {"dir": str(tmp_path / "dpo"), "tensorboard": False, "progress": False},
+        "output": {"dir": str(tmp_path / "dpo"), "report_to": [], "progress": False},
     }
     result = dpo(recipe)
     assert result.steps == 6
@@ -105,7 +105,7 @@ def test_dpo_end_to_end_logs_trl_metrics_and_saves_a_loadable_model(tiny_model_d
 
 
 def test_dpo_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="dpo.beta must be > 0"):
+    with pytest.raises(ConfigError, match=r"dpo.beta must be a finite number > 0, got 0.0"):
         load_dpo_config({"data": {"train_path": "x.jsonl"}, "dpo": {"beta": 0}})
     with pytest.raises(ConfigError, match="valid keys in dpo: beta"):
         load_dpo_config({"data": {"train_path": "x.jsonl"}, "dpo": {"bta": 0.1}})
@@ -143,5 +143,5 @@ def test_nll_weight_adds_the_preferred_answers_per_token_nll(tiny_model_dir):
     chosen_tokens = len(example.sequences[0].response_ids)  # "1" and EOS
     assert stats["nll/chosen"] == pytest.approx(-chosen_logp.item() / chosen_tokens, rel=1e-5)
     assert mixed.item() == pytest.approx(plain.item() + 0.2 * stats["nll/chosen"], rel=1e-5)
-    with pytest.raises(ConfigError, match="dpo.nll_weight must be >= 0"):
+    with pytest.raises(ConfigError, match=r"dpo.nll_weight must be a finite number >= 0, got -1.0"):
         load_dpo_config({"data": {"train_path": "x.jsonl"}, "dpo": {"nll_weight": -1}})

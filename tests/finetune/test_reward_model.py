@@ -192,7 +192,7 @@ def test_rm_end_to_end_learns_saves_and_reloads(tiny_model_dir, tmp_path, capsys
             "eval_path": rankings_file(tmp_path / "eval.jsonl", 4),
         },
         "train": {"epochs": 6, "batch_size": 4, "micro_batch_size": 6, "learning_rate": 3e-3, "precision": "fp32"},
-        "output": {"dir": str(tmp_path / "rm"), "tensorboard": False, "progress": False},
+        "output": {"dir": str(tmp_path / "rm"), "report_to": [], "progress": False},
     }
     result = train_reward_model(recipe)
     assert result.steps == 12
@@ -246,7 +246,7 @@ def test_rl_trains_against_a_reward_model(tiny_model_dir, reward_model_dir, tmp_
         "algorithm": {"group_size": 2},
         "train": {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 4, "learning_rate": 1e-3, "precision": "fp32"},
         "eval": {"before": False, "after": False},
-        "output": {"dir": str(tmp_path / "rl"), "progress": False, "tensorboard": False, "plots": False},
+        "output": {"dir": str(tmp_path / "rl"), "progress": False, "report_to": [], "plots": False},
     }
     result = train(config)
     (row,) = [row for row in result.metrics if "reward/rm/mean" in row]

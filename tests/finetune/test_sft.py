@@ -33,7 +33,7 @@ def tiny_recipe(model_dir, tmp_path, **sections) -> dict:
             "eval_path": demos_file(tmp_path / "eval.jsonl", 4),
         },
         "train": {"epochs": 3, "batch_size": 4, "micro_batch_size": 3, "learning_rate": 3e-3, "precision": "fp32"},
-        "output": {"dir": str(tmp_path / "run"), "tensorboard": False, "progress": False},
+        "output": {"dir": str(tmp_path / "run"), "report_to": [], "progress": False},
     }
     for name, values in sections.items():
         recipe[name] = {**recipe.get(name, {}), **values}

@@ -100,7 +100,7 @@ def tiny_rl_recipe(model: str, output_dir: Path, **output) -> dict:
             "dir": str(output_dir),
             "save_every": 0,
             "progress": False,
-            "tensorboard": False,
+            "report_to": [],
             "plots": False,
             **output,
         },
@@ -442,16 +442,17 @@ def test_a_failed_upload_says_the_model_is_safe(tmp_path, monkeypatch):
 
 def test_model_card_of_an_adapter():
     card = hub.model_card(
-        location="me/adapter",
-        base_model="smollm2-135m-instruct",
-        algorithm="dapo",
-        task="gsm8k",
-        steps=30,
-        recipe="model:\n  name: smollm2-135m-instruct\n",
-        eval_before=None,
-        eval_after={"accuracy": 0.4},
-        num_eval=200,
-        adapter=True,
+        hub.ModelCard(
+            location="me/adapter",
+            base_model="smollm2-135m-instruct",
+            method="dapo",
+            trained_on="gsm8k",
+            steps=30,
+            recipe="model:\n  name: smollm2-135m-instruct\n",
+            held_out=hub.HeldOut("Greedy decoding on 200 held-out problems", ("accuracy",), None, {"accuracy": 0.4}),
+            adapter=True,
+            tags=("dapo", "reinforcement-learning"),
+        )
     )
     metadata = yaml.safe_load(card.split("---\n")[1])
     assert metadata == {
@@ -466,3 +467,98 @@ def test_model_card_of_an_adapter():
     )
     assert "| before training | not measured |" in card and "| after training | 0.400 |" in card
     assert "```yaml\nmodel:\n  name: smollm2-135m-instruct\n```" in card
+
+
+def test_model_card_of_a_reward_model():
+    card = hub.model_card(
+        hub.ModelCard(
+            location="runs/rm/final",
+            base_model="smollm2-135m-instruct",
+            method="reward model",
+            trained_on="preferences_train.jsonl",
+            steps=12,
+            recipe="data: {}\n",
+            command="rm",
+            held_out=hub.HeldOut(
+                "Pair accuracy on 4 rankings",
+                ("pair_accuracy", "margin"),
+                {"pair_accuracy": 0.5, "margin": 0.0},
+                {"pair_accuracy": 1.0, "margin": 2.5},
+            ),
+            reward_model=True,
+            tags=("reward-model",),
+        )
+    )
+    assert yaml.safe_load(card.split("---\n")[1])["pipeline_tag"] == "text-classification"
+    assert "| | pair_accuracy | margin |" in card and "| after training | 1.000 | 2.500 |" in card
+    assert 'AutoModelForSequenceClassification.from_pretrained("runs/rm/final")' in card
+    assert "`polo rm config.yaml` repeats it" in card and "polo eval" not in card
+
+
+# ---------------------------------------------------------------- every command pushes like polo train
+
+
+def sft_recipe(model: str, tmp_path: Path) -> dict:
+    rows = [{"prompt": f"What is {i} + 1?", "response": f"{i} + 1 = {i + 1}"} for i in range(4)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {
+        "model": {"name": model},
+        "data": {"train_path": str(tmp_path / "train.jsonl"), "max_length": 64},
+        "train": {"batch_size": 4, "micro_batch_size": 4, "precision": "fp32"},
+        "output": {"dir": str(tmp_path / "run"), "report_to": [], "progress": False},
+    }
+
+
+@pytest.mark.parametrize("command", ["sft", "rm", "dpo", "pipeline"])
+def test_every_command_refuses_a_push_that_cannot_happen_before_anything_loads(
+    tiny_model_dir, tmp_path, monkeypatch, capsys, command
+):
+    import polo.models.loading as loading
+    import polo.pipeline.run as pipeline_run
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for name in ("load_policy", "load_tokenizer"):
+        monkeypatch.setattr(loading, name, lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(pipeline_run, "run_plan", lambda *args, **kwargs: pytest.fail("a stage ran"))
+    if command == "pipeline":
+        recipe = {
+            "pipeline": {"dir": str(tmp_path / "run"), "model": str(tiny_model_dir)},
+            "task": {"name": "arithmetic", "min_digits": 1, "max_digits": 1, "num_train": 40, "num_eval": 6},
+            "stages": {"tune": {"kind": "sft", **sft_recipe(str(tiny_model_dir), tmp_path)}},
+        }
+        del recipe["stages"]["tune"]["output"]["dir"], recipe["stages"]["tune"]["model"]
+        key = "pipeline.push_to_hub"
+    else:
+        recipe, key = sft_recipe(str(tiny_model_dir), tmp_path), "output.push_to_hub"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    capsys.readouterr()
+    assert main([command, str(path), f"{key}=me/tiny"]) == 2
+    where = "pipeline.dir" if command == "pipeline" else "output.dir"
+    assert capsys.readouterr().err.splitlines() == [
+        f"polo: error: {key}=me/tiny needs the Hugging Face Hub, but it is offline (HF_HUB_OFFLINE=1): "
+        f"run where the Hub can be reached, or set {key}=null (the final model and its README.md stay in {where})"
+    ]
+
+
+def test_polo_sft_pushes_its_final_model_with_a_model_card(
+    tiny_model_dir, tmp_path, monkeypatch, recording_api, capsys
+):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    recipe = sft_recipe(str(tiny_model_dir), tmp_path)
+    recipe["output"].update({"push_to_hub": "me/tiny-sft", "hub_private": True})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["sft", str(path)]) == 0
+    final = tmp_path / "run" / "final"
+    assert f"polo: pushed {final} to https://huggingface.co/me/tiny-sft" in capsys.readouterr().out
+    (create, upload) = recording_api
+    assert create == ("create_repo", "me/tiny-sft", {"private": True, "exist_ok": True, "repo_type": "model"})
+    _, kwargs, files, card = upload
+    assert kwargs["folder_path"] == str(final) and {"README.md", "model.safetensors", "tokenizer.json"} <= set(files)
+    assert card == (final / "README.md").read_text()
+    metadata = yaml.safe_load(card.removeprefix("---\n").split("\n---\n", 1)[0])
+    assert metadata["tags"] == ["polo", "sft"] and "base_model" not in metadata  # a local directory is no Hub id
+    assert "No held-out evaluation was run (the recipe sets no data.eval_path)" in card
+    assert 'AutoModelForCausalLM.from_pretrained("me/tiny-sft")' in card and "`polo sft config.yaml`" in card

@@ -38,7 +38,7 @@ def recipe(tmp_path) -> dict:
         (["stages.reason.kind=ppo"], "stages.reason.kind: 'ppo' is not one of sft, grpo, reject_sft"),
         (
             ["stages.reason.train.stepz=3"],
-            "stages.reason: unknown config key 'train.stepz'; valid keys in train: steps,",
+            "stages.reason: unknown config key 'train.stepz'; valid keys in train: learning_rate, weight_decay,",
         ),
         (["stages.reason.train.steps=-1"], "stages.reason: train.steps must be at least 0, got -1"),
         (
@@ -51,7 +51,7 @@ def recipe(tmp_path) -> dict:
         ),
         (
             ["stages.cold_start.demos.num_train=60"],
-            "stages.cold_start.demos: num_train (>= 1) + num_eval (>= 0) = 62 must fit the task's 40 training rows",
+            "stages.cold_start.demos: num_train + num_eval = 62 must fit the task's 40 training rows",
         ),
         (
             ["stages.reject.rejection.num_prompts=41"],
@@ -72,7 +72,7 @@ def recipe(tmp_path) -> dict:
             "stages: the pipeline has no stages",
         ),
         (["task.name=arith"], "task.name: 'arith' is not one of"),
-        (["eval.samples=0"], "eval.samples and eval.batch_size must be at least 1"),
+        (["eval.samples=0"], "eval.samples must be at least 1, got 0"),
     ],
 )
 def test_a_bad_recipe_names_the_key(recipe, overrides, expected):
@@ -151,9 +151,46 @@ def test_the_command_line_says_one_line(recipe, tmp_path):
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(recipe))
     message = polo_error("pipeline", str(path), "stages.reason.train.stepz=3", cwd=tmp_path)
-    assert message.startswith("stages.reason: unknown config key 'train.stepz'; valid keys in train: steps,")
+    assert message.startswith("stages.reason: unknown config key 'train.stepz'; valid keys in train: learning_rate,")
     assert (
         polo_error("pipeline", str(tmp_path / "missing.yaml"), cwd=tmp_path)
         == f"recipe {tmp_path / 'missing.yaml'} does not exist"
     )
     assert not (tmp_path / "pipeline").exists()  # nothing ran, nothing was written
+
+
+def test_stages_report_to_the_pipeline_s_trackers_and_one_store(recipe):
+    for stage in recipe["stages"].values():
+        stage["output"].pop("report_to")
+    plan = load_pipeline(
+        recipe, ["pipeline.report_to=[mlflow]", "pipeline.project=r1", "stages.reason.output.report_to=[]"]
+    )
+    outputs = {stage.name: stage.body["output"] for stage in plan.stages}
+    name = Path(plan.settings.dir).resolve().name
+    assert outputs["cold_start"]["report_to"] == ["mlflow"] and outputs["reason"]["report_to"] == []  # its own wins
+    for stage in plan.stages:
+        config = stage.config(plan.start_model)
+        assert (config.output.project, config.output.run_name) == ("r1", f"{name}-{stage.label}")
+        assert config.output.tracker_dir == plan.settings.dir
+
+
+def test_a_finished_stage_stays_done_across_a_polo_upgrade(recipe):
+    """A record written before a setting existed (or after one was removed) still matches; a real change does not."""
+    import copy
+    import json
+
+    from polo.pipeline.recipe import same_record, stage_record
+
+    plan = load_pipeline(recipe)
+    for stage in plan.stages:
+        record = json.loads(json.dumps(stage_record(stage, stage.config(plan.start_model)), default=str))
+        older = copy.deepcopy(record)
+        del older["config"]["train"]["adam_eps"]  # a setting polo added since, at its default
+        older["config"]["output"]["tensorboard"] = True  # a setting polo removed since
+        assert same_record(older, record) and same_record(record, record)
+        changed = copy.deepcopy(record)
+        changed["config"]["train"]["learning_rate"] *= 2
+        assert not same_record(changed, record)
+        changed = copy.deepcopy(older)
+        record["config"]["train"]["adam_eps"] = 1e-6  # an added setting away from its default is a change
+        assert not same_record(changed, record)

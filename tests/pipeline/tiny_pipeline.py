@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-QUIET = {"tensorboard": False, "progress": False}
+QUIET = {"report_to": [], "progress": False}
 
 
 def tiny_grpo(steps: int = 2) -> dict:

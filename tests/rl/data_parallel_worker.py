@@ -31,7 +31,7 @@ def one_update(batch, config_dict: dict, model_dir: str):
     from polo.models.loading import frozen_copy, load_policy
     from polo.rl import step as rl_step_module
     from polo.rl.critic import build_critic
-    from polo.rl.setup import Run, lr_lambda
+    from polo.rl.setup import Run, optimizer_steps
     from polo.rl.update import update_modules
     from polo.runtime import parallel
     from polo.runtime.device import CPU
@@ -44,7 +44,7 @@ def one_update(batch, config_dict: dict, model_dir: str):
     if config.train.data_parallel == "fsdp" and parallel.is_distributed():
         parallel.shard_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.learning_rate)
-    critic = build_critic(config, model, optimizer, lr_lambda(config))
+    critic = build_critic(config, model, optimizer, optimizer_steps(config))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     modules = update_modules(model, critic)
     run = Run(

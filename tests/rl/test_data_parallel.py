@@ -128,7 +128,7 @@ def test_two_processes_update_equals_one_process(tiny_model_dir, saved_batch, tm
 def test_two_process_resume_equals_an_uninterrupted_two_process_run(tiny_model_dir, tmp_path, data_parallel):
     def run(directory: Path, *extra: str, **output) -> subprocess.CompletedProcess:
         config = tiny_config(
-            tiny_model_dir, directory, output={"save_every": 3, "plots": False, "tensorboard": False, **output}
+            tiny_model_dir, directory, output={"save_every": 3, "plots": False, "report_to": [], **output}
         )
         config["train"].update({"prompts_per_step": 4, "data_parallel": data_parallel.removesuffix("_lora")})
         if data_parallel.endswith("_lora"):  # LoRA adapters under DDP, with the KL to the base (adapters off)
@@ -157,7 +157,7 @@ def test_two_process_resume_equals_an_uninterrupted_two_process_run(tiny_model_d
 
 
 def test_prompts_per_step_must_split_into_whole_groups(tiny_model_dir, tmp_path):
-    config = tiny_config(tiny_model_dir, tmp_path / "odd", output={"plots": False, "tensorboard": False})
+    config = tiny_config(tiny_model_dir, tmp_path / "odd", output={"plots": False, "report_to": []})
     config["train"].update({"prompts_per_step": 3, "steps": 1})
     (tmp_path / "odd.json").write_text(json.dumps(config))
     result = torchrun("train", str(tmp_path / "odd.json"))

@@ -29,7 +29,7 @@ def test_lora_run_trains_adapters_against_the_base_model(tiny_model_dir, tmp_pat
         "model": LORA,
         "algorithm": {"beta": 0.1},
         "train": {"precision": precision, "steps": 3},
-        "output": {"save_every": 3, "tensorboard": False, "plots": False},
+        "output": {"save_every": 3, "report_to": [], "plots": False},
     }
     result = train(tiny_config(tiny_model_dir, tmp_path / "run", **sections))
     rows = [row for row in result.metrics if "reward/mean" in row]
@@ -66,7 +66,7 @@ def test_lora_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path, monkeypa
     sections = {
         "model": LORA,
         "algorithm": {"beta": 0.05},
-        "output": {"save_every": 3, "tensorboard": False, "plots": False},
+        "output": {"save_every": 3, "report_to": [], "plots": False},
     }
     straight = train(tiny_config(tiny_model_dir, tmp_path / "straight", **sections))
 
@@ -78,7 +78,7 @@ def test_lora_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path, monkeypa
 
 
 def test_lora_settings_are_checked():
-    with pytest.raises(ConfigError, match="model.lora.r must be >= 0"):
+    with pytest.raises(ConfigError, match="model.lora.r must be at least 0, got -1"):
         load_config({"model": {"lora": {"r": -1}}})
     with pytest.raises(ConfigError, match="model.lora.dropout"):
         load_config({"model": {"lora": {"r": 4, "dropout": 1.5}}})

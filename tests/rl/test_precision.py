@@ -142,7 +142,7 @@ def test_bf16_master_run_saves_fp32_weights_and_resumes_exactly(tiny_model_dir, 
     """Checkpoints hold the fp32 masters (loadable anywhere), and Ctrl-C + resume equals a straight run."""
     sections = {
         "train": {"precision": "bf16_master"},
-        "output": {"save_every": 3, "tensorboard": False, "plots": False},
+        "output": {"save_every": 3, "report_to": [], "plots": False},
     }
     straight = train(tiny_config(tiny_model_dir, tmp_path / "straight", **sections))
     weights = final_weights(tmp_path / "straight")

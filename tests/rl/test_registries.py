@@ -119,7 +119,7 @@ def run_user_recipe(tmp_path, tiny_model_dir, algorithm: dict, train: dict) -> l
     recipe = tiny_config(tiny_model_dir, tmp_path / "run", eval={"before": False, "after": False})
     recipe["algorithm"].update(algorithm)
     recipe["train"].update(train)
-    recipe["output"].update({"plots": False, "tensorboard": False})
+    recipe["output"].update({"plots": False, "report_to": []})
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     polo = Path(sys.executable).with_name("polo")
     finished = subprocess.run(

@@ -27,7 +27,7 @@ from polo.runtime.run_lock import LOCK_FILE
 
 POLO = Path(sys.executable).with_name("polo")
 HOOK = Path(__file__).resolve().parents[1] / "signal_hook"
-QUIET = {"progress": False, "tensorboard": False, "plots": False}
+QUIET = {"progress": False, "report_to": [], "plots": False}
 TIMEOUT = 600  # generous: CI machines can be busy
 
 

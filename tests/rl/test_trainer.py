@@ -17,11 +17,12 @@ from polo.generation.cpu_sampler import rollout
 from polo.models.loading import load_policy
 from polo.rewards import RewardFunctionError, RewardSet
 from polo.rl.batching import UpdateBatch, batch_rows
-from polo.rl.setup import lr_lambda
+from polo.rl.setup import optimizer_steps
 from polo.rl.train import train
 from polo.rl.update import Learner, policy_update
 from polo.runtime.device import CPU
 from polo.runtime.errors import NonFiniteLossError
+from polo.runtime.optimizer import build_optimizer, build_schedule
 
 TIME_KEYS = ("time/", "tokens_per_second", "timestamp")
 
@@ -42,7 +43,13 @@ def tiny_config(model_dir, output_dir, **sections):
             "seed": 3,
         },
         "eval": {"batch_size": 4, "max_new_tokens": 6},
-        "output": {"dir": str(output_dir), "save_every": 2, "progress": False, "tensorboard": True, "plots": True},
+        "output": {
+            "dir": str(output_dir),
+            "save_every": 2,
+            "progress": False,
+            "report_to": ["tensorboard"],
+            "plots": True,
+        },
     }
     for section, values in sections.items():
         config.setdefault(section, {}).update(values)
@@ -286,7 +293,9 @@ def test_learning_rate_warmup_then_schedule(tiny_model_dir):
     config = load_config(
         tiny_config(tiny_model_dir, "unused"), ["train.warmup_steps=3", "train.lr_schedule=linear", "train.steps=10"]
     )
-    multiplier = lr_lambda(config)
+    assert optimizer_steps(config) == 10
+    schedule = build_schedule(build_optimizer([torch.nn.Parameter(torch.zeros(1))], config.train), config.train, 10)
+    multiplier = schedule.lr_lambdas[0]
     assert [multiplier(step) for step in range(3)] == pytest.approx([0.25, 0.5, 0.75])
     assert multiplier(3) == pytest.approx(1.0) and multiplier(10) == pytest.approx(0.0)
     assert multiplier(6) == pytest.approx(4 / 7)

@@ -60,7 +60,7 @@ def tiny_run_config(model_dir, output_dir) -> dict:
             "seed": 3,
         },
         "eval": {"before": False, "after": False},
-        "output": {"dir": str(output_dir), "save_every": 3, "progress": False, "tensorboard": False, "plots": False},
+        "output": {"dir": str(output_dir), "save_every": 3, "progress": False, "report_to": [], "plots": False},
     }
 
 

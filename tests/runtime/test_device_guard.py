@@ -36,7 +36,7 @@ def rl_config(model_dir: Path, output_dir: Path, **algorithm) -> dict:
             "device": "cpu",
         },
         "eval": {"batch_size": 4, "max_new_tokens": 6},
-        "output": {"dir": str(output_dir), "save_every": 1, "progress": False, "tensorboard": False, "plots": False},
+        "output": {"dir": str(output_dir), "save_every": 1, "progress": False, "report_to": [], "plots": False},
     }
 
 
@@ -82,7 +82,7 @@ def test_an_sft_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path):
             "model": {"name": str(tiny_model_dir)},
             "data": {"train_path": "unused.jsonl"},
             "train": {"max_steps": 1, "batch_size": 4, "micro_batch_size": 2, "device": "cpu", "precision": "fp32"},
-            "output": {"dir": str(tmp_path / "sft"), "tensorboard": False, "progress": False},
+            "output": {"dir": str(tmp_path / "sft"), "report_to": [], "progress": False},
         }
     )
     model, tokenizer = load_policy(str(tiny_model_dir))
@@ -113,7 +113,7 @@ def test_a_dpo_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path):
                 "precision": "fp32",
                 "learning_rate": 1e-3,
             },
-            "output": {"dir": str(tmp_path / "dpo"), "tensorboard": False, "progress": False},
+            "output": {"dir": str(tmp_path / "dpo"), "report_to": [], "progress": False},
         }
     )
     model, tokenizer = load_policy(str(tiny_model_dir))

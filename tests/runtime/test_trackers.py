@@ -258,17 +258,13 @@ def test_trackio_keeps_scalars_and_tables_in_its_local_database(tmp_path, tracki
 # ---- the logger, the configuration and the command line ----
 
 
-def test_tensorboard_is_the_default_and_output_tensorboard_false_removes_it(tmp_path):
+def test_tensorboard_is_the_default_and_an_empty_report_to_removes_it(tmp_path):
     config = load_config({"output": {"dir": str(tmp_path / "a")}})
     assert config.output.report_to == ["tensorboard"] and not logs_tables(config.output.report_to)
     MetricsLogger(tmp_path / "a", 1, progress=False, trackers=Trackers.of(config)).close()
     assert (tmp_path / "a" / "tensorboard").is_dir()
-    config = load_config(
-        {"output": {"dir": str(tmp_path / "b"), "tensorboard": False, "report_to": ["tensorboard", "jsonl"]}}
-    )
-    logger = MetricsLogger(
-        tmp_path / "b", 1, 0, config.output.tensorboard, progress=False, trackers=Trackers.of(config)
-    )
+    config = load_config({"output": {"dir": str(tmp_path / "b"), "report_to": []}})
+    logger = MetricsLogger(tmp_path / "b", 1, 0, progress=False, trackers=Trackers.of(config))
     logger.log({"step": 1, "reward/mean": 1.0})
     logger.close()
     assert logger.sinks == [] and not (tmp_path / "b" / "tensorboard").exists()
@@ -276,6 +272,15 @@ def test_tensorboard_is_the_default_and_output_tensorboard_false_removes_it(tmp_
     assert load_config(None, ["output.report_to=wandb"]).output.report_to == ["wandb"]
     assert set(SINKS) == {"tensorboard", "jsonl", "wandb", "trackio", "mlflow"}
     assert logs_tables(["tensorboard", "mlflow"])
+
+
+def test_the_removed_output_tensorboard_says_what_replaced_it():
+    with pytest.raises(ConfigError) as error:
+        load_config({"output": {"tensorboard": False}})
+    assert str(error.value) == (
+        "output.tensorboard was removed; output.report_to replaced it: list the trackers, e.g. "
+        "output.report_to=[tensorboard] (the default), or [] for none (metrics.jsonl is always written)"
+    )
 
 
 def test_an_unknown_tracker_is_one_line_naming_the_valid_ones():
@@ -365,7 +370,6 @@ def test_a_training_run_reports_scalars_and_completions_to_wandb_mlflow_and_trac
     project = f"polo-e2e-{uuid.uuid4().hex[:8]}"
     output = {
         "report_to": ["wandb", "mlflow", "trackio"],
-        "tensorboard": False,
         "plots": False,
         "project": project,
         "run_name": "tiny",
@@ -450,3 +454,86 @@ def test_completion_rows_average_token_level_advantages_and_follow_the_kept_grou
     monkeypatch.setattr(batching.parallel, "min_over_ranks", lambda groups: 1)  # another rank kept a single group
     cut = align_groups(batch, 2)
     assert [row["reward/correct"] for row in completion_rows(cut, advantages[:2] * mask[:2])] == [1.0, 0.0]
+
+
+# ---- the other training commands report the same way ----
+
+
+def demonstrations(path: Path, count: int) -> str:
+    rows = [{"prompt": f"What is {i} + 1?", "response": f"{i} + 1 = {i + 1}"} for i in range(count)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_polo_sft_reports_to_wandb_and_mlflow(tiny_model_dir, tmp_path, capsys):
+    from polo.cli import main
+
+    project, output_dir = f"polo-sft-{uuid.uuid4().hex[:8]}", tmp_path / "sft"
+    status = main(
+        [
+            "sft",
+            str(Path(__file__).parents[2] / "recipes" / "rlhf_sft.yaml"),
+            "output.report_to=[wandb,mlflow]",
+            f"output.project={project}",
+            f"output.dir={output_dir}",
+            f"model.name={tiny_model_dir}",
+            f"data.train_path={demonstrations(tmp_path / 'train.jsonl', 8)}",
+            f"data.eval_path={demonstrations(tmp_path / 'eval.jsonl', 4)}",
+            "data.max_length=64",
+            "train.batch_size=4",
+            "train.micro_batch_size=4",
+            "train.warmup_steps=0",
+            "train.precision=fp32",
+            "output.progress=false",
+        ]
+    )
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "polo: reporting to wandb run" in out and "polo: reporting to mlflow run sft" in out
+    rows = read_metrics(output_dir / "metrics.jsonl")
+    losses = {row["step"]: row["loss"] for row in rows if "loss" in row}
+    held_out = {row["step"]: row["eval/loss"] for row in rows if "eval/loss" in row}
+    assert sorted(losses) == [1, 2] and sorted(held_out) == [0, 2]
+
+    _, history = wandb_run(output_dir)
+    wandb_rows = {row["_step"]: row for row in history}
+    for step, loss in losses.items():
+        assert same(wandb_rows[step]["loss"], loss)
+    for step, loss in held_out.items():
+        assert same(wandb_rows[step]["eval/loss"], loss)
+
+    client, run = mlflow_run(output_dir, project)
+    mlflow_losses = {metric.step: metric.value for metric in client.get_metric_history(run.info.run_id, "loss")}
+    assert mlflow_losses.keys() == losses.keys() and all(same(mlflow_losses[s], losses[s]) for s in losses)
+    assert run.info.run_name == "sft" and run.data.params["train.learning_rate"] == "2e-05"
+    card = (output_dir / "final" / "README.md").read_text()  # the model card, as polo train writes one
+    assert "trained with polo's sft for 2 steps on `train.jsonl`" in card
+    assert f"| before training | {held_out[0]:.3f} |" in card and f"| after training | {held_out[2]:.3f} |" in card
+
+
+def test_a_pipeline_reports_every_stage_to_one_project_in_one_store(tiny_model_dir, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "pipeline"))
+    from tiny_pipeline import tiny_grpo, tiny_pipeline, tiny_sft
+
+    from polo.pipeline import run_pipeline
+
+    project, root = f"polo-pipeline-{uuid.uuid4().hex[:8]}", tmp_path / "r1"
+    recipe = tiny_pipeline(tiny_model_dir, root)
+    recipe["stages"] = {"cold_start": tiny_sft(demos={"num_train": 8}), "reason": tiny_grpo(steps=1)}
+    for stage in recipe["stages"].values():
+        stage["output"].pop("report_to")
+    recipe["eval"]["enabled"] = False
+    recipe["pipeline"].update({"report_to": ["mlflow"], "project": project, "report": False})
+    result = run_pipeline(recipe)
+
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")  # the pipeline's store, not each stage's
+    runs = client.search_runs([client.get_experiment_by_name(project).experiment_id])
+    assert sorted(run.info.run_name for run in runs) == ["r1-a_cold_start", "r1-b_reason"]
+    for run, stage in zip(sorted(runs, key=lambda run: run.info.run_name), result.stages):
+        rows = read_metrics(stage.dir / "metrics.jsonl")
+        key = "loss" if stage.kind == "sft" else "reward/mean"
+        logged = {metric.step: metric.value for metric in client.get_metric_history(run.info.run_id, key)}
+        assert logged and all(same(logged[row["step"]], row[key]) for row in rows if key in row)
+    assert not any((stage.dir / "mlflow.db").exists() for stage in result.stages)

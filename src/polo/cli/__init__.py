@@ -7,6 +7,7 @@ import os
 import shlex
 import sys
 
+from polo.cli.config import KeyHelp
 from polo.config import ConfigError
 from polo.runtime.interrupt import RunStopped, StopNow
 
@@ -23,7 +24,12 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train_parser.add_argument(
-        "-h", "--help", action=TrainHelp, help="show this help message, with the tasks and answer checkers, and exit"
+        "-h",
+        "--help",
+        action=KeyHelp,
+        command="train",
+        help="show this help, with the tasks and answer checkers, and exit; with KEY (e.g. algorithm.beta or "
+        "algorithm), that key's or section's default, range and help",
     )
     train_parser.add_argument("recipe", help="path to a YAML recipe (see recipes/)")
     train_parser.add_argument(
@@ -43,11 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     plot_parser = commands.add_parser("plot", help="draw reward/accuracy/length curves of a run directory")
     plot_parser.add_argument("run_dir")
 
+    from polo.cli import config as config_cli
     from polo.cli import control as control_cli
     from polo.cli import eval as eval_cli
     from polo.cli import pipeline as pipeline_cli
     from polo.cli import rlhf as rlhf_cli
 
+    config_cli.add_parser(commands)  # config: every recipe key, its default and help
     eval_cli.add_parsers(commands)  # eval, report
     rlhf_cli.add_parsers(commands)  # sft, rm, dpo, make-preferences
     control_cli.add_parser(commands)
@@ -73,39 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-class TrainHelp(argparse.Action):
-    """`polo train -h`: the usual help, then the tasks and answer checkers, read from the registries validation uses.
-
-    Read only when asked: the checkers' module imports math-verify, which every other command can do without.
-    """
-
-    def __init__(
-        self,
-        option_strings: list[str],
-        dest: str = argparse.SUPPRESS,
-        default: str = argparse.SUPPRESS,
-        help: str | None = None,
-    ) -> None:
-        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: object,
-        option_string: str | None = None,
-    ) -> None:
-        from polo.data import TASKS
-        from polo.rewards.answers import DEFAULT_CHECKER, checker_help
-
-        parser.epilog = (
-            f"tasks (task.name): {', '.join(TASKS)}; see README.md and docs/tasks.md\n\n"
-            f"answer checkers (task.checker, for the jsonl and hf tasks; default {DEFAULT_CHECKER}):\n{checker_help()}"
-        )
-        parser.print_help()
-        parser.exit()
-
-
 def _run(args: argparse.Namespace) -> int:
     from polo.cli import control as control_cli
     from polo.cli import eval as eval_cli
@@ -113,6 +88,10 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command in ("eval", "report"):
         return eval_cli.run(args)
+    if args.command == "config":
+        from polo.cli import config as config_cli
+
+        return config_cli.run(args)
     if args.command == "control":
         return control_cli.run(args)
     if args.command in rlhf_cli.COMMANDS:

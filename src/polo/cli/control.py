@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from polo.cli.config import KeyHelp
+
 
 def add_parser(subcommands) -> argparse.ArgumentParser:
     """Add the `control` subcommand to an argparse subparsers object; return its parser."""
-    parser = subcommands.add_parser("control", help="train a policy on a Gymnasium control task with a recipe")
+    parser = subcommands.add_parser(
+        "control", help="train a policy on a Gymnasium control task with a recipe", add_help=False
+    )
+    parser.add_argument("-h", "--help", action=KeyHelp, command="control")
     parser.add_argument("recipe", help="path to a YAML recipe, e.g. recipes/ppo_cartpole.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.seed=3 algorithm.name=a2c")
     return parser

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from polo.cli.config import KeyHelp
 from polo.runtime.device import DEVICE_HELP
 
 
@@ -21,7 +22,9 @@ def add_parser(subcommands) -> None:
         help=help_text,
         description=help_text
         + ". A finished stage is skipped when the pipeline runs again; an interrupted GRPO stage continues. See docs/r1.md.",
+        add_help=False,
     )
+    parser.add_argument("-h", "--help", action=KeyHelp, command="pipeline")
     parser.add_argument("recipe", help="path to a pipeline recipe (e.g. recipes/r1_arith.yaml)")
     parser.add_argument(
         "overrides",

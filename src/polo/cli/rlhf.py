@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from polo.cli.config import KeyHelp
 from polo.runtime.device import DEVICE_HELP
 
 COMMANDS = ("sft", "rm", "dpo", "make-preferences")
@@ -33,7 +34,8 @@ def add_parsers(subcommands) -> None:
         "dpo": "Direct Preference Optimization on comparisons (pairs or K-way rankings)",
     }
     for name, help_text in helps.items():
-        parser = subcommands.add_parser(name, help=help_text, description=help_text)
+        parser = subcommands.add_parser(name, help=help_text, description=help_text, add_help=False)
+        parser.add_argument("-h", "--help", action=KeyHelp, command=name)
         parser.add_argument("recipe", help=f"path to a YAML recipe (e.g. recipes/rlhf_{name}.yaml)")
         parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=10")
         parser.add_argument(

@@ -1,20 +1,22 @@
-"""Run configuration: schema dataclasses, algorithm presets, YAML recipes and overrides."""
+"""Run configuration: schema dataclasses whose fields document themselves, presets, YAML recipes and overrides."""
 
+from polo.config.errors import ConfigError
+from polo.config.fields import setting
 from polo.config.loading import apply_overrides, build_dataclass, config_to_dict, load_config, read_recipe
 from polo.config.presets import PRESETS, apply_preset
 from polo.config.schema import (
     AlgorithmConfig,
     Config,
-    ConfigError,
     EvalConfig,
     LoraSettings,
     ModelConfig,
+    OptimizerConfig,
     OutputConfig,
     SamplingConfig,
     TaskConfig,
     TrainConfig,
 )
-from polo.config.validation import check_at_least_one, check_choices, check_lora, validate
+from polo.config.validation import check_lora, check_settings, validate
 
 __all__ = [
     "AlgorithmConfig",
@@ -23,6 +25,7 @@ __all__ = [
     "EvalConfig",
     "LoraSettings",
     "ModelConfig",
+    "OptimizerConfig",
     "OutputConfig",
     "PRESETS",
     "SamplingConfig",
@@ -31,11 +34,11 @@ __all__ = [
     "apply_overrides",
     "apply_preset",
     "build_dataclass",
-    "check_at_least_one",
-    "check_choices",
     "check_lora",
+    "check_settings",
     "config_to_dict",
     "load_config",
     "read_recipe",
+    "setting",
     "validate",
 ]

@@ -14,9 +14,16 @@ from typing import Any, Union
 
 import yaml
 
+from polo.config.errors import ConfigError
 from polo.config.presets import apply_preset
-from polo.config.schema import Config, ConfigError
+from polo.config.schema import Config
 from polo.config.validation import validate
+
+# Keys polo no longer reads, and what a recipe naming one should say instead (one line, not "unknown key").
+REMOVED_KEYS = {
+    "output.tensorboard": "output.report_to replaced it: list the trackers, e.g. output.report_to=[tensorboard] "
+    "(the default), or [] for none (metrics.jsonl is always written)",
+}
 
 
 def _type_name(annotation: Any) -> str:
@@ -85,18 +92,29 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported field type {_type_name(annotation)}")
 
 
-def _build(cls: type, values: dict, prefix: str = "") -> Any:
+def _build(cls: type, values: dict, prefix: str = "", base: Any = None) -> Any:
+    """Return `cls` built from `values` (over `base`, an instance holding the defaults, when given).
+
+    A section is built over its field's own default instance, so a command's defaults for it
+    (`polo dpo`'s learning rate, each command's output directory) hold for the keys a recipe leaves out.
+    """
     hints = typing.get_type_hints(cls)
-    valid = [f.name for f in dataclasses.fields(cls)]
+    specs = {spec.name: spec for spec in dataclasses.fields(cls)}
     kwargs = {}
     for name, value in values.items():
         key = f"{prefix}.{name}" if prefix else str(name)
+        if key in REMOVED_KEYS:
+            raise ConfigError(f"{key} was removed; {REMOVED_KEYS[key]}")
         if name not in hints:
             raise ConfigError(
-                f"unknown config key {key!r}; valid keys{' in ' + prefix if prefix else ''}: {', '.join(valid)}"
+                f"unknown config key {key!r}; valid keys{' in ' + prefix if prefix else ''}: {', '.join(specs)}"
             )
-        kwargs[name] = _coerce(value, hints[name], key)
-    return cls(**kwargs)
+        factory = specs[name].default_factory
+        if dataclasses.is_dataclass(hints[name]) and isinstance(value, dict) and factory is not dataclasses.MISSING:
+            kwargs[name] = _build(hints[name], value, key, base=factory())
+        else:
+            kwargs[name] = _coerce(value, hints[name], key)
+    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
 def config_to_dict(config: Config) -> dict:

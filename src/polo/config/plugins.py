@@ -12,7 +12,7 @@ import os
 import sys
 from types import ModuleType
 
-from polo.config.schema import ConfigError
+from polo.config.errors import ConfigError
 from polo.core.registry import Registry
 
 

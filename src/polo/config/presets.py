@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polo.config.schema import ConfigError
+from polo.config.errors import ConfigError
 
 # Each algorithm is a set of AlgorithmConfig values over the one loop. References: GRPO (Shao et al.
 # 2024, DeepSeekMath); Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"); DAPO

@@ -1,225 +1,485 @@
-"""The schema of a run: one dataclass per recipe section (model, task, rewards, sampling, algorithm, train, eval, output).
+"""The schema of `polo train`: one dataclass per recipe section (model, task, sampling, algorithm, train, eval, output).
 
 A recipe is a YAML mapping whose sections mirror the dataclasses below. Every key is checked:
 an unknown key or a value of the wrong type is a `ConfigError` naming the key and what is
-accepted, before any model is loaded.
+accepted, before any model is loaded. Every field is a `setting` whose help, range and choices
+are the one source of its checks, of `polo config` and of docs/config.md.
+
+`OptimizerConfig` (AdamW and its schedule) is shared: `polo train`'s, the fine-tuning commands'
+and `polo control`'s `train` sections are optimizer configs with their own batch and budget keys,
+built by the one `polo.runtime.optimizer.build_optimizer`. The output sections share their
+tracker and Hub keys (`report_to`, `project`, `run_name`, `push_to_hub`, `hub_private`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
+
+from polo import core
+from polo.config.errors import ConfigError as ConfigError  # re-exported: older imports name it here
+from polo.config.fields import setting
+from polo.config.presets import PRESETS
+
+PRECISIONS = ("auto", "fp32", "bf16", "bf16_master")
+SCHEDULES = ("constant", "linear", "cosine")
+SAMPLERS = ("auto", "kv_cache", "static")  # polo.generation.grouped.SAMPLERS (a test holds them equal)
+
+# output.report_to: every tracker polo reports to (polo.runtime.trackers has a sink for each), and
+# the packages it needs beyond polo's own, which the polo extra of the same name installs.
+TRACKER_PACKAGES: dict[str, tuple[str, ...]] = {
+    "tensorboard": (),
+    "jsonl": (),
+    "wandb": ("wandb",),
+    "trackio": ("trackio",),
+    "mlflow": ("mlflow", "pandas"),
+}
+
+DEVICE_HELP = "auto | cpu | cuda | cuda:N (auto: CUDA when available, one GPU per torchrun rank)"  # polo.runtime.device
 
 
-class ConfigError(ValueError):
-    """A recipe or override that does not fit the configuration schema."""
+# ---------------------------------------------------------------- shared sections and keys
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW (Loshchilov & Hutter 2019, decoupled weight decay), its learning-rate schedule and gradient clipping.
+
+    Shared by every training command's `train` section; each command sets its own defaults.
+    """
+
+    learning_rate: float = setting(1e-6, help="peak learning rate, reached after the warm-up", range=">= 0")
+    weight_decay: float = setting(0.0, help="AdamW's decoupled weight decay (0: plain Adam)", range=">= 0")
+    adam_beta1: float = setting(0.9, help="β1, the decay of Adam's first-moment (mean) estimate", range="[0, 1)")
+    adam_beta2: float = setting(
+        0.99,
+        help="β2, the decay of Adam's second-moment estimate (0.99 adapts faster than torch's 0.999)",
+        range="[0, 1)",
+    )
+    adam_eps: float = setting(1e-8, help="ε in Adam's denominator √v̂ + ε (torch's default 1e-8)", range="> 0")
+    warmup_steps: int = setting(
+        0, help="optimizer steps of linear warm-up from lr/(w+1) to the peak before the schedule", range=">= 0"
+    )
+    lr_schedule: str = setting(
+        "constant",
+        help="the learning rate after warm-up: constant, or linear or cosine decay to 0 at the last step "
+        "(polo.core.lr_multiplier)",
+        choices=SCHEDULES,
+    )
+    max_grad_norm: float = setting(
+        1.0, help="clip the global L2 norm of the gradient to this before each step", range="> 0"
+    )
+
+
+def report_to_setting() -> Any:
+    """Return the `output.report_to` field every training command shares."""
+    return setting(
+        ["tensorboard"],
+        help="trackers the metrics go to besides metrics.jsonl, which is always written; [] for none "
+        "(polo.runtime.trackers; wandb, trackio and mlflow need the polo extra of that name). "
+        "Replaces output.tensorboard",
+        choices=tuple(TRACKER_PACKAGES),
+    )
+
+
+def project_setting() -> Any:
+    """Return the `output.project` field every training command shares."""
+    return setting(
+        None,
+        help="the trackers' project (mlflow: experiment); null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME if set, "
+        "else polo",
+    )
+
+
+def run_name_setting() -> Any:
+    """Return the `output.run_name` field every training command shares."""
+    return setting(None, help="the trackers' run name; null: the output directory's name")
+
+
+def tracker_dir_setting() -> Any:
+    """Return the `output.tracker_dir` field every training command shares."""
+    return setting(
+        None,
+        help="where the trackers' local stores go (wandb/, mlflow.db, mlruns/); null: output.dir. polo pipeline "
+        "sets it to pipeline.dir, so every stage's runs are in one store",
+    )
+
+
+def push_to_hub_setting() -> Any:
+    """Return the `output.push_to_hub` field of the commands that train a Hugging Face model."""
+    return setting(
+        None,
+        help="a Hugging Face Hub repo id org/name: the final model and its model card (README.md) are uploaded "
+        "there once the run ends; checked (online, token) before anything loads. null: no upload",
+    )
+
+
+def hub_private_setting() -> Any:
+    """Return the `output.hub_private` field of the commands that train a Hugging Face model."""
+    return setting(False, help="a repository push_to_hub creates is private")
+
+
+def device_setting() -> Any:
+    """Return the `train.device` field every training command shares."""
+    return setting("auto", help=DEVICE_HELP)
+
+
+def threads_setting(default: int | None = None) -> Any:
+    """Return the `train.threads` field every training command shares."""
+    return setting(default, help="torch intra-op threads; null keeps torch's default", range=">= 1")
+
+
+# ---------------------------------------------------------------- polo train
 
 
 @dataclass
 class LoraSettings:
-    """Low-rank adapters (peft's LoRA) instead of full fine-tuning; `r: 0` trains every weight."""
+    """Low-rank adapters (LoRA, Hu et al. 2021, via peft) instead of full fine-tuning; `r: 0` trains every weight."""
 
-    r: int = 0  # adapter rank; 0 = full fine-tuning (the default)
-    alpha: float = 32.0  # the adapter's update is scaled by alpha / r
-    dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["all-linear"]
-    )  # module names, or all-linear (every linear layer but the LM head)
+    r: int = setting(0, help="adapter rank; 0 = full fine-tuning (the default)", range=">= 0")
+    alpha: float = setting(32.0, help="the adapter's update is scaled by alpha / r (> 0 when r > 0)")
+    dropout: float = setting(0.0, help="dropout on the adapter's input", range="[0, 1)")
+    target_modules: list[str] = setting(
+        ["all-linear"], help="module names (e.g. [q_proj, v_proj]), or all-linear: every linear layer but the LM head"
+    )
 
 
 @dataclass
 class ModelConfig:
     """Which causal LM to train."""
 
-    name: str = "smollm2-135m-instruct"  # a built-in model name, a local HF model directory, or a Hub id org/name[@revision] (polo.models.hub)
-    attn_implementation: str | None = None  # eager | sdpa | None (transformers' default: sdpa)
-    lora: LoraSettings = field(default_factory=LoraSettings)
+    name: str = setting(
+        "smollm2-135m-instruct",
+        help="a built-in model (smollm2-135m-instruct, gemma3-270m), a local Hugging Face model directory, "
+        "or a Hub id org/name[@revision] (polo.models.hub; docs/models.md)",
+    )
+    attn_implementation: str | None = setting(
+        None, help="transformers' attention: eager | sdpa; null: transformers' default (sdpa)"
+    )
+    lora: LoraSettings = setting(default_factory=LoraSettings, help="LoRA adapters (polo train only)")
 
 
 @dataclass
 class PromptExample:
     """A worked example shown before every question, as an earlier user turn and the assistant's reply."""
 
-    question: str = ""
-    response: str = ""
+    question: str = setting("", help="the example's question (filled into task.instruction like a real one)")
+    response: str = setting("", help="the assistant's reply to it, in the form the answers should take")
 
 
 @dataclass
 class EnvironmentConfig:
     """The LM environment episodes run in (docs/tools.md); `name: null` keeps one-turn completions."""
 
-    name: str | None = None  # null (one turn) | python_tool | module:Name (a class your module registers)
-    tools: bool = True  # false switches the environment's tools off: a call is answered "the tool is off"
-    timeout_s: float = 2.0  # wall-clock limit of one tool call (the sandbox's SandboxLimits.timeout_s)
-    memory_mb: int = 256  # address-space limit of one tool call
-    max_output_chars: int = 200  # a tool's answer is cut to this many characters
-    options: dict[str, bool | int | float | str] = field(
-        default_factory=dict
-    )  # passed to a module:Name environment as keyword arguments
+    name: str | None = setting(
+        None, help="null (one-turn completions) | python_tool | module:Name (a class your module registers)"
+    )
+    tools: bool = setting(
+        True, help='false switches the environment\'s tools off: a call is answered "the tool is off"'
+    )
+    timeout_s: float = setting(2.0, help="wall-clock limit of one tool call in seconds", range="> 0")
+    memory_mb: int = setting(256, help="address-space limit of one tool call in MiB", range=">= 16")
+    max_output_chars: int = setting(200, help="a tool's answer is cut to this many characters", range=">= 1")
+    options: dict[str, bool | int | float | str] = setting(
+        {}, help="keyword arguments passed to a module:Name environment"
+    )
 
 
 @dataclass
 class TaskConfig:
-    """Which prompts to train and evaluate on, and how they are phrased."""
+    """Which prompts to train and evaluate on, and how they are phrased (docs/tasks.md)."""
 
-    name: str = "arithmetic"  # arithmetic | gsm8k | jsonl | hf | code
-    instruction: str | None = None  # template with {question}; None picks the task's default
-    system_prompt: str | None = None
-    few_shot: list[PromptExample] = field(default_factory=list)  # worked examples before every question (docs/r1.md)
-    answer_in_tags: bool = False  # the answer only counts inside <answer>...</answer>
-    num_train: int | None = None
-    num_eval: int | None = 200
-    # arithmetic
-    seed: int = 0
-    operators: list[str] = field(default_factory=lambda: ["+"])
-    min_digits: int = 2
-    max_digits: int = 2
-    # gsm8k / jsonl (hf: eval_path is the eval data file beside a task.path data file)
-    train_path: str | None = None
-    eval_path: str | None = None
-    prompt_field: str = "question"
-    answer_field: str = "answer"
-    checker: str = "math_verify"  # jsonl and hf: math_verify | exact_number | exact_string (`polo train --help`)
-    # hf (Hugging Face datasets; docs/tasks.md): a save_to_disk directory, a data file or directory
-    # (parquet/json/jsonl/csv), or a Hub id; null with datasets passed to polo.train(train_dataset=...)
-    path: str | None = None
-    subset: str | None = None  # the Hub dataset's configuration (load_dataset's name), e.g. main
-    split: str = "train"
-    eval_split: str | None = None  # null: "test" when the dataset has one, else the last num_eval train rows
-    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  # multi-turn episodes with tools
+    name: str = setting(
+        "arithmetic",
+        help="arithmetic (generated) | gsm8k | jsonl (your files) | hf (Hugging Face datasets) | code "
+        "(programs run against tests in the sandbox)",
+    )
+    instruction: str | None = setting(
+        None,
+        help="the prompt template, with {question}; null: the task's default (the tagged form with answer_in_tags)",
+    )
+    system_prompt: str | None = setting(None, help="a system message before every prompt; null: none")
+    few_shot: list[PromptExample] = setting(
+        [], help="worked examples shown before every question as earlier turns (docs/r1.md)"
+    )
+    answer_in_tags: bool = setting(
+        False, help="the answer only counts inside <answer>...</answer> (R1's format, DeepSeek-AI 2025)"
+    )
+    num_train: int | None = setting(
+        None,
+        help="training problems: the first N rows (arithmetic: N generated; null: all rows, arithmetic 5000)",
+        range=">= 0",
+    )
+    num_eval: int | None = setting(200, help="held-out problems: the first N rows (null: all rows)", range=">= 0")
+    seed: int = setting(0, help="arithmetic and code: which problems are drawn and how they split")
+    operators: list[str] = setting(["+"], help="arithmetic: the operators problems use (+, -, *)")
+    min_digits: int = setting(2, help="arithmetic: the fewest digits of an operand", range=">= 1")
+    max_digits: int = setting(2, help="arithmetic: the most digits of an operand", range=">= 1")
+    train_path: str | None = setting(None, help="gsm8k and jsonl: the training jsonl (gsm8k: null fetches it)")
+    eval_path: str | None = setting(
+        None, help="gsm8k, jsonl: the held-out jsonl; hf: the held-out data file beside a task.path data file"
+    )
+    prompt_field: str = setting("question", help="jsonl and hf: the row field holding the question")
+    answer_field: str = setting("answer", help="jsonl and hf: the row field holding the reference answer")
+    checker: str = setting(
+        "math_verify",
+        help="jsonl and hf: how an answer is judged: math_verify | exact_number | exact_string "
+        "(`polo train --help` says what each accepts)",
+    )
+    path: str | None = setting(
+        None,
+        help="hf: a save_to_disk directory, a data file or directory (parquet/json/jsonl/csv) or a Hub dataset id; "
+        "null with datasets passed to polo.train(train_dataset=...)",
+    )
+    subset: str | None = setting(None, help="hf: the Hub dataset's configuration (load_dataset's name), e.g. main")
+    split: str = setting("train", help="hf: the training split")
+    eval_split: str | None = setting(
+        None, help='hf: the held-out split; null: "test" when the dataset has one, else the last num_eval train rows'
+    )
+    environment: EnvironmentConfig = setting(
+        default_factory=EnvironmentConfig, help="multi-turn episodes with tools (docs/tools.md)"
+    )
 
 
 @dataclass
 class SamplingConfig:
     """How completions are sampled during training."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    sampler: str = (
-        "auto"  # auto | kv_cache | static: auto is the static-cache sampler on CUDA, the KV-cache one on the CPU
+    temperature: float = setting(
+        1.0, help="softmax temperature of sampling (1: the model's own distribution)", range="> 0"
     )
-    max_turns: int = 4  # with task.environment: the model's turns per episode (max_new_tokens is per turn)
-    max_episode_tokens: int = 256  # with task.environment: tokens after the first prompt (turns and observations)
+    top_p: float = setting(
+        1.0,
+        help="nucleus sampling: keep the smallest set of tokens with this much probability (Holtzman et al. 2020)",
+        range="(0, 1]",
+    )
+    max_new_tokens: int = setting(
+        64,
+        help="the completion budget; a completion cut here is truncated (see algorithm.mask_truncated)",
+        range=">= 1",
+    )
+    sampler: str = setting(
+        "auto",
+        help="auto | kv_cache | static: auto is the static-cache sampler (CUDA graphs) on CUDA, the KV-cache one "
+        "on the CPU",
+        choices=SAMPLERS,
+    )
+    max_turns: int = setting(
+        4, help="with task.environment: the model's turns per episode (max_new_tokens is per turn)", range=">= 1"
+    )
+    max_episode_tokens: int = setting(
+        256,
+        help="with task.environment: the episode's token budget after the first prompt (turns and observations)",
+        range=">= 1",
+    )
 
 
 @dataclass
 class AlgorithmConfig:
-    """The policy-optimization estimator and loss. `name` picks a preset (see `PRESETS`); any field set
+    """The policy-optimization estimator and loss. `name` picks a preset (`polo.config.presets`); any field set
     in the recipe or on the command line wins over the preset's value."""
 
-    name: str = "grpo"  # grpo | dr_grpo | dapo | rloo | reinforce_pp | gspo | ppo
-    advantage_estimator: str = "grpo"  # grpo | rloo | reinforce_pp | gae
-    policy_loss: str = "ppo_clip"  # ppo_clip (token ratio) | gspo (sequence ratio)
-    group_size: int = 8  # G completions per prompt
-    scale_rewards: bool = True  # divide group-centred rewards by the group std
-    advantage_eps: float = 1e-4
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    beta: float = 0.0  # KL coefficient; a reference model is kept only when beta > 0
-    kl_estimator: str = "k3"
-    kl_in_reward: bool = False  # fold -beta*KL into per-token rewards (REINFORCE++, PPO) instead of the loss
-    # seq_mean_token_mean | token_mean | seq_mean_token_sum_norm | micro_batch_token_mean (polo.core.losses)
-    loss_aggregation: str = "seq_mean_token_mean"
-    update_epochs: int = 1  # mu: passes over each batch; old log-probs are computed when > 1
-    # DAPO
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, sample more prompts to refill
-    max_sampling_rounds: int = 3  # cap on sampling rounds per step under dynamic sampling
-    overlong_buffer: float = 0.0  # soft overlong penalty over the last fraction of max_new_tokens (DAPO: 0.2); 0 = off
-    overlong_penalty: float = 1.0  # the penalty reached at max_new_tokens
-    mask_truncated: bool = False  # leave completions cut by max_new_tokens out of the loss
-    # returns and the critic (REINFORCE++, PPO)
-    gamma: float = 1.0
-    lam: float = 0.95  # GAE lambda
-    critic: str = "separate"  # separate (own trunk) | head (value head on the policy trunk)
-    critic_learning_rate: float = 1e-5
-    critic_warmup_steps: int = 0  # steps that train only the critic before the policy moves
-    value_clip: float | None = 0.2
-    value_coef: float = 0.5  # weight of the value loss (matters when the trunk is shared)
+    name: str = setting(
+        "grpo",
+        help="the preset: a named set of the fields below (grpo: Shao et al. 2024; dr_grpo: Liu et al. 2025; "
+        "dapo: Yu et al. 2025; rloo: Ahmadian et al. 2024; reinforce_pp: Hu 2025; gspo: Zheng et al. 2025; "
+        "ppo: Schulman et al. 2017, Ouyang et al. 2022)",
+        choices=tuple(PRESETS),
+    )
+    advantage_estimator: str = setting(
+        "grpo",
+        help="how rewards become per-token advantages: grpo (group-relative), rloo (leave-one-out baseline, "
+        "Kool et al. 2019), reinforce_pp (batch-whitened returns), gae (a critic, Schulman et al. 2016)",
+        choices=core.ADVANTAGE_ESTIMATORS,
+    )
+    policy_loss: str = setting(
+        "ppo_clip",
+        help="ppo_clip: PPO's clipped surrogate on the token ratio; gspo: the same on the length-normalised "
+        "sequence ratio (Zheng et al. 2025)",
+        choices=core.POLICY_LOSSES,
+    )
+    group_size: int = setting(
+        8, help="G completions sampled per prompt (the group the baseline is taken over)", range=">= 1"
+    )
+    scale_rewards: bool = setting(
+        True,
+        help="divide group-centred rewards by the group's std (GRPO); false: centre only, which removes the "
+        "difficulty bias Dr. GRPO (Liu et al. 2025) found",
+    )
+    advantage_eps: float = setting(
+        1e-4, help="ε in (r − mean) / (std + ε): a group whose rewards are all equal gets advantage 0", range=">= 0"
+    )
+    clip_eps_low: float = setting(
+        0.2, help="ε_low: the ratio is clipped below at 1 − ε_low (PPO's ε, Schulman et al. 2017)", range=">= 0"
+    )
+    clip_eps_high: float = setting(
+        0.2,
+        help="ε_high: the ratio is clipped above at 1 + ε_high; raising it (DAPO's clip-higher, 0.28, "
+        "Yu et al. 2025) lets unlikely tokens grow and keeps entropy up",
+        range=">= 0",
+    )
+    beta: float = setting(
+        0.0, help="KL coefficient to the starting model; a reference model is kept only when beta > 0", range=">= 0"
+    )
+    kl_estimator: str = setting(
+        "k3",
+        help="the per-token KL estimate: k1 = log r, k2 = (log r)²/2, k3 = r − 1 − log r (unbiased and "
+        "always ≥ 0; Schulman 2020, 'Approximating KL Divergence')",
+        choices=core.KL_ESTIMATORS,
+    )
+    kl_in_reward: bool = setting(
+        False,
+        help="fold −beta·KL into the per-token rewards (REINFORCE++, PPO for LMs) instead of adding it to the loss; "
+        "needs a token-level estimator",
+    )
+    loss_aggregation: str = setting(
+        "seq_mean_token_mean",
+        help="how per-token losses become one number: seq_mean_token_mean (a mean per sequence, then over "
+        "sequences; GRPO), token_mean (over all tokens; DAPO), seq_mean_token_sum_norm (sums over a constant; "
+        "Dr. GRPO), micro_batch_token_mean (over each micro-batch's tokens; TRL's bnpo); polo.core.losses",
+        choices=core.LOSS_AGGREGATIONS,
+    )
+    update_epochs: int = setting(
+        1, help="μ: passes over each batch; the old log-probs (and so the clipping) matter when > 1", range=">= 1"
+    )
+    dynamic_sampling: bool = setting(
+        False,
+        help="DAPO's dynamic sampling: drop groups whose rewards are all equal (zero advantage) and sample "
+        "more prompts to refill the batch",
+    )
+    max_sampling_rounds: int = setting(3, help="cap on sampling rounds per step under dynamic sampling", range=">= 1")
+    overlong_buffer: float = setting(
+        0.0,
+        help="DAPO's soft overlong punishment: a penalty rising linearly over the last fraction of "
+        "max_new_tokens (DAPO: 0.2); 0 = off",
+        range="[0, 1)",
+    )
+    overlong_penalty: float = setting(1.0, help="the overlong penalty reached at max_new_tokens", range=">= 0")
+    mask_truncated: bool = setting(
+        False, help="leave completions cut by max_new_tokens out of the loss (DAPO's overlong filtering)"
+    )
+    gamma: float = setting(1.0, help="γ, the discount of per-token rewards (REINFORCE++, PPO)", range="[0, 1]")
+    lam: float = setting(
+        0.95,
+        help="λ of GAE, the bias-variance trade-off of the critic's advantages (Schulman et al. 2016)",
+        range="[0, 1]",
+    )
+    critic: str = setting(
+        "separate",
+        help="PPO's critic: separate (its own trunk) | head (a value head on the policy trunk)",
+        choices=("separate", "head"),
+    )
+    critic_learning_rate: float = setting(1e-5, help="the critic's AdamW learning rate", range=">= 0")
+    critic_warmup_steps: int = setting(0, help="steps that train only the critic before the policy moves", range=">= 0")
+    value_clip: float | None = setting(
+        0.2, help="clip the value prediction within this of the old value (PPO2); null: unclipped", range="> 0"
+    )
+    value_coef: float = setting(0.5, help="weight of the value loss (matters when the trunk is shared)", range=">= 0")
 
 
 @dataclass
-class TrainConfig:
-    """Batch shape, optimizer and schedule."""
+class TrainConfig(OptimizerConfig):
+    """Batch shape, the optimizer and its schedule, precision, and what stops or rolls back a run."""
 
-    steps: int = 50
-    prompts_per_step: int = 8  # P prompts, each sampled group_size times
-    num_minibatches: int = 1  # optimizer steps per pass over the batch
-    micro_batch_size: int = 32  # sequences per forward/backward (gradient accumulation)
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"  # constant | linear | cosine (after warm-up)
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    precision: str = (
-        "auto"  # auto | fp32 | bf16 (autocast) | bf16_master (bf16 weights, fp32 masters); see polo.models.precision
+    steps: int = setting(50, help="training steps (each samples a batch and updates on it)", range=">= 0")
+    prompts_per_step: int = setting(8, help="P prompts per step, each sampled group_size times", range=">= 1")
+    num_minibatches: int = setting(
+        1,
+        help="optimizer steps per pass over the batch (divides prompts_per_step; a group is never split)",
+        range=">= 1",
     )
-    device: str = "auto"  # auto | cpu | cuda | cuda:N; auto is CUDA when available (polo.runtime.device)
-    threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    # Recompute activations in backward: with micro-batches of 32 as fast as 16 without it, at 60% of the memory.
-    gradient_checkpointing: bool = True
-    on_reward_error: str = "raise"  # raise: stop naming the function and sample | zero: score 0, count, go on
-    max_nonfinite_steps: int = 3  # a NaN/inf loss skips its step; this many in a row stop the run
-    # The divergence guard (polo.rl.guard): a step whose judged value is more than this many times its
-    # reference, or whose weights are not finite, is never saved. 0 = jumps off (non-finite weights still count).
-    divergence_factor: float = 10.0
-    divergence_checks: list[str] = field(default_factory=lambda: ["weight_norm"])  # of weight_norm | grad_norm | loss
-    # rollback: reload the last checkpoint written before the jump (or the starting model) and go on,
-    # skipping the batches drawn since it | stop: stop the run naming that checkpoint.
-    on_divergence: str = "rollback"
-    max_rollbacks: int = 3  # rollbacks in one run before it stops instead
-    # Under torchrun: ddp (every rank holds the whole model) | fsdp (parameters, gradients and Adam
-    # state sharded across ranks; weights gathered whole for generation). Ignored in one process.
-    data_parallel: str = "ddp"
+    micro_batch_size: int = setting(32, help="sequences per forward/backward (gradient accumulation)", range=">= 1")
+    seed: int = setting(0, help="seeds sampling, the data order and every random stream")
+    precision: str = setting(
+        "auto",
+        help="auto | fp32 | bf16 (autocast) | bf16_master (bf16 weights, fp32 masters); auto picks bf16 only "
+        "where it was measured faster (polo.runtime.device)",
+        choices=PRECISIONS,
+    )
+    device: str = device_setting()
+    threads: int | None = threads_setting()
+    gradient_checkpointing: bool = setting(
+        True,
+        help="recompute activations in backward: with micro-batches of 32 as fast as 16 without it, at 60% of "
+        "the memory",
+    )
+    on_reward_error: str = setting(
+        "raise",
+        help="a reward function that raises: raise (stop, naming the function and the sample) | zero (score 0, "
+        "count, go on)",
+        choices=("raise", "zero"),
+    )
+    max_nonfinite_steps: int = setting(
+        3, help="a NaN/inf loss skips its step; this many in a row stop the run", range=">= 1"
+    )
+    divergence_factor: float = setting(
+        10.0,
+        help="the divergence guard (polo.rl.guard): a step whose judged value is more than this many times its "
+        "reference, or whose weights are not finite, is never saved; 0 = jumps off (non-finite weights still count)",
+    )
+    divergence_checks: list[str] = setting(
+        ["weight_norm"], help="what the divergence guard judges: any of weight_norm | grad_norm | loss"
+    )
+    on_divergence: str = setting(
+        "rollback",
+        help="rollback: reload the last checkpoint before the jump (or the starting model) and go on, skipping "
+        "the batches drawn since | stop: stop the run naming that checkpoint",
+        choices=("rollback", "stop"),
+    )
+    max_rollbacks: int = setting(3, help="rollbacks in one run before it stops instead", range=">= 0")
+    data_parallel: str = setting(
+        "ddp",
+        help="under torchrun: ddp (every rank holds the whole model) | fsdp (parameters, gradients and Adam "
+        "state sharded; weights gathered whole for generation). Ignored in one process",
+        choices=("ddp", "fsdp"),
+    )
 
 
 @dataclass
 class EvalConfig:
-    """Greedy held-out evaluation."""
+    """Greedy held-out evaluation during training."""
 
-    before: bool = True  # evaluate the starting model
-    after: bool = True
-    every: int = 0  # also every N steps (0: never)
-    max_new_tokens: int | None = None  # None: sampling.max_new_tokens
-    batch_size: int = 64
+    before: bool = setting(True, help="evaluate the starting model")
+    after: bool = setting(True, help="evaluate the final model")
+    every: int = setting(0, help="also every N steps (0: never)", range=">= 0")
+    max_new_tokens: int | None = setting(None, help="completion budget; null: sampling.max_new_tokens", range=">= 1")
+    batch_size: int = setting(64, help="prompts decoded together", range=">= 1")
 
 
 @dataclass
 class OutputConfig:
-    """Where a run writes, how often it checkpoints, and resuming."""
+    """Where a run writes, how often it checkpoints, resuming, trackers and the Hub."""
 
-    dir: str = "runs/grpo"
-    save_every: int = 10  # 0 disables periodic checkpoints
-    keep_checkpoints: int = 2
-    resume: bool = False
-    overwrite: bool = False  # a fresh run into a directory holding an earlier run removes that run first
-    tensorboard: bool = True  # false leaves tensorboard out of report_to (the older spelling)
-    # Trackers the metrics go to, besides metrics.jsonl (always written): any of tensorboard, jsonl,
-    # wandb, trackio, mlflow (polo.runtime.trackers; wandb, trackio and mlflow need polo's extras).
-    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    project: str | None = (
-        None  # the trackers' project (mlflow: experiment); null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME if set, else polo
+    dir: str = setting("runs/grpo", help="the run directory: config.yaml, metrics.jsonl, checkpoints/, plots")
+    save_every: int = setting(
+        10, help="checkpoint every N steps (and at the end); 0 disables periodic ones", range=">= 0"
     )
-    run_name: str | None = None  # the trackers' run name; null: the output directory's name
-    plots: bool = True
-    progress: bool = True
-    # A Hugging Face Hub repo id (org/name): the final model and its model card (README.md) are
-    # uploaded there once the run ends; checked (online, token) before anything loads. null: no upload.
-    push_to_hub: str | None = None
-    hub_private: bool = False  # a repository push_to_hub creates is private
+    keep_checkpoints: int = setting(2, help="periodic checkpoints kept (the newest)", range=">= 1")
+    resume: bool = setting(False, help="continue from the newest checkpoint in dir (docs/cluster.md)")
+    overwrite: bool = setting(False, help="a fresh run into a directory holding an earlier run removes that run first")
+    report_to: list[str] = report_to_setting()
+    project: str | None = project_setting()
+    run_name: str | None = run_name_setting()
+    tracker_dir: str | None = tracker_dir_setting()
+    plots: bool = setting(True, help="draw reward, accuracy and length curves into dir at the end")
+    progress: bool = setting(True, help="show a progress bar")
+    push_to_hub: str | None = push_to_hub_setting()
+    hub_private: bool = hub_private_setting()
 
 
 @dataclass
 class Config:
-    """A whole training run."""
+    """`polo train RECIPE.yaml`: reinforcement learning of a causal LM from verifiable rewards."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    rewards: dict[str, float] = field(default_factory=lambda: {"correct": 1.0})
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
+    model: ModelConfig = setting(default_factory=ModelConfig, help="the policy")
+    task: TaskConfig = setting(default_factory=TaskConfig, help="the prompts")
+    rewards: dict[str, float] = setting(
+        {"correct": 1.0},
+        help="reward functions and their weights: built-in (correct, r1_format, tag_count, code, code_fraction), "
+        "package.module:function for your own, model:PATH for a reward model (polo.rewards)",
+    )
+    sampling: SamplingConfig = setting(default_factory=SamplingConfig, help="sampling during training")
+    algorithm: AlgorithmConfig = setting(default_factory=AlgorithmConfig, help="the estimator and the loss")
+    train: TrainConfig = setting(default_factory=TrainConfig, help="batch shape, optimizer and run control")
+    eval: EvalConfig = setting(default_factory=EvalConfig, help="held-out evaluation")
+    output: OutputConfig = setting(default_factory=OutputConfig, help="where the run writes and reports")

@@ -9,12 +9,13 @@ V of the state after it (polo.core.gae_advantages), so n is `train.rollout_steps
 
 from __future__ import annotations
 
-from polo.control.base import OnPolicyAlgorithm, all_valid, column, explained_variance
+from polo.control.base import OnPolicyAlgorithm, all_valid, column, explained_variance, register_algorithm
 from polo.control.rollout import Batch
 from polo.core.advantages import gae_advantages
 from polo.core.losses import masked_mean, value_loss
 
 
+@register_algorithm("a2c")
 class A2C(OnPolicyAlgorithm):
     collects = "steps"
     uses_critic = True

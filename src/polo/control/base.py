@@ -1,6 +1,7 @@
 """What every on-policy algorithm shares: optimizers, schedules, minibatches, gradient steps.
 
-An algorithm is a class with two class attributes and one method:
+An algorithm is a class, registered with `@register_algorithm(name)`, with two class attributes
+and one method:
     collects       "steps" (T steps of every env copy per update) or "episodes" (whole episodes)
     uses_critic    whether the policy gets a value network
     update(batch, progress) -> metrics    one policy (and critic) update on a `Batch`
@@ -18,11 +19,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from polo.control.config import ControlConfig
+from polo.control.config import ControlConfig, register_algorithm
 from polo.control.policies import ActorCritic
 from polo.control.rollout import Batch
+from polo.core.advantages import explained_variance as masked_explained_variance
 from polo.core.advantages import whiten
 from polo.core.losses import masked_mean, value_loss, vanilla_pg_loss
+from polo.core.schedules import lr_multiplier
+from polo.runtime.optimizer import build_optimizer
+
+__all__ = ["OnPolicyAlgorithm", "all_valid", "column", "explained_variance", "normalize", "register_algorithm"]
 
 
 def column(values: torch.Tensor) -> torch.Tensor:
@@ -41,9 +47,8 @@ def normalize(advantages: torch.Tensor) -> torch.Tensor:
 
 
 def explained_variance(predicted: torch.Tensor, target: torch.Tensor) -> float:
-    """Return 1 − Var(target − predicted) / Var(target): 1 is a perfect critic, ≤ 0 a useless one."""
-    variance = target.var()
-    return float("nan") if variance == 0 else float(1.0 - (target - predicted).var() / variance)
+    """Return 1 − Var(target − predicted) / Var(target) of flat transitions `(M,)` (`polo.core.explained_variance`)."""
+    return masked_explained_variance(column(predicted), column(target), all_valid(target))
 
 
 class OnPolicyAlgorithm:
@@ -60,24 +65,24 @@ class OnPolicyAlgorithm:
 
     # --- optimizers and schedules -------------------------------------------------------
     def make_optimizer(self, flat: nn.Parameter, learning_rate: float) -> torch.optim.Optimizer:
-        """Return the configured optimizer over one flat parameter view, remembering its initial rate."""
-        if self.train.optimizer == "rmsprop":
-            optimizer = torch.optim.RMSprop([flat], lr=learning_rate, alpha=0.99, eps=self.train.adam_eps)
-        else:
-            optimizer = torch.optim.Adam([flat], lr=learning_rate, eps=self.train.adam_eps, fused=True)
-        for group in optimizer.param_groups:
-            group["initial_lr"] = learning_rate
-        return optimizer
+        """Return the configured optimizer (`polo.runtime.optimizer`) over one flat parameter view."""
+        kind = "rmsprop" if self.train.optimizer == "rmsprop" else "adamw"
+        return build_optimizer([flat], self.train, learning_rate=learning_rate, kind=kind)
 
     def scheduled(self, value: float, schedule: str, progress: float) -> float:
         """Return `value` under a schedule at `progress` ∈ [0, 1] of the run: constant, or linear to 0."""
         return value * max(1.0 - progress, 0.0) if schedule == "linear" else value
 
     def set_learning_rates(self, optimizers: list[torch.optim.Optimizer], progress: float) -> float:
-        """Apply the learning-rate schedule to `optimizers`; return the first one's current rate."""
+        """Apply the learning-rate schedule at `progress` of `train.total_steps`; return the first optimizer's rate.
+
+        The schedule is polo's one warm-up-then-decay (`polo.core.lr_multiplier`) over environment steps.
+        """
+        total = self.train.total_steps
+        multiplier = lr_multiplier(self.train.warmup_steps, total, self.train.lr_schedule)(round(progress * total))
         for optimizer in optimizers:
             for group in optimizer.param_groups:
-                group["lr"] = self.scheduled(group["initial_lr"], self.train.lr_schedule, progress)
+                group["lr"] = group["initial_lr"] * multiplier
         return optimizers[0].param_groups[0]["lr"]
 
     # --- minibatches and gradient steps -------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from polo.control.base import OnPolicyAlgorithm, all_valid, column
+from polo.control.base import OnPolicyAlgorithm, all_valid, column, register_algorithm
 from polo.control.rollout import Batch
 from polo.core.advantages import expand_to_tokens, group_advantages
 from polo.core.kl import kl_k3
@@ -33,6 +33,7 @@ def episode_group_advantages(
     return batch.flatten(expand_to_tokens(advantages, batch.mask)), episode_returns
 
 
+@register_algorithm("grpo")
 class GRPO(OnPolicyAlgorithm):
     collects = "episodes"
     uses_critic = False

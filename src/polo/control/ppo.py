@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from polo.control.base import OnPolicyAlgorithm, all_valid, column, explained_variance, normalize
+from polo.control.base import OnPolicyAlgorithm, all_valid, column, explained_variance, normalize, register_algorithm
 from polo.control.rollout import Batch
 from polo.core.advantages import gae_advantages
 from polo.core.kl import kl_k3
 from polo.core.losses import masked_mean, ppo_clip_loss, value_loss
 
 
+@register_algorithm("ppo")
 class PPO(OnPolicyAlgorithm):
     collects = "steps"
     uses_critic = True

@@ -10,11 +10,12 @@ passes with its own optimizer; it never feeds the policy's gradient except as b.
 
 from __future__ import annotations
 
-from polo.control.base import OnPolicyAlgorithm, explained_variance
+from polo.control.base import OnPolicyAlgorithm, explained_variance, register_algorithm
 from polo.control.rollout import Batch
 from polo.core.advantages import discounted_returns
 
 
+@register_algorithm("reinforce")
 class Reinforce(OnPolicyAlgorithm):
     collects = "episodes"
     uses_critic = False  # the trainer adds a critic when algorithm.baseline is true

@@ -2,7 +2,8 @@
 
     result = polo.control.train("recipes/ppo_cartpole.yaml", ["train.seed=3"])
 
-Every algorithm runs through `train`; they differ only in the class `ALGORITHMS[name]`
+Every algorithm runs through `train`; they differ only in the class `ALGORITHMS[name]` (registered by
+`polo.control.base.register_algorithm`)
 (its `update`, whether it needs a critic, and whether it collects T steps or whole episodes).
 """
 
@@ -16,27 +17,17 @@ import numpy as np
 import torch
 import yaml
 
-from polo.control.a2c import A2C
+# Imported for their @register_algorithm: each adds its class to ALGORITHMS.
+from polo.control import a2c, grpo, ppo, reinforce, trpo  # noqa: F401
 from polo.control.base import OnPolicyAlgorithm
-from polo.control.config import ControlConfig, config_to_dict, load_control_config
+from polo.control.config import ALGORITHMS, ControlConfig, config_to_dict, load_control_config
 from polo.control.envs import action_spec, make_vector_env
-from polo.control.grpo import GRPO
 from polo.control.policies import ActorCritic
-from polo.control.ppo import PPO
-from polo.control.reinforce import Reinforce
 from polo.control.rollout import EpisodeCollector, EpisodeTracker, StepCollector, build_batch
-from polo.control.trpo import TRPO
 from polo.runtime.checkpoint import claim_output_dir
 from polo.runtime.metrics import MetricsLogger
 from polo.runtime.run_lock import owned_run_dir
-
-ALGORITHMS: dict[str, type[OnPolicyAlgorithm]] = {
-    "reinforce": Reinforce,
-    "a2c": A2C,
-    "trpo": TRPO,
-    "ppo": PPO,
-    "grpo": GRPO,
-}
+from polo.runtime.trackers import Trackers
 
 
 @dataclass
@@ -173,7 +164,7 @@ def _open_logger(config: ControlConfig, output_dir: Path, num_envs: int) -> Metr
     claim_output_dir(output_dir, output.overwrite)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    logger = MetricsLogger(output_dir, train_config.total_steps, 0, output.tensorboard, output.progress)
+    logger = MetricsLogger(output_dir, train_config.total_steps, 0, output.progress, trackers=Trackers.of(config))
     logger.write(
         f"polo control: {config.algorithm.name} on {config.env.id}, {num_envs} envs, "
         f"{train_config.total_steps:,} steps, writing to {output_dir}"

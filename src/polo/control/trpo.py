@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from polo.control.base import OnPolicyAlgorithm, explained_variance, normalize
+from polo.control.base import OnPolicyAlgorithm, explained_variance, normalize, register_algorithm
 from polo.control.policies import ActorCritic
 from polo.control.rollout import Batch
 from polo.core.advantages import gae_advantages
@@ -105,6 +105,7 @@ def trpo_step(
     }
 
 
+@register_algorithm("trpo")
 class TRPO(OnPolicyAlgorithm):
     collects = "steps"
     uses_critic = True

@@ -79,6 +79,11 @@ class Task:
         template = self.instruction if instruction is None else instruction
         return [format_prompt(tokenizer, row["question"], template, system_prompt, self.few_shot) for row in rows]
 
+    def unseen_train_rows(self) -> list[dict]:
+        """Return the training rows whose question is not also a held-out question (for data from a model's answers)."""
+        held_out = {row["question"] for row in self.eval_rows}
+        return [row for row in self.train_rows if row["question"] not in held_out]
+
 
 def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
     """Return ``(line_number, row)`` for every non-blank line of a jsonl file (1-based lines).

@@ -23,64 +23,33 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from polo import core
-from polo.config import ConfigError, ModelConfig, config_to_dict
+from polo.config import config_to_dict
+from polo.config.finetune import DPOConfig, load_dpo_config
 from polo.data.preferences import read_rankings
 from polo.finetune.fit import (
-    DataConfig,
     Example,
-    FinetuneOutputConfig,
     FinetuneResult,
-    FinetuneTrainConfig,
     collate_rankings,
     evaluate_objective,
     finetune_run,
+    finish_run,
     fit,
-    load_finetune_config,
     pair_indices,
     prepare_run,
     ranking_logprobs,
     save_model,
     score_sequences,
-    write_summary,
 )
 from polo.finetune.reward_model import encode_rankings, num_pairs
+from polo.models.hub import HeldOut
 from polo.models.loading import enable_activation_checkpointing
 from polo.runtime.device import CPU, Compute
-
-
-@dataclass
-class DPOSection:
-    """The DPO loss."""
-
-    beta: float = 0.1  # β: the strength of the KL anchor to the reference (TRL's default 0.1)
-    nll_weight: float = 0.0  # α: weight of the preferred answers' per-token NLL added to the loss (0: plain DPO)
-
-
-@dataclass
-class DPOConfig:
-    """A DPO run: `polo dpo RECIPE.yaml`."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)  # the starting policy, also the frozen reference
-    data: DataConfig = field(default_factory=DataConfig)
-    dpo: DPOSection = field(default_factory=DPOSection)
-    train: FinetuneTrainConfig = field(default_factory=lambda: FinetuneTrainConfig(learning_rate=5e-7))
-    output: FinetuneOutputConfig = field(default_factory=lambda: FinetuneOutputConfig(dir="runs/dpo"))
-
-
-def load_dpo_config(recipe=None, overrides: list[str] | None = None) -> DPOConfig:
-    """Return a validated `DPOConfig` from a recipe (path, mapping or config) and dotted overrides."""
-    config = load_finetune_config(DPOConfig, recipe, overrides)
-    if not config.dpo.beta > 0:
-        raise ConfigError(f"dpo.beta must be > 0, got {config.dpo.beta}")
-    if config.dpo.nll_weight < 0:
-        raise ConfigError(f"dpo.nll_weight must be >= 0, got {config.dpo.nll_weight}")
-    return config
 
 
 class DPOObjective:
@@ -175,8 +144,10 @@ def dpo(config: DPOConfig | str | Path | dict | None = None, overrides: list[str
         )
         output_dir = Path(config.output.dir)
         model_dir = save_model(model, tokenizer, output_dir / "final")
-        seconds = time.perf_counter() - started
-        write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
-        return FinetuneResult(
-            output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds
+        held_out = HeldOut(
+            f"Implicit-reward preference accuracy and margin on {len(eval_examples)} held-out rankings",
+            ("rewards/accuracies", "rewards/margins"),
+            before,
+            after,
         )
+        return finish_run(config, model_dir, rows, "dpo", held_out, started)

@@ -6,10 +6,13 @@
 - `sequence_logprobs`: log π(y|x) summed over the response tokens (never the prompt's), and
   `sequence_rewards`: a sequence-classification model's scalar for each whole sequence.
 - `fit`: the small loop. AdamW, warm-up then a schedule, gradient accumulation over
-  micro-batches, gradient clipping, one metrics row per optimizer step (metrics.jsonl,
-  TensorBoard, progress bar through `polo.runtime.metrics.MetricsLogger`), held-out evaluation before,
-  every `train.eval_every` steps and after.
-- the recipe sections `data`, `train` and `output` the three commands share.
+  micro-batches, gradient clipping, one metrics row per optimizer step (metrics.jsonl, the
+  `output.report_to` trackers, progress bar through `polo.runtime.metrics.MetricsLogger`), held-out
+  evaluation before, every `train.eval_every` steps and after.
+- `publish_finetuned`: the model card in `<output.dir>/final` and the `output.push_to_hub` upload.
+
+The recipe sections the three commands share (`data`, `train`, `output`) are in
+`polo.config.finetune`.
 
 An *objective* tells `fit` what to learn: `units(example)` is how many things an example's loss
 is averaged over (response tokens for SFT, pairs for a ranking), and `loss(model, examples)`
@@ -33,11 +36,10 @@ from typing import Any, Protocol
 import torch
 
 from polo import core
-from polo.config import ConfigError, build_dataclass, check_at_least_one, check_choices, config_to_dict, read_recipe
-from polo.config.validation import check_counts, check_device, check_floats, check_output_dir
-from polo.core.schedules import lr_multiplier
+from polo.config import config_to_dict
 from polo.kernels import supports_fused_logprobs, token_logprobs
 from polo.models.family import cache_keyword
+from polo.models.hub import HeldOut, ModelCard, check_push, publish
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
 from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
 from polo.runtime.checkpoint import claim_output_dir, staged_directory
@@ -45,111 +47,9 @@ from polo.runtime.device import CPU, Compute, autocast_compute
 from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
 from polo.runtime.parallel import is_main_process
+from polo.runtime.optimizer import build_optimizer, build_schedule
 from polo.runtime.run_lock import owned_run_dir
-
-# ---------------------------------------------------------------- recipe sections
-
-
-@dataclass
-class DataConfig:
-    """Where the examples are and how they are shaped into model inputs."""
-
-    train_path: str | None = None  # jsonl (required)
-    eval_path: str | None = None  # held-out jsonl, evaluated before, during and after training
-    num_train: int | None = None  # use the first N training rows (None: all)
-    num_eval: int | None = None  # use the first N held-out rows (None: all)
-    system_prompt: str | None = None  # for prompts without a system message of their own
-    max_length: int = 512  # prompt + response tokens; longer responses are cut at the end
-
-
-@dataclass
-class FinetuneTrainConfig:
-    """Optimizer, batch shape and schedule of a fine-tuning run."""
-
-    epochs: int = 1
-    max_steps: int | None = None  # stop after this many optimizer steps (None: all epochs)
-    batch_size: int = 32  # examples per optimizer step: demonstrations (SFT) or rankings/pairs (RM, DPO)
-    micro_batch_size: int = 32  # sequences per forward/backward (gradient accumulation); a ranking is never split
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    warmup_steps: int = 0
-    lr_schedule: str = "linear"  # constant | linear | cosine (after warm-up)
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    precision: str = "auto"  # auto | fp32 | bf16 (autocast; fp32 master weights)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N; auto is CUDA when available (polo.runtime.device)
-    threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    gradient_checkpointing: bool = False
-    eval_every: int = 0  # also evaluate every N steps (0: only before and after)
-
-
-@dataclass
-class FinetuneOutputConfig:
-    """Where a fine-tuning run writes; the trained model goes to `<dir>/final`."""
-
-    dir: str = "runs/finetune"
-    overwrite: bool = False  # a run into a directory holding an earlier run removes that run first
-    tensorboard: bool = True
-    progress: bool = True
-
-
-_CHOICES = {
-    "train.precision": ("auto", "fp32", "bf16"),
-    "train.lr_schedule": ("constant", "linear", "cosine"),
-}
-
-# Beyond finite (every float is checked for that); the objective's own section (dpo.*) adds its ranges.
-_FLOAT_RANGES = {
-    "train.learning_rate": ">= 0",
-    "train.weight_decay": ">= 0",
-    "train.adam_beta1": "[0, 1)",
-    "train.adam_beta2": "[0, 1)",
-    "train.max_grad_norm": "> 0",
-}
-
-
-def load_finetune_config(cls: type, recipe: Any, overrides: list[str] | None = None) -> Any:
-    """Return a validated config of dataclass `cls` (with `data`, `train`, `output` sections) from a recipe and overrides."""
-    if isinstance(recipe, cls):
-        recipe = config_to_dict(recipe)
-    config = build_dataclass(cls, read_recipe(recipe, overrides))
-    validate_finetune(config)
-    return config
-
-
-def validate_finetune(config: Any) -> None:
-    """Raise `ConfigError` for the first shared-section value that has the right type but makes no sense."""
-    check_choices(config, _CHOICES)
-    train = config.train
-    check_at_least_one(
-        {
-            "train.epochs": train.epochs,
-            "train.batch_size": train.batch_size,
-            "train.micro_batch_size": train.micro_batch_size,
-            "data.max_length": config.data.max_length,
-        }
-    )
-    lora = getattr(getattr(config, "model", None), "lora", None)
-    if lora is not None and lora.r:
-        raise ConfigError(
-            f"model.lora.r={lora.r}: LoRA is available for RL training (polo train) only; "
-            "polo sft, dpo and train-rm fine-tune every weight (set model.lora.r=0)"
-        )
-    if not config.data.train_path:
-        raise ConfigError("data.train_path is required: a jsonl file of training examples")
-    if train.max_steps is not None and train.max_steps < 1:
-        raise ConfigError(f"train.max_steps must be at least 1 (or null for all epochs), got {train.max_steps}")
-    check_counts({"train.warmup_steps": train.warmup_steps, "train.eval_every": train.eval_every}, 0)
-    check_counts({"train.threads": train.threads}, 1)
-    for key, value in (("data.num_train", config.data.num_train), ("data.num_eval", config.data.num_eval)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{key} must be at least 1 (or null for all rows), got {value}")
-    check_floats(config, _FLOAT_RANGES)
-    check_output_dir("output.dir", config.output.dir)
-    check_device("train.device", train.device)
-
+from polo.runtime.trackers import Trackers
 
 # ---------------------------------------------------------------- tokens
 
@@ -405,8 +305,8 @@ def fit(
 ) -> tuple[list[dict], dict | None, dict | None]:
     """Train `model` in place on `train_examples`; return (metrics rows, held-out metrics before, after).
 
-    `config` is a recipe config with `train` (`FinetuneTrainConfig`) and `output`
-    (`FinetuneOutputConfig`) sections. Each optimizer step takes `train.batch_size` examples of a
+    `config` is a recipe config with `train` (`polo.config.finetune.FinetuneTrainConfig`) and
+    `output` (`FinetuneOutputConfig`) sections. Each optimizer step takes `train.batch_size` examples of a
     per-epoch shuffle and backpropagates `objective.loss / units(batch)` micro-batch by
     micro-batch. `evaluate()` returns held-out metrics (logged with an `eval/` prefix). The
     `headline` metrics go to the progress bar.
@@ -422,10 +322,11 @@ def fit(
         else min(train.max_steps, steps_per_epoch * train.epochs)
     )
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    optimizer, scheduler = _optimizer_and_schedule(parameters, train, total_steps)
+    optimizer = build_optimizer(parameters, train)
+    scheduler = build_schedule(optimizer, train, total_steps)
     if is_main_process():
         (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run must not mix with an old run's rows
-    logger = MetricsLogger(output_dir, total_steps, 0, output.tensorboard, output.progress)
+    logger = MetricsLogger(output_dir, total_steps, 0, output.progress, trackers=Trackers.of(config))
     logger.write(f"{name}: {len(train_examples)} examples, {total_steps} steps of {train.batch_size} | {compute}")
 
     eval_before = _held_out(evaluate, logger, 0)
@@ -452,23 +353,6 @@ def fit(
     eval_after = _held_out(evaluate, logger, total_steps)
     logger.close()
     return read_metrics(output_dir / "metrics.jsonl"), eval_before, eval_after
-
-
-def _optimizer_and_schedule(
-    parameters: list[torch.nn.Parameter], train: Any, total_steps: int
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """Return (AdamW over `parameters`, its warm-up-then-schedule learning-rate scheduler)."""
-    optimizer = torch.optim.AdamW(
-        parameters,
-        lr=train.learning_rate,
-        betas=(train.adam_beta1, train.adam_beta2),
-        weight_decay=train.weight_decay,
-        fused=True,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_multiplier(train.warmup_steps, total_steps, train.lr_schedule)
-    )
-    return optimizer, scheduler
 
 
 def _held_out(evaluate: Callable[[], dict[str, float]] | None, logger: MetricsLogger, step: int) -> dict | None:
@@ -564,14 +448,17 @@ def finetune_run(config: Any) -> Iterator[None]:
 
 
 def prepare_run(config: Any, config_dict: dict) -> Compute:
-    """Set threads and seeds, write `<output.dir>/config.yaml`; return the run's Compute (`train.device`, `train.precision`)."""
+    """Set threads and seeds, write `<output.dir>/config.yaml`; return the Compute of train.device and train.precision.
+
+    Whether `output.push_to_hub` can be pushed to is asked here, before any model loads.
+    """
     import yaml
 
     from polo.runtime.seeding import seed_everything
 
-    compute = autocast_compute(
-        config.train.precision, config.train.device
-    )  # first: a device that cannot be had costs nothing
+    compute = autocast_compute(config.train.precision, config.train.device)  # first: a missing device costs nothing
+    if config.output.push_to_hub:
+        check_push(config.output.push_to_hub)  # before the model loads: a model that could not be pushed never trains
 
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
@@ -588,3 +475,45 @@ def write_summary(output_dir: Path, **fields: Any) -> None:
     """Write `<output_dir>/summary.json` (the held-out figures before and after, the run time)."""
     if is_main_process():
         (output_dir / "summary.json").write_text(json.dumps(fields, indent=1, default=str) + "\n")
+
+
+def finish_run(
+    config: Any, model_dir: Path, rows: list[dict], method: str, held_out: HeldOut, started: float
+) -> FinetuneResult:
+    """Write the model card (and push it), then `summary.json`; return the run's `FinetuneResult`.
+
+    `method` is sft, dpo or reward model; `held_out` holds the held-out figures before and after.
+    """
+    steps = len([row for row in rows if "loss" in row])
+    publish_finetuned(config, model_dir, steps, method, held_out)
+    seconds = time.perf_counter() - started
+    before, after = held_out.before, held_out.after
+    output_dir = Path(config.output.dir)
+    write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
+    return FinetuneResult(output_dir, model_dir, steps, before, after, rows, seconds)
+
+
+def publish_finetuned(config: Any, model_dir: Path, steps: int, method: str, held_out: HeldOut) -> None:
+    """Write the model card into `model_dir` and push it to `output.push_to_hub` when set (the main process only).
+
+    `method` is sft, dpo or reward model (a reward model's card loads it as a sequence classifier).
+    """
+    if not is_main_process():
+        return
+    import yaml
+
+    command = {"sft": "sft", "dpo": "dpo", "reward model": "rm"}[method]
+    card = ModelCard(
+        location=config.output.push_to_hub or str(model_dir),
+        base_model=config.model.name,
+        method=method,
+        trained_on=Path(config.data.train_path).name,
+        steps=steps,
+        recipe=yaml.safe_dump(config_to_dict(config), sort_keys=False),
+        command=command,
+        held_out=held_out,
+        no_eval_note="the recipe sets no data.eval_path",
+        reward_model=method == "reward model",
+        tags=(method.replace(" ", "-"),),
+    )
+    publish(model_dir, card, config.output.push_to_hub, config.output.hub_private)

@@ -21,51 +21,33 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from polo import core
-from polo.config import ModelConfig, config_to_dict
+from polo.config import config_to_dict
+from polo.config.finetune import RewardModelConfig, load_reward_model_config
 from polo.data.preferences import Ranking, read_rankings, write_jsonl
 from polo.finetune.fit import (
-    DataConfig,
     Example,
-    FinetuneOutputConfig,
     FinetuneResult,
-    FinetuneTrainConfig,
     collate_rankings,
     encode,
     finetune_run,
+    finish_run,
     fit,
-    load_finetune_config,
     pair_indices,
     prepare_run,
     ranking_rewards,
     save_model,
     score_sequences,
-    write_summary,
 )
 from polo.generation.prompts import render_prompt
+from polo.models.hub import HeldOut
 from polo.models.loading import enable_activation_checkpointing
 from polo.rewards.reward_model import STATS_FILE
 from polo.runtime.device import CPU
-
-
-@dataclass
-class RewardModelConfig:
-    """A reward-model run: `polo rm RECIPE.yaml`."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)  # the causal LM whose trunk carries the head
-    data: DataConfig = field(default_factory=DataConfig)
-    train: FinetuneTrainConfig = field(default_factory=FinetuneTrainConfig)
-    output: FinetuneOutputConfig = field(default_factory=lambda: FinetuneOutputConfig(dir="runs/rm"))
-
-
-def load_reward_model_config(recipe=None, overrides: list[str] | None = None) -> RewardModelConfig:
-    """Return a validated `RewardModelConfig` from a recipe (path, mapping or config) and dotted overrides."""
-    return load_finetune_config(RewardModelConfig, recipe, overrides)
 
 
 def encode_rankings(
@@ -229,8 +211,6 @@ def train_reward_model(
             )
             + "\n"
         )
-        seconds = time.perf_counter() - started
-        write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
-        return FinetuneResult(
-            output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds
-        )
+        description = f"Pair accuracy and mean margin r(better) − r(worse) on {len(eval_examples)} held-out rankings"
+        held_out = HeldOut(description, ("pair_accuracy", "margin"), before, after)
+        return finish_run(config, model_dir, rows, "reward model", held_out, started)

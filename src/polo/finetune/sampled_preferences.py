@@ -39,8 +39,7 @@ def check_sampling_request(task: Task, draw: PreferenceDraw, samples: int) -> li
         minimum = 2 if name == "samples" else 0  # a comparison needs two answers to one prompt
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    held_out = {row["question"] for row in task.eval_rows}
-    rows = [row for row in task.train_rows if row["question"] not in held_out]
+    rows = task.unseen_train_rows()
     if num_prompts + num_prompts_eval > len(rows):
         raise ValueError(
             f"asked for {num_prompts} + {num_prompts_eval} prompts but the task's training split holds {len(rows)}"

@@ -14,48 +14,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from polo.config import ModelConfig, config_to_dict
+from polo.config import config_to_dict
+from polo.config.finetune import SFTConfig, load_sft_config
 from polo.data.preferences import Demonstration, read_demonstrations
 from polo.finetune.fit import (
-    DataConfig,
     Example,
-    FinetuneOutputConfig,
     FinetuneResult,
-    FinetuneTrainConfig,
     collate,
     encode,
     evaluate_objective,
     finetune_run,
+    finish_run,
     fit,
-    load_finetune_config,
     prepare_run,
     response_logprobs,
     save_model,
-    write_summary,
 )
 from polo.generation.prompts import render_prompt
+from polo.models.hub import HeldOut
 from polo.models.loading import enable_activation_checkpointing
 from polo.runtime.device import CPU
-
-
-@dataclass
-class SFTConfig:
-    """A supervised fine-tuning run: `polo sft RECIPE.yaml`."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: FinetuneTrainConfig = field(default_factory=FinetuneTrainConfig)
-    output: FinetuneOutputConfig = field(default_factory=lambda: FinetuneOutputConfig(dir="runs/sft"))
-
-
-def load_sft_config(recipe=None, overrides: list[str] | None = None) -> SFTConfig:
-    """Return a validated `SFTConfig` from a recipe (path, mapping or config) and dotted overrides."""
-    return load_finetune_config(SFTConfig, recipe, overrides)
 
 
 def encode_demonstrations(
@@ -118,8 +100,5 @@ def sft(config: SFTConfig | str | Path | dict | None = None, overrides: list[str
         )
         output_dir = Path(config.output.dir)
         model_dir = save_model(model, tokenizer, output_dir / "final")
-        seconds = time.perf_counter() - started
-        write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
-        return FinetuneResult(
-            output_dir, model_dir, len([row for row in rows if "loss" in row]), before, after, rows, seconds
-        )
+        description = f"Negative log-likelihood per response token on {len(eval_examples)} held-out demonstrations"
+        return finish_run(config, model_dir, rows, "sft", HeldOut(description, ("loss",), before, after), started)

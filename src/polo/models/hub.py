@@ -8,14 +8,16 @@ network access; only when it is not there and the Hub is not offline (`HF_HUB_OF
 `TRANSFORMERS_OFFLINE` unset) is it downloaded, config, tokenizer and weights only. Every failure is
 one line (a `ModelLoadError`) saying where polo looked and what to do.
 
-After a run, `model_card` writes the README.md of the final model (recipe, held-out accuracy before
-and after, how to load it) and `push_folder` uploads that directory to a Hub repository.
+After a run, `publish` writes the README.md of the final model (`model_card`: the recipe, held-out
+figures before and after, how to load it) and uploads that directory to a Hub repository when the
+run's `output.push_to_hub` names one (`check_push` asked before anything loaded whether it can).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -130,20 +132,21 @@ def _download(name: str, repo_id: str, revision: str | None, cache: Path, fetch:
 # ---------------------------------------------------------------- pushing a trained model
 
 
-def check_push(repo_id: str) -> None:
-    """Raise `ConfigError` before a run starts when its model could not be pushed to `repo_id` at the end."""
+def check_push(repo_id: str, key: str = "output.push_to_hub") -> None:
+    """Raise `ConfigError` before a run starts when its model could not be pushed to `repo_id` (setting `key`) at the end."""
     offline = offline_setting()
     if offline:
         raise ConfigError(
-            f"output.push_to_hub={repo_id} needs the Hugging Face Hub, but it is offline ({offline}): "
-            "run where the Hub can be reached, or set output.push_to_hub=null (the final model and its README.md stay in output.dir)"
+            f"{key}={repo_id} needs the Hugging Face Hub, but it is offline ({offline}): "
+            f"run where the Hub can be reached, or set {key}=null "
+            f"(the final model and its README.md stay in {key.removesuffix('push_to_hub')}dir)"
         )
     from huggingface_hub import get_token
 
     if not get_token():
         raise ConfigError(
-            f"output.push_to_hub={repo_id} needs a Hugging Face token with write access: "
-            "run 'hf auth login' or set HF_TOKEN, or set output.push_to_hub=null"
+            f"{key}={repo_id} needs a Hugging Face token with write access: "
+            f"run 'hf auth login' or set HF_TOKEN, or set {key}=null"
         )
 
 
@@ -159,91 +162,137 @@ def push_folder(folder: Path, repo_id: str, private: bool, message: str) -> str:
     return str(url)
 
 
-def model_card(
-    *,
-    location: str,
-    base_model: str,
-    algorithm: str,
-    task: str,
-    steps: int,
-    recipe: str,
-    eval_before: dict | None,
-    eval_after: dict | None,
-    num_eval: int,
-    adapter: bool = False,
-) -> str:
-    """Return the README.md of a trained model: Hub metadata, what it is, held-out accuracy, how to load it, the recipe.
+@dataclass
+class HeldOut:
+    """The held-out figures a model card shows: each metric before and after training."""
 
-    `location` is what loads it (a Hub repo id or a directory); `recipe` is the run's config.yaml text.
+    description: str  # what was measured, e.g. "Greedy decoding on 200 held-out problems"
+    metrics: tuple[str, ...]  # the keys of `before` / `after` shown, in order
+    before: dict | None
+    after: dict | None
+
+
+@dataclass
+class ModelCard:
+    """What the README.md of a trained model says (`model_card` renders it)."""
+
+    location: str  # what loads the model: a Hub repo id or a directory
+    base_model: str
+    method: str  # grpo, dapo, sft, dpo, reward model, ...
+    trained_on: str  # the task's name or the data file
+    steps: int
+    recipe: str  # the run's config.yaml text
+    command: str = "train"  # the polo command whose recipe `recipe` is
+    recipe_file: str = "config.yaml"  # the name the run gave `recipe` in its directory
+    held_out: HeldOut | None = None  # None: no held-out evaluation was run
+    no_eval_note: str = "eval.before and eval.after were off, or the task has no held-out rows"
+    adapter: bool = False  # a LoRA adapter, loaded with peft
+    reward_model: bool = False  # a sequence classifier with one output, loaded with AutoModelForSequenceClassification
+    tags: tuple[str, ...] = ()  # the Hub tags after "polo", the method's first: ("grpo", "reinforcement-learning")
+
+
+def model_card(card: ModelCard) -> str:
+    """Return the README.md of a trained model: Hub metadata, what it is, held-out figures, how to load it, the recipe.
+
     The metadata names `base_model` only when it is a Hub id (the Hub refuses other values).
     """
-    base = parse_hub_id(base_model)
-    tags = ["polo", algorithm.lower(), "reinforcement-learning"] + (["lora", "peft"] if adapter else [])
-    metadata = {"library_name": "polo", "pipeline_tag": "text-generation", "tags": list(dict.fromkeys(tags))}
+    base = parse_hub_id(card.base_model)
+    tags = ["polo", *card.tags] + (["lora", "peft"] if card.adapter else [])
+    pipeline_tag = "text-classification" if card.reward_model else "text-generation"
+    metadata = {"library_name": "polo", "pipeline_tag": pipeline_tag, "tags": list(dict.fromkeys(tags))}
     if base is not None:
         metadata["base_model"] = base[0]
     title = (
-        location.split("/")[-1]
-        if is_hub_id(location)
-        else f"{base_model.rstrip('/').split('/')[-1]}: {algorithm} on {task}"
+        card.location.split("/")[-1]
+        if is_hub_id(card.location)
+        else f"{card.base_model.rstrip('/').split('/')[-1]}: {card.method} on {card.trained_on}"
     )
     lines = ["---", yaml.safe_dump(metadata, sort_keys=False).strip(), "---", "", f"# {title}", ""]
-    kind = "LoRA adapter for" if adapter else "fine-tune of"
-    lines += [f"A {kind} `{base_model}`, trained with polo's {algorithm} for {steps} steps on the `{task}` task.", ""]
-    lines += _accuracy_table(eval_before, eval_after, num_eval)
-    lines += ["## Loading", "", "```python"]
-    if adapter:
-        lines += [
-            "from peft import AutoPeftModelForCausalLM",
-            "from transformers import AutoTokenizer",
-            "",
-            f'model = AutoPeftModelForCausalLM.from_pretrained("{location}").merge_and_unload()',
-        ]
-    else:
-        lines += [
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "",
-            f'model = AutoModelForCausalLM.from_pretrained("{location}")',
-        ]
+    kind = "LoRA adapter for" if card.adapter else "reward model on" if card.reward_model else "fine-tune of"
     lines += [
-        f'tokenizer = AutoTokenizer.from_pretrained("{location}")',
-        "```",
-        "",
-        f"With polo, save the recipe below as `recipe.yaml` and run `polo eval --model {location} --recipe recipe.yaml`.",
+        f"A {kind} `{card.base_model}`, trained with polo's {card.method} for {card.steps} steps "
+        f"on `{card.trained_on}`.",
         "",
     ]
+    lines += _held_out_table(card)
+    lines += ["## Loading", "", "```python", *_loading_lines(card), "```", ""]
+    if card.command == "train" and not card.reward_model:
+        lines += [
+            "With polo, save the recipe below as `recipe.yaml` and run "
+            f"`polo eval --model {card.location} --recipe recipe.yaml`.",
+            "",
+        ]
     lines += [
         "## Recipe",
         "",
-        "The run's `config.yaml` (`polo train config.yaml` repeats it):",
+        f"The run's `{card.recipe_file}` (`polo {card.command} {card.recipe_file}` repeats it):",
         "",
         "```yaml",
-        recipe.strip(),
+        card.recipe.strip(),
         "```",
         "",
     ]
     return "\n".join(lines)
 
 
-def _accuracy_table(eval_before: dict | None, eval_after: dict | None, num_eval: int) -> list[str]:
-    """Return the card's held-out section: greedy accuracy before and after training (or a line saying there was none)."""
-    if eval_before is None and eval_after is None:
-        return [
-            "No held-out evaluation was run (eval.before and eval.after were off, or the task has no held-out rows).",
+def _loading_lines(card: ModelCard) -> list[str]:
+    """Return the Python lines of the card's loading example."""
+    if card.adapter:
+        model = [
+            "from peft import AutoPeftModelForCausalLM",
+            "from transformers import AutoTokenizer",
             "",
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{card.location}").merge_and_unload()',
         ]
+    else:
+        auto = "AutoModelForSequenceClassification" if card.reward_model else "AutoModelForCausalLM"
+        model = [
+            f"from transformers import {auto}, AutoTokenizer",
+            "",
+            f'model = {auto}.from_pretrained("{card.location}")',
+        ]
+    return [*model, f'tokenizer = AutoTokenizer.from_pretrained("{card.location}")']
 
-    def cell(result: dict | None) -> str:
-        return "not measured" if result is None else f"{result['accuracy']:.3f}"
+
+def _held_out_table(card: ModelCard) -> list[str]:
+    """Return the card's held-out section: each metric before and after training (or a line saying there was none)."""
+    held_out = card.held_out
+    if held_out is None or (held_out.before is None and held_out.after is None):
+        return [f"No held-out evaluation was run ({card.no_eval_note}).", ""]
+
+    def cells(result: dict | None) -> str:
+        return " | ".join("not measured" if result is None else f"{result[key]:.3f}" for key in held_out.metrics)
 
     return [
-        "## Held-out accuracy",
+        "## Held-out " + ("accuracy" if held_out.metrics == ("accuracy",) else "evaluation"),
         "",
-        f"Greedy decoding on {num_eval} held-out problems:",
+        f"{held_out.description}:",
         "",
-        "| | accuracy |",
-        "|---|---|",
-        f"| before training | {cell(eval_before)} |",
-        f"| after training | {cell(eval_after)} |",
+        "| | " + " | ".join(held_out.metrics) + " |",
+        "|---|" + "---|" * len(held_out.metrics),
+        f"| before training | {cells(held_out.before)} |",
+        f"| after training | {cells(held_out.after)} |",
         "",
     ]
+
+
+def publish(folder: Path, card: ModelCard, repo_id: str | None, private: bool = False) -> None:
+    """Write `card` as `folder`/README.md and upload `folder` to `repo_id` when set; raise `SaveError` on failure.
+
+    The error says the model is intact and gives the command that uploads it again.
+    """
+    from polo.runtime.checkpoint import SaveError
+
+    (folder / "README.md").write_text(model_card(card))
+    if not repo_id:
+        return
+    message = f"polo {card.method}: {card.base_model} after {card.steps} steps on {card.trained_on}"
+    try:
+        url = push_folder(folder, repo_id, private=private, message=message)
+    except Exception as error:
+        raise SaveError(
+            f"could not push {folder} to the Hugging Face Hub repo {repo_id} ({type(error).__name__}: "
+            f"{' '.join(str(error).split())[:300]}); the trained model is intact there: push it again with "
+            f"'hf upload {repo_id} {folder} --exclude trainer_state.pt'"
+        ) from error
+    print(f"polo: pushed {folder} to {url}", flush=True)

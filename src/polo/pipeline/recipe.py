@@ -23,16 +23,28 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from polo.config import Config, ConfigError, apply_overrides, build_dataclass, config_to_dict, load_config, read_recipe
-from polo.config.validation import check_output_dir
+from polo.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    build_dataclass,
+    check_settings,
+    config_to_dict,
+    load_config,
+    read_recipe,
+    setting,
+)
+from polo.config.finetune import SFTConfig, load_sft_config
+from polo.config.schema import DEVICE_HELP, TRACKER_PACKAGES
+from polo.config.validation import check_hub_repo, check_output_dir, check_trackers
 from polo.data import instruction_for, make_task
 from polo.data.base import Task
-from polo.finetune.sft import SFTConfig, load_sft_config
 from polo.pipeline.demos import has_builtin_demonstrations
 
 KINDS = ("sft", "grpo", "reject_sft")
@@ -41,69 +53,101 @@ STAGE_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 @dataclass
 class PipelineSettings:
-    """Where the pipeline writes, and the model its first stage starts from."""
+    """Where the pipeline writes, the model its first stage starts from, and where its stages report."""
 
-    dir: str = "runs/pipeline"
-    model: str = "smollm2-135m-instruct"  # the first stage's model.name unless that stage sets its own
-    report: bool = True  # write <dir>/report.html at the end
-    progress: bool = True  # progress bars while sampling for rejection and evaluation
-    threads: int | None = (
-        None  # torch intra-op threads for the pipeline (null: torch's default; a stage's train.threads changes it)
+    dir: str = setting(
+        "runs/pipeline", help="the pipeline directory: one directory per stage (<letter>_<name>), pipeline.yaml, report"
     )
-    device: str = (
-        "auto"  # auto | cpu | cuda | cuda:N: every stage's train.device unless it sets one, and the evaluations'
+    model: str = setting("smollm2-135m-instruct", help="the first stage's model.name unless that stage sets its own")
+    report: bool = setting(True, help="write <dir>/report.html at the end")
+    progress: bool = setting(True, help="progress bars while sampling for rejection and evaluation")
+    threads: int | None = setting(
+        None,
+        help="torch intra-op threads for the pipeline (null: torch's default; a stage's train.threads changes it)",
+        range=">= 1",
     )
+    device: str = setting(
+        "auto", help=f"every stage's train.device unless it sets one, and the evaluations': {DEVICE_HELP}"
+    )
+    report_to: list[str] | None = setting(
+        None,
+        help="the trackers of every stage that sets no output.report_to (null: each stage's own default, tensorboard); "
+        "every stage reports to one project and one store (pipeline.dir), as run <dir name>-<stage directory>",
+        choices=tuple(TRACKER_PACKAGES),
+    )
+    project: str | None = setting(
+        None, help="the trackers' project of every stage that sets none (null: as output.project of polo train)"
+    )
+    push_to_hub: str | None = setting(
+        None,
+        help="a Hugging Face Hub repo id org/name: the last stage's model and a card of the whole pipeline are "
+        "uploaded there at the end; checked (online, token) before anything runs. null: no upload",
+    )
+    hub_private: bool = setting(False, help="a repository push_to_hub creates is private")
 
 
 @dataclass
 class StageEvalSettings:
     """The evaluation after every stage (and of the starting model): `polo eval`'s numbers on the held-out set."""
 
-    enabled: bool = True
-    base: bool = True  # evaluate the starting model too (the table's first row)
-    samples: int = 16  # K: pass@1 over K samples, cons@K
-    num_problems: int | None = 100  # the first N held-out problems (null: all)
-    temperature: float = 0.6  # DeepSeek-R1's evaluation setting
-    top_p: float = 0.95
-    greedy: bool = True  # also one greedy answer per problem (the accuracy training reports)
-    max_new_tokens: int | None = None  # null: the largest sampling.max_new_tokens of the grpo stages (64 without one)
-    batch_size: int = 64
-    seed: int = 0
-    precision: str = "auto"  # auto | fp32 | bf16
+    enabled: bool = setting(True, help="evaluate after every stage")
+    base: bool = setting(True, help="evaluate the starting model too (the table's first row)")
+    samples: int = setting(16, help="K: pass@1 over K samples, cons@K (majority vote)", range=">= 1")
+    num_problems: int | None = setting(100, help="the first N held-out problems (null: all)", range=">= 1")
+    temperature: float = setting(
+        0.6, help="sampling temperature (DeepSeek-R1's evaluation setting); 0: greedy", range=">= 0"
+    )
+    top_p: float = setting(0.95, help="nucleus sampling's top-p (DeepSeek-R1's evaluation setting)", range="(0, 1]")
+    greedy: bool = setting(True, help="also one greedy answer per problem (the accuracy training reports)")
+    max_new_tokens: int | None = setting(
+        None, help="null: the largest sampling.max_new_tokens of the grpo stages (64 without one)", range=">= 1"
+    )
+    batch_size: int = setting(64, help="prompts sampled together", range=">= 1")
+    seed: int = setting(0, help="seeds the evaluation's sampling")
+    precision: str = setting("auto", help="auto | fp32 | bf16", choices=("auto", "fp32", "bf16"))
 
 
 @dataclass
 class DemoSettings:
-    """Cold-start demonstrations built from the task's training rows (`polo.pipeline.demos`)."""
+    """Cold-start demonstrations built from the task's training rows (`polo.pipeline.demos`); an sft stage's `demos`."""
 
-    num_train: int = 300
-    num_eval: int = 0  # more rows (after the training ones) as the SFT held-out set
-    seed: int = 0  # which training rows
+    num_train: int = setting(300, help="demonstrations to train on", range=">= 1")
+    num_eval: int = setting(0, help="more rows (after the training ones) as the SFT held-out set", range=">= 0")
+    seed: int = setting(0, help="which training rows")
 
 
 @dataclass
 class RejectionSettings:
-    """Rejection sampling from the previous stage's model (`polo.pipeline.rejection`)."""
+    """Rejection sampling from the previous stage's model (`polo.pipeline.rejection`): a reject_sft's `rejection`."""
 
-    num_prompts: int = 64  # N training prompts
-    samples: int = 8  # K samples each
-    max_per_prompt: int = 2  # M: at most this many kept per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int | None = None  # null: as eval.max_new_tokens
-    batch_size: int = 64
-    seed: int = 0
-    min_kept: int = 1  # with fewer kept completions the SFT is skipped and the model passes on unchanged
+    num_prompts: int = setting(64, help="N training prompts", range=">= 1")
+    samples: int = setting(8, help="K samples each", range=">= 1")
+    max_per_prompt: int = setting(2, help="M: at most this many accepted answers kept per prompt", range=">= 1")
+    temperature: float = setting(1.0, help="sampling temperature", range="> 0")
+    top_p: float = setting(1.0, help="nucleus sampling's top-p", range="(0, 1]")
+    max_new_tokens: int | None = setting(None, help="null: as eval.max_new_tokens", range=">= 1")
+    batch_size: int = setting(64, help="prompts sampled together", range=">= 1")
+    seed: int = setting(0, help="which prompts, and the sampling")
+    min_kept: int = setting(
+        1, help="with fewer kept completions the SFT is skipped and the model passes on unchanged", range=">= 0"
+    )
 
 
 @dataclass
 class PipelineRecipe:
-    """The checked top-level sections of a pipeline recipe."""
+    """`polo pipeline RECIPE.yaml`: stages (sft, grpo, reject_sft), each a polo run from the last one's model."""
 
-    pipeline: PipelineSettings = field(default_factory=PipelineSettings)
-    task: dict = field(default_factory=dict)
-    eval: StageEvalSettings = field(default_factory=StageEvalSettings)
-    stages: dict = field(default_factory=dict)
+    pipeline: PipelineSettings = setting(default_factory=PipelineSettings, help="the pipeline as a whole")
+    task: dict = setting(
+        {}, help="the one task (polo train's task section): demonstrations, prompts and the held-out set"
+    )
+    eval: StageEvalSettings = setting(default_factory=StageEvalSettings, help="the evaluation after every stage")
+    stages: dict = setting(
+        {},
+        help="name -> stage (or a list of stages with name:): kind (sft | grpo | reject_sft), optionally recipe "
+        "(a polo recipe file) and overrides (dotted key=value strings applied to it), demos (sft) or rejection "
+        "(reject_sft), and the sections of polo train's (grpo) or polo sft's recipe merged over the file",
+    )
 
 
 KIND_SECTIONS = {
@@ -179,10 +223,10 @@ def load_pipeline(recipe: str | Path | dict, overrides: list[str] | None = None)
         PipelineRecipe, {key: value for key, value in data.items() if key in ("pipeline", "eval")}
     )
     settings, evaluation = sections.pipeline, sections.eval
+    check_settings(sections)
     check_output_dir("pipeline.dir", settings.dir)
-    if settings.threads is not None and settings.threads < 1:
-        raise ConfigError(f"pipeline.threads must be at least 1 (or null), got {settings.threads}")
-    check_eval(evaluation)
+    check_trackers(settings.report_to or [], "pipeline.report_to")
+    check_hub_repo("pipeline.push_to_hub", settings.push_to_hub)
     task_section = data.get("task") or {}
     if not isinstance(task_section, dict):
         raise ConfigError(f"task: expected a mapping of task settings, got {task_section!r}")
@@ -273,6 +317,7 @@ def build_stage(name: str, raw: Any, index: int, settings: PipelineSettings, tas
     stage = Stage(str(name), label, kind, Path(settings.dir) / label, body, own_model=own_model)
     body.setdefault("output", {})["dir"] = str(stage.dir)
     body.setdefault("train", {}).setdefault("device", settings.device)
+    report_to_one_project(body["output"], settings, label)
     if kind == "grpo":
         body["task"] = deep_merge(task_section, body.get("task") or {})
         return stage
@@ -318,29 +363,24 @@ def extra_settings(where: str, raw: dict, key: str, cls: type) -> Any:
     if not isinstance(value, dict):
         raise ConfigError(f"{where}.{key}: expected a mapping of {key} settings, got {value!r}")
     try:
-        return build_dataclass(cls, value)
+        settings = build_dataclass(cls, value)
     except ConfigError as error:
         raise ConfigError(f"{where}.{key}: {error}") from None
+    check_settings(settings, f"{where}.{key}.")
+    return settings
 
 
-def check_eval(evaluation: StageEvalSettings) -> None:
-    """Raise `ConfigError` for an evaluation setting that makes no sense."""
-    if evaluation.samples < 1 or evaluation.batch_size < 1:
-        raise ConfigError(
-            f"eval.samples and eval.batch_size must be at least 1, got {evaluation.samples} and {evaluation.batch_size}"
-        )
-    for key, value in (
-        ("eval.num_problems", evaluation.num_problems),
-        ("eval.max_new_tokens", evaluation.max_new_tokens),
-    ):
-        if value is not None and value < 1:
-            raise ConfigError(f"{key} must be at least 1 (or null), got {value}")
-    if not 0 <= evaluation.temperature < float("inf") or not 0 < evaluation.top_p <= 1:
-        raise ConfigError(
-            f"eval.temperature must be >= 0 and eval.top_p in (0, 1], got {evaluation.temperature} and {evaluation.top_p}"
-        )
-    if evaluation.precision not in ("auto", "fp32", "bf16"):
-        raise ConfigError(f"eval.precision: {evaluation.precision!r} is not one of auto, fp32, bf16")
+def report_to_one_project(output: dict, settings: PipelineSettings, label: str) -> None:
+    """Fill a stage's `output` so every stage reports to the pipeline's trackers and project, its label in the run name.
+
+    What the stage sets itself wins.
+    """
+    if settings.report_to is not None:
+        output.setdefault("report_to", list(settings.report_to))
+    if settings.project is not None:
+        output.setdefault("project", settings.project)
+    output.setdefault("run_name", f"{Path(settings.dir).resolve().name}-{label}")
+    output.setdefault("tracker_dir", settings.dir)
 
 
 def check_stages(plan: Plan) -> int:
@@ -371,29 +411,29 @@ def check_stage_data(plan: Plan, stage: Stage) -> None:
                 "set data.train_path to a jsonl of {prompt, response} demonstrations"
             )
         wanted = stage.demos.num_train + stage.demos.num_eval
-        if stage.demos.num_train < 1 or stage.demos.num_eval < 0 or wanted > train_rows:
+        if wanted > train_rows:
             raise ConfigError(
-                f"{where}.demos: num_train (>= 1) + num_eval (>= 0) = {wanted} must fit the task's {train_rows} training rows"
+                f"{where}.demos: num_train + num_eval = {wanted} must fit the task's {train_rows} training rows"
             )
     rejection = stage.rejection
-    if rejection is not None:
-        counts = {
-            "num_prompts": rejection.num_prompts,
-            "samples": rejection.samples,
-            "max_per_prompt": rejection.max_per_prompt,
-            "batch_size": rejection.batch_size,
-        }
-        for key, value in counts.items():
-            if value < 1:
-                raise ConfigError(f"{where}.rejection.{key} must be at least 1, got {value}")
-        if rejection.num_prompts > train_rows:
-            raise ConfigError(
-                f"{where}.rejection.num_prompts={rejection.num_prompts} is more than the task's {train_rows} training rows"
-            )
-        if not 0 < rejection.temperature < float("inf") or not 0 < rejection.top_p <= 1:
-            raise ConfigError(
-                f"{where}.rejection: temperature must be > 0 and top_p in (0, 1], got {rejection.temperature} and {rejection.top_p}"
-            )
+    if rejection is not None and rejection.num_prompts > train_rows:
+        raise ConfigError(
+            f"{where}.rejection.num_prompts={rejection.num_prompts} is more than the task's {train_rows} training rows"
+        )
+
+
+# How a stage runs and reports, not what it makes: left out of the record that decides whether it is current.
+RUN_ONLY_KEYS = (
+    "resume",
+    "overwrite",
+    "progress",
+    "report_to",
+    "project",
+    "run_name",
+    "tracker_dir",
+    "push_to_hub",
+    "hub_private",
+)
 
 
 def stage_record(stage: Stage, config: Any) -> dict:
@@ -403,6 +443,37 @@ def stage_record(stage: Stage, config: Any) -> dict:
         value = getattr(stage, key)
         if value is not None:
             record[key] = dataclasses.asdict(value)
-    for key in ("resume", "overwrite", "progress"):  # how the stage runs, not what it makes
+    for key in RUN_ONLY_KEYS:
         record["config"]["output"].pop(key, None)
     return record
+
+
+def same_record(stored: dict | None, record: dict) -> bool:
+    """Return True when a stage's stored record (from an earlier polo, perhaps) describes the same stage as `record`.
+
+    A setting polo added since the record was written counts as unchanged when it holds its
+    default, and one polo removed (output.tensorboard) is ignored: upgrading polo does not make a
+    finished stage run again.
+    """
+    if not isinstance(stored, dict) or stored.get("kind") != record["kind"]:
+        return False
+    default_stage = Stage("", "", record["kind"], Path(), {}, DemoSettings(), RejectionSettings())
+    defaults = stage_record(default_stage, Config() if record["kind"] == "grpo" else SFTConfig())
+    defaults = json.loads(json.dumps(defaults, default=str))  # as the stored record was written
+    return set(stored) <= set(record) and all(
+        upgraded(stored.get(key), record[key], defaults.get(key)) == record[key] for key in record
+    )
+
+
+def upgraded(stored: Any, current: Any, default: Any) -> Any:
+    """Return `stored` with the keys only `current` has taken from `default`, and the keys `current` lacks dropped."""
+    if not (isinstance(stored, dict) and isinstance(current, dict)):
+        return stored
+    default = default if isinstance(default, dict) else {}
+    return {
+        key: upgraded(stored[key], current[key], default.get(key)) if key in stored else default.get(key, _MISSING)
+        for key in current
+    }
+
+
+_MISSING = object()  # a key neither the stored record nor the defaults have: never equal to a current value

@@ -92,8 +92,7 @@ class RejectionResult:
 
 def training_prompts(task: Task, num_prompts: int, seed: int) -> list[dict]:
     """Return `num_prompts` of the task's training rows (never a held-out question), shuffled with `seed`."""
-    held_out = {row["question"] for row in task.eval_rows}
-    rows = [row for row in task.train_rows if row["question"] not in held_out]
+    rows = task.unseen_train_rows()
     if num_prompts > len(rows):
         raise ValueError(
             f"rejection sampling asks for {num_prompts} prompts but the task's training split holds {len(rows)}"

@@ -18,8 +18,11 @@ from typing import Any
 
 import yaml
 
-from polo.pipeline.recipe import Plan, Stage, load_pipeline, stage_record
+from polo.models.hub import HeldOut, ModelCard, check_push, publish
+from polo.models.lora import is_adapter_dir
+from polo.pipeline.recipe import Plan, Stage, load_pipeline, same_record, stage_record
 from polo.pipeline.stage_eval import EVAL_FILE, evaluate_model, headline, read_json, write_json
+from polo.runtime.checkpoint import SaveError
 from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.run_lock import owned_run_dir
 
@@ -63,7 +66,19 @@ def run_pipeline(recipe: str | Path | dict, overrides: list[str] | None = None) 
     """
     plan = load_pipeline(recipe, overrides)
     with owned_run_dir(plan.settings.dir, "pipeline.dir"), StopRequest() as stop:
+        for key, repo_id in push_targets(plan):
+            check_push(repo_id, key)  # before anything runs: a model that could not be pushed is never trained
         return run_plan(plan, stop)
+
+
+def push_targets(plan: Plan) -> list[tuple[str, str]]:
+    """Return (key, repo id) of every Hub push the pipeline would make: `pipeline.push_to_hub`, the stages' own."""
+    model, targets = plan.start_model, [("pipeline.push_to_hub", plan.settings.push_to_hub)]
+    for stage in plan.stages:
+        config = stage.config(model)
+        targets.append((f"stages.{stage.name}.output.push_to_hub", config.output.push_to_hub))
+        model = stage.final_model(config)
+    return [(key, repo_id) for key, repo_id in targets if repo_id]
 
 
 def run_plan(plan: Plan, stop: StopRequest) -> PipelineResult:
@@ -97,7 +112,51 @@ def run_plan(plan: Plan, stop: StopRequest) -> PipelineResult:
         report = write_pipeline_report(root, [stage.label for stage in plan.stages])
     outcome = PipelineResult(root, base, results, report)
     print(summary_table(outcome), flush=True)
+    publish_pipeline(plan, outcome)
     return outcome
+
+
+def publish_pipeline(plan: Plan, outcome: PipelineResult) -> None:
+    """Write the card of the whole pipeline into its final model, and push that to `pipeline.push_to_hub` when set.
+
+    A final model that is not a directory the pipeline wrote (every stage passed its model on
+    unchanged) gets no card; asking to push it is an error.
+    """
+    final = Path(outcome.stages[-1].model_dir)
+    repo_id = plan.settings.push_to_hub
+    if not (final.is_dir() and final.resolve().is_relative_to(outcome.dir.resolve())):
+        if repo_id:
+            raise SaveError(f"pipeline.push_to_hub={repo_id}: no stage trained a model, nothing to push ({final})")
+        return
+    kinds = [stage.kind for stage in plan.stages]
+    samples = headline(outcome.stages[-1].evaluation)["samples"] or plan.eval.samples
+    held_out = HeldOut(
+        f"The pipeline's evaluation on its held-out problems: greedy accuracy, pass@1 over {samples} samples, "
+        f"cons@{samples}",
+        ("greedy_accuracy", "pass@1", "cons@k"),
+        headline(outcome.base) if outcome.base is not None else None,
+        headline(outcome.stages[-1].evaluation) if outcome.stages[-1].evaluation is not None else None,
+    )
+    card = ModelCard(
+        location=repo_id or str(final),
+        base_model=plan.start_model,
+        method=f"pipeline ({' → '.join(f'{stage.label}: {stage.kind}' for stage in plan.stages)})",
+        trained_on=plan.task.name,
+        steps=sum(stage_steps(stage.details) for stage in outcome.stages),
+        recipe=yaml.safe_dump(plan.source, sort_keys=False),
+        command="pipeline",
+        recipe_file="pipeline.yaml",
+        held_out=held_out,
+        no_eval_note="eval.enabled was off, or the task has no held-out rows",
+        adapter=is_adapter_dir(final),
+        tags=("pipeline", *dict.fromkeys(kinds), *(["reinforcement-learning"] if "grpo" in kinds else [])),
+    )
+    publish(final, card, repo_id, plan.settings.hub_private)
+
+
+def stage_steps(details: dict) -> int:
+    """Return the optimizer or RL steps a stage's details record (0 for a stage that trained nothing)."""
+    return int(details.get("steps") or (details.get("sft") or {}).get("steps") or 0)
 
 
 def run_stage(
@@ -110,7 +169,7 @@ def run_stage(
     config = stage.config(model)
     record = json.loads(json.dumps(stage_record(stage, config), default=str))
     done = read_json(stage.dir / DONE_FILE)
-    if done is not None and done.get("record") == record and not upstream_ran:
+    if done is not None and same_record(done.get("record"), record) and not upstream_ran:
         print(
             f"polo pipeline: stage {stage.label} ({stage.kind}) already done; skipping it ({stage.dir / DONE_FILE})",
             flush=True,
@@ -128,10 +187,10 @@ def run_stage(
             done.get("details", {}),
         )
     started = read_json(stage.dir / STARTED_FILE)
-    resumable = done is None and not upstream_ran and started is not None and started.get("record") == record
+    resumable = done is None and not upstream_ran and started is not None and same_record(started.get("record"), record)
     why = (
         "its recipe changed"
-        if done is not None and done.get("record") != record
+        if done is not None and not same_record(done.get("record"), record)
         else "an earlier stage ran again"
         if done
         else ""

@@ -23,6 +23,7 @@ from polo.models.critic import ValueModel, completion_values, logprobs_and_value
 from polo.models.loading import enable_activation_checkpointing
 from polo.rl.batching import UpdateBatch, micro_batches, trim_padding
 from polo.runtime.device import Compute
+from polo.runtime.optimizer import build_optimizer, build_schedule
 
 
 @dataclass
@@ -127,11 +128,12 @@ def value_loss(
     return core.aggregate_loss(per_token, mask, "token_mean", normalisers)
 
 
-def build_critic(config: Config, model, optimizer, lr_lambda) -> Critic | None:
+def build_critic(config: Config, model, optimizer, total_steps: int) -> Critic | None:
     """Return the critic the config's advantage estimator needs (None when it needs none).
 
-    A ``head`` joins the policy's `optimizer`; a ``separate`` critic gets its own AdamW with the
-    schedule `lr_lambda`.
+    A ``head`` joins the policy's `optimizer`; a ``separate`` critic gets its own AdamW
+    (`polo.runtime.optimizer`, at `algorithm.critic_learning_rate`) with the policy's schedule
+    over `total_steps` optimizer steps.
     """
     alg, train_config = config.algorithm, config.train
     if not core.ADVANTAGE_ESTIMATORS.entry(alg.advantage_estimator).needs_critic:
@@ -146,12 +148,6 @@ def build_critic(config: Config, model, optimizer, lr_lambda) -> Critic | None:
     value_model.train()
     if train_config.gradient_checkpointing:
         enable_activation_checkpointing(value_model.trunk)
-    critic_optimizer = torch.optim.AdamW(
-        value_model.parameters(),
-        lr=alg.critic_learning_rate,
-        betas=(train_config.adam_beta1, train_config.adam_beta2),
-        weight_decay=train_config.weight_decay,
-        fused=True,
-    )
-    critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_lambda)
+    critic_optimizer = build_optimizer(value_model.parameters(), train_config, learning_rate=alg.critic_learning_rate)
+    critic_scheduler = build_schedule(critic_optimizer, train_config, total_steps)
     return Critic("separate", value_model, critic_optimizer, critic_scheduler, alg.critic_warmup_steps)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from polo.config import config_to_dict
-from polo.models.hub import model_card, push_folder
+from polo.models.hub import HeldOut, ModelCard, publish
 from polo.models.lora import is_adapter_dir
 from polo.runtime.checkpoint import SaveError
 from polo.runtime.parallel import is_main_process
@@ -31,28 +31,21 @@ def publish_model(run: Run, eval_after: dict | None) -> Path | None:
     if not is_main_process() or final is None:
         return None
     config = run.config
-    repo_id = config.output.push_to_hub
-    card = model_card(
-        location=repo_id or str(final),
+    card = ModelCard(
+        location=config.output.push_to_hub or str(final),
         base_model=config.model.name,
-        algorithm=config.algorithm.name,
-        task=run.task.name,
+        method=config.algorithm.name,
+        trained_on=run.task.name,
         steps=int(final.name.split("-")[1]),
         recipe=yaml.safe_dump(config_to_dict(config), sort_keys=False),
-        eval_before=run.eval_before,
-        eval_after=eval_after,
-        num_eval=len(run.task.eval_rows),
+        held_out=HeldOut(
+            f"Greedy decoding on {len(run.task.eval_rows)} held-out problems",
+            ("accuracy",),
+            run.eval_before,
+            eval_after,
+        ),
         adapter=is_adapter_dir(final),
+        tags=(config.algorithm.name, "reinforcement-learning"),
     )
-    (final / "README.md").write_text(card)
-    if repo_id:
-        message = f"polo {config.algorithm.name}: {config.model.name} after {final.name} on {run.task.name}"
-        try:
-            url = push_folder(final, repo_id, private=config.output.hub_private, message=message)
-        except Exception as error:
-            raise SaveError(
-                f"could not push {final} to the Hugging Face Hub repo {repo_id} ({type(error).__name__}: {' '.join(str(error).split())[:300]}); "
-                f"the trained model is intact there: push it again with 'hf upload {repo_id} {final} --exclude trainer_state.pt'"
-            ) from error
-        print(f"polo: pushed {final} to {url}", flush=True)
+    publish(final, card, config.output.push_to_hub, config.output.hub_private)
     return final

@@ -36,6 +36,7 @@ from polo.runtime.checkpoint import Checkpointer, claim_output_dir, load_trainer
 from polo.runtime.device import Compute, train_compute
 from polo.runtime.metrics import truncate_metrics
 from polo.runtime.parallel import is_main_process
+from polo.runtime.optimizer import build_optimizer, build_schedule
 from polo.runtime.seeding import restore_rng, seed_everything
 
 
@@ -83,10 +84,9 @@ class Run:
         )
 
 
-def lr_lambda(config: Config):
-    """Return the learning-rate multiplier of the RL run per optimizer step (see `polo.core.lr_multiplier`)."""
-    total = max(config.train.steps * config.train.num_minibatches * config.algorithm.update_epochs, 1)
-    return core.lr_multiplier(config.train.warmup_steps, total, config.train.lr_schedule)
+def optimizer_steps(config: Config) -> int:
+    """Return how many optimizer steps the RL run takes in all (the schedule's length)."""
+    return max(config.train.steps * config.train.num_minibatches * config.algorithm.update_epochs, 1)
 
 
 def checked_config(config, overrides: list[str] | None) -> Config:
@@ -155,18 +155,9 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
     return model, tokenizer, reference
 
 
-def build_optimizer(config: Config, model, masters: MasterWeights | None) -> torch.optim.Optimizer:
-    """Return AdamW over the policy's parameters (the fp32 masters under bf16_master)."""
-    train_config = config.train
-    optimizer = torch.optim.AdamW(
-        masters.parameters if masters is not None else model.parameters(),
-        lr=train_config.learning_rate,
-        betas=(train_config.adam_beta1, train_config.adam_beta2),
-        weight_decay=train_config.weight_decay,
-        fused=not parallel.is_sharded(
-            model
-        ),  # one kernel per step on CPU: faster, no full-size temporaries (not for DTensor shards)
-    )
+def policy_optimizer(config: Config, model, masters: MasterWeights | None) -> torch.optim.Optimizer:
+    """Return AdamW over the policy's parameters (the fp32 masters under bf16_master; `polo.runtime.optimizer`)."""
+    optimizer = build_optimizer(masters.parameters if masters is not None else model.parameters(), config.train)
     if masters is not None:
         masters.attach(optimizer)
     return optimizer
@@ -231,10 +222,8 @@ def set_up(
     seed_everything(config.train.seed + parallel.rank())
     model, tokenizer, reference = load_models(config, compute, resume_from)
     masters = MasterWeights(model, compute.param_dtype) if compute.master_weights else None  # after the reference copy
-    optimizer = build_optimizer(config, model, masters)
-    critic = build_critic(
-        config, model, optimizer, lr_lambda(config)
-    )  # before the scheduler: a value head joins the optimizer
+    optimizer = policy_optimizer(config, model, masters)
+    critic = build_critic(config, model, optimizer, optimizer_steps(config))  # before the scheduler: a head joins it
     run = Run(
         config=config,
         compute=compute,
@@ -245,7 +234,7 @@ def set_up(
         tokenizer=tokenizer,
         reference=reference,
         optimizer=optimizer,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config)),
+        scheduler=build_schedule(optimizer, config.train, optimizer_steps(config)),
         critic=critic,
         modules=update_modules(model, critic),
         masters=masters,

@@ -97,12 +97,7 @@ def train_loop(run: Run) -> TrainResult:
     """Run steps `run.start_step + 1 ... train.steps`: sample, score, update, log, evaluate, checkpoint."""
     config = run.config
     logger = MetricsLogger(
-        run.output_dir,
-        config.train.steps,
-        run.start_step,
-        config.output.tensorboard,
-        config.output.progress,
-        trackers=Trackers.of(config),
+        run.output_dir, config.train.steps, run.start_step, config.output.progress, trackers=Trackers.of(config)
     )
     logger.write(banner(run))
     evaluate = HeldOutEvaluation(run, logger)

@@ -23,11 +23,11 @@ import torch
 
 from polo import core
 from polo.config import Config, ConfigError
+from polo.config.schema import DEVICE_HELP
 from polo.runtime import parallel
 from polo.runtime.rates import cached_rates
 
 PRECISIONS = ("fp32", "bf16", "bf16_master", "bf16_weights")
-DEVICE_HELP = "auto | cpu | cuda | cuda:N (auto: CUDA when available, one GPU per torchrun rank)"
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ class MetricsLogger:
     """Writes metrics rows to `<dir>/metrics.jsonl` and the run's trackers, and drives the progress bar.
 
     `trackers.report_to` names the trackers (`polo.runtime.trackers`); without `trackers` it is
-    TensorBoard alone, and `tensorboard=False` leaves TensorBoard out either way.
+    TensorBoard alone.
     """
 
     def __init__(
@@ -48,7 +48,6 @@ class MetricsLogger:
         output_dir: Path,
         total_steps: int,
         start_step: int = 0,
-        tensorboard: bool = True,
         progress: bool = True,
         trackers: Trackers | None = None,
     ):
@@ -60,8 +59,7 @@ class MetricsLogger:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
         trackers = trackers or Trackers()
-        names = [name for name in trackers.report_to if name != "tensorboard" or tensorboard]
-        self.sinks = open_sinks(names, output_dir, start_step, trackers)
+        self.sinks = open_sinks(trackers.report_to, output_dir, start_step, trackers)
         for sink in self.sinks:
             if getattr(sink, "where", None):
                 print(f"polo: reporting to {sink.where}", flush=True)

@@ -7,11 +7,12 @@ to the sinks that keep tables. A tracker's package is imported only when it is a
 and nothing leaves the machine unless the user says so:
 
     tensorboard  <output.dir>/tensorboard/
-    wandb        offline run under <output.dir>/wandb/ (WANDB_MODE, WANDB_DIR, when set, win)
-    mlflow       sqlite:///<output.dir>/mlflow.db, artifacts in <output.dir>/mlruns/ (MLFLOW_TRACKING_URI, when set, wins)
+    wandb        offline run under <store>/wandb/ (WANDB_MODE, WANDB_DIR, when set, win)
+    mlflow       sqlite:///<store>/mlflow.db, artifacts in <store>/mlruns/ (MLFLOW_TRACKING_URI, when set, wins)
     trackio      trackio's local database (TRACKIO_DIR, default ~/.cache/huggingface/trackio; no Space)
 
-A resumed run (`output.resume=true`) is a new tracker run under the same name.
+<store> is `output.tracker_dir`, else `output.dir` (a pipeline puts every stage's runs in its own
+directory). A resumed run (`output.resume=true`) is a new tracker run under the same name.
 """
 
 from __future__ import annotations
@@ -47,17 +48,19 @@ class Trackers:
     )
     run_name: str | None = None  # None: the output directory's name
     config: dict | None = None  # the run's configuration, recorded by the trackers that keep one
+    store_dir: str | None = None  # where wandb/, mlflow.db and mlruns/ go; None: the output directory
 
     @classmethod
     def of(cls, config: Any) -> Trackers:
-        """Return the trackers of a run configuration (a dataclass with an `output` section)."""
+        """Return the trackers of a run configuration (its output's report_to, project, run_name, tracker_dir)."""
         output = config.output
         return cls(
-            list(getattr(output, "report_to", ["tensorboard"])),
-            getattr(output, "project", None),
-            getattr(output, "run_name", None),
-            dataclasses.asdict(config),
+            list(output.report_to), output.project, output.run_name, dataclasses.asdict(config), output.tracker_dir
         )
+
+    def store(self, output_dir: Path) -> Path:
+        """Return the directory of the trackers' local stores for a run writing to `output_dir`."""
+        return Path(self.store_dir) if self.store_dir else Path(output_dir)
 
     def project_name(self, variable: str | None = None) -> str:
         return self.project or (os.environ.get(variable) if variable else None) or "polo"
@@ -117,7 +120,7 @@ class WandbSink:
             project=trackers.project_name("WANDB_PROJECT"),
             name=trackers.name(output_dir),
             config=trackers.config,
-            dir=os.environ.get("WANDB_DIR") or str(output_dir),
+            dir=os.environ.get("WANDB_DIR") or str(trackers.store(output_dir)),
             mode=os.environ.get("WANDB_MODE") or "offline",
             reinit="create_new",  # a run of its own, whatever other wandb run the process holds
         )
@@ -150,20 +153,22 @@ class MlflowSink:
 
         self.Metric = Metric
         uri = os.environ.get("MLFLOW_TRACKING_URI")
-        self.client = MlflowClient(uri or f"sqlite:///{(output_dir / 'mlflow.db').resolve()}")
+        store = trackers.store(output_dir)
+        store.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(uri or f"sqlite:///{(store / 'mlflow.db').resolve()}")
         name = trackers.project_name("MLFLOW_EXPERIMENT_NAME")
         experiment = self.client.get_experiment_by_name(name)
         if experiment is not None:
             experiment_id = experiment.experiment_id
         else:
-            artifacts = None if uri else (output_dir / "mlruns").resolve().as_uri()
+            artifacts = None if uri else (store / "mlruns").resolve().as_uri()
             experiment_id = self.client.create_experiment(name, artifact_location=artifacts)
         self.run_id = self.client.create_run(experiment_id, run_name=trackers.name(output_dir)).info.run_id
         if trackers.config:
             params = [Param(mlflow_key(key), str(value)[:6000]) for key, value in flatten(trackers.config).items()]
             self.client.log_batch(self.run_id, params=params)
-        store = "MLFLOW_TRACKING_URI" if uri else self.client.tracking_uri  # a server's address may hold a password
-        self.where = f"mlflow run {trackers.name(output_dir)} ({self.run_id}) in experiment {name} of {store}"
+        where = "MLFLOW_TRACKING_URI" if uri else self.client.tracking_uri  # a server's address may hold a password
+        self.where = f"mlflow run {trackers.name(output_dir)} ({self.run_id}) in experiment {name} of {where}"
 
     def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
         now = int(time.time() * 1000)
