@@ -283,7 +283,9 @@ def publish(folder: Path, card: ModelCard, repo_id: str | None, private: bool = 
     """
     from polo.runtime.checkpoint import SaveError
 
-    (folder / "README.md").write_text(model_card(card))
+    readme, text = folder / "README.md", model_card(card)
+    if not readme.exists() or readme.read_text() != text:  # a finished run published again leaves its folder as it was
+        readme.write_text(text)
     if not repo_id:
         return
     message = f"polo {card.method}: {card.base_model} after {card.steps} steps on {card.trained_on}"
