@@ -30,7 +30,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 IS_ROOT = os.geteuid() == 0
-VERSION = "%d.%d" % sys.version_info[:2]
+VERSION = f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 
 def free_id(start: int) -> int:
@@ -133,7 +133,7 @@ def user():
             (base / name).mkdir()
             os.chown(base / name, ident, ident)
         env = user_environment(base)
-        probe = "import sys, json, sysconfig; print(sys.version_info[:2] == (%d, %d))" % sys.version_info[:2]
+        probe = f"import sys, json, sysconfig; print(sys.version_info[:2] == {tuple(sys.version_info[:2])})"
         tried = []
         for interpreter in system_interpreters():
             try:

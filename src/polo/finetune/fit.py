@@ -46,8 +46,8 @@ from polo.runtime.checkpoint import claim_output_dir, staged_directory
 from polo.runtime.device import CPU, Compute, autocast_compute
 from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
-from polo.runtime.parallel import is_main_process
 from polo.runtime.optimizer import build_optimizer, build_schedule
+from polo.runtime.parallel import is_main_process
 from polo.runtime.run_lock import owned_run_dir
 from polo.runtime.trackers import Trackers
 

@@ -79,10 +79,7 @@ class Rollouts:
 
     def select(self, rows: torch.Tensor | slice) -> Rollouts:
         """Return the rows `rows` (whole groups are the caller's business)."""
-        if isinstance(rows, slice):
-            texts = self.texts[rows]
-        else:
-            texts = [self.texts[i] for i in rows.tolist()]
+        texts = self.texts[rows] if isinstance(rows, slice) else [self.texts[i] for i in rows.tolist()]
         return Rollouts(
             prompt_ids=self.prompt_ids[rows],
             prompt_mask=self.prompt_mask[rows],

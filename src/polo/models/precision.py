@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MasterWeights", "mark_float32"]
+__all__ = ["MasterWeights"]
 
 
 class MasterWeights:

@@ -111,7 +111,7 @@ def completion_logprobs(
 
 def _params_per_layer(model) -> tuple[int, float]:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    hidden = int(config.hidden_size)
     intermediate = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
     return hidden, 4.0 * hidden * hidden + 3.0 * hidden * intermediate  # attention + gated MLP, roughly
 

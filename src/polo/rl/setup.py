@@ -35,8 +35,8 @@ from polo.runtime import parallel
 from polo.runtime.checkpoint import Checkpointer, claim_output_dir, load_trainer_state
 from polo.runtime.device import Compute, train_compute
 from polo.runtime.metrics import truncate_metrics
-from polo.runtime.parallel import is_main_process
 from polo.runtime.optimizer import build_optimizer, build_schedule
+from polo.runtime.parallel import is_main_process
 from polo.runtime.seeding import restore_rng, seed_everything
 
 

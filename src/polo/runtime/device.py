@@ -141,7 +141,8 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
 def cpu_supports_bf16() -> bool:
     """Return True when this CPU has native bf16 matmuls (AVX-512 BF16 or AMX)."""
     try:
-        flags = open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = cpuinfo.read()
     except OSError:
         return False
     return " avx512_bf16" in flags or " amx_bf16" in flags

@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -69,10 +69,8 @@ def _read_holder(path: Path) -> LockHolder:
     """Return the holder written in `path`, waiting a moment for a holder that has locked but not yet written it."""
     holder = LockHolder()
     for _ in range(20):
-        try:
+        with suppress(OSError):
             holder = LockHolder.parse(path.read_text())
-        except OSError:
-            pass
         if holder.pid != "unknown":
             break
         time.sleep(0.05)
@@ -157,10 +155,8 @@ class RunDirLock:
             os.close(self.fd)
             self.fd = None
         if self.created_directory:
-            try:
+            with suppress(OSError):
                 self.directory.rmdir()  # a refused config or model leaves no empty directory behind
-            except OSError:
-                pass
 
 
 @contextmanager
