@@ -65,6 +65,8 @@ def greedy_matches(model, tokenizer, prompts: list[str], new_tokens: int) -> tup
     """Return (rows where polo's greedy completion equals transformers' generate, rows)."""
     from polo.generation.cpu_sampler import generate
     from polo.generation.prompts import stop_token_ids, tokenize_prompts
+    from polo.generation.rollouts import Decoding
+    from polo.generation.stopping import Stopping
     from polo.kernels.cpu.attention import use_polo_attention
 
     input_ids, mask = tokenize_prompts(tokenizer, prompts)
@@ -79,16 +81,8 @@ def greedy_matches(model, tokenizer, prompts: list[str], new_tokens: int) -> tup
             eos_token_id=stop,
         )[:, input_ids.shape[1] :].tolist()
     use_polo_attention(model)
-    ids, completion_mask, _ = generate(
-        model,
-        input_ids,
-        mask,
-        max_new_tokens=new_tokens,
-        temperature=0.0,
-        top_p=1.0,
-        stop_ids=stop,
-        pad_id=tokenizer.pad_token_id,
-    )
+    decoding, stopping = Decoding(new_tokens, temperature=0.0), Stopping(stop, tokenizer.pad_token_id)
+    ids, completion_mask, _ = generate(model, input_ids, mask, decoding, stopping)
     equal = 0
     for row, length, expected in zip(ids.tolist(), completion_mask.sum(-1).tolist(), reference):
         cut = next((index + 1 for index, token in enumerate(expected) if token in stop), len(expected))
@@ -98,9 +92,10 @@ def greedy_matches(model, tokenizer, prompts: list[str], new_tokens: int) -> tup
 
 def scoring_batch(model, tokenizer, prompts: list[str], rows: int, completion_len: int = 8):
     from polo.generation.cpu_sampler import rollout
+    from polo.generation.rollouts import Decoding
 
     torch.manual_seed(0)
-    sampled = rollout(model, tokenizer, prompts[: rows // 4], 4, max_new_tokens=completion_len, temperature=1.0)
+    sampled = rollout(model, tokenizer, prompts[: rows // 4], 4, Decoding(completion_len, temperature=1.0))
     return sampled.prompt_ids, sampled.prompt_mask, sampled.completion_ids, sampled.completion_mask
 
 

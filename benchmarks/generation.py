@@ -64,12 +64,12 @@ def hf_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperatu
 def polo_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, precision):
     """Return the number of generated tokens from polo's sampler (the one `sampling.sampler: auto` picks on the CPU)."""
     from polo.generation.grouped import pick_sampler
+    from polo.generation.rollouts import Decoding
     from polo.runtime.device import Compute
 
     compute = Compute.named(precision)
-    rollouts = pick_sampler("auto", compute)(
-        model, tokenizer, prompts, group_size, max_new_tokens=max_new_tokens, temperature=temperature, compute=compute
-    )
+    decoding = Decoding(max_new_tokens, temperature=temperature)
+    rollouts = pick_sampler("auto", compute)(model, tokenizer, prompts, group_size, decoding, compute=compute)
     return int(rollouts.completion_mask.sum())
 
 

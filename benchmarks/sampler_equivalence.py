@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     from polo.generation import cpu_sampler, static_sampler
     from polo.generation.grouped import load_for_sampling
     from polo.generation.prompts import stop_token_ids, tokenize_prompts
+    from polo.generation.rollouts import Decoding
+    from polo.generation.stopping import Stopping
     from polo.runtime.device import Compute
 
     compute = Compute.named(args.precision)
@@ -76,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     stop, pad = stop_token_ids(tokenizer, model), tokenizer.pad_token_id
     settings = dict(
-        max_new_tokens=args.max_new_tokens, temperature=0.0, top_p=1.0, stop_ids=stop, pad_id=pad, compute=compute
+        decoding=Decoding(args.max_new_tokens, temperature=0.0, top_p=1.0),
+        stopping=Stopping(stop, pad),
+        compute=compute,
     )
     print(
         f"{MODEL} ({compute}): {len(prompts)} prompts, {prompt_ids.shape[1]} prompt positions, greedy, "

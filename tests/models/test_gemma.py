@@ -21,6 +21,8 @@ from polo.finetune.reward_model import encode_rankings
 from polo.finetune.sft import encode_demonstrations
 from polo.generation.cpu_sampler import generate, rollout
 from polo.generation.prompts import format_prompt, stop_token_ids, tokenize_prompts
+from polo.generation.rollouts import Decoding
+from polo.generation.stopping import Stopping
 from polo.kernels.cpu.attention import use_polo_attention
 from polo.kernels.logprobs import supports_fused_logprobs
 from polo.models import loading, scoring
@@ -150,7 +152,7 @@ def test_sft_dpo_reward_model_and_rollouts_all_start_prompts_with_one_bos(gemma_
     for sequence in (*sft.sequences, *dpo.sequences, scored):
         assert sequence.prompt_ids[0] == BOS and sequence.prompt_ids.count(BOS) == 1
         assert BOS not in sequence.response_ids and sequence.response_ids[-1] == EOS
-    sampled = rollout(model, tokenizer, ["Q: 1+2=\nA:\n", "Q: 12+34=\nA:\n"], 2, max_new_tokens=3, temperature=1.0)
+    sampled = rollout(model, tokenizer, ["Q: 1+2=\nA:\n", "Q: 12+34=\nA:\n"], 2, Decoding(3, temperature=1.0))
     for row, row_mask in zip(sampled.prompt_ids.tolist(), sampled.prompt_mask.tolist()):
         real = [token for token, keep in zip(row, row_mask) if keep]
         assert real[0] == BOS and real.count(BOS) == 1
@@ -184,16 +186,8 @@ def test_polo_greedy_sampling_equals_transformers_generate_with_bos(gemma_dir, p
     )[:, input_ids.shape[1] :]
     if polo_attention:
         assert use_polo_attention(model)
-    ids, completion_mask, _ = generate(
-        model,
-        input_ids,
-        mask,
-        max_new_tokens=new_tokens,
-        temperature=0.0,
-        top_p=1.0,
-        stop_ids=stop_token_ids(tokenizer, model),
-        pad_id=PAD,
-    )
+    stopping = Stopping(stop_token_ids(tokenizer, model), PAD)
+    ids, completion_mask, _ = generate(model, input_ids, mask, Decoding(new_tokens, temperature=0.0), stopping)
     got = [row[: int(length)] for row, length in zip(ids.tolist(), completion_mask.sum(-1).tolist())]
     assert got == completions_until_stop(expected, EOS)
     # The window matters here: the same weights attending to everything write something else.
