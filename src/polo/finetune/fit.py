@@ -37,7 +37,7 @@ import torch
 
 from polo import core
 from polo.config import config_to_dict
-from polo.kernels import supports_fused_logprobs, token_logprobs
+from polo.kernels import LogprobSettings, supports_fused_logprobs, token_logprobs
 from polo.models.family import cache_keyword
 from polo.models.hub import HeldOut, ModelCard, check_push, publish
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
@@ -163,7 +163,9 @@ def ranking_logprobs(model, batch: RankingBatch) -> torch.Tensor:
         return sequence_logprobs(model, batch.expanded())
     prompt_hidden, response_hidden = shared_prompt_hidden(model.get_decoder(), batch)
     hidden = torch.cat([prompt_hidden[:, -1:], response_hidden[:, :-1]], dim=1)
-    logprobs, _ = token_logprobs(hidden, model.get_output_embeddings().weight, batch.response_ids, with_entropy=False)
+    logprobs, _ = token_logprobs(
+        hidden, model.get_output_embeddings().weight, batch.response_ids, LogprobSettings(with_entropy=False)
+    )
     return core.masked_sum(logprobs.float(), batch.response_mask, dim=1)
 
 

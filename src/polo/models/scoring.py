@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from polo.kernels import (
+    LogprobSettings,
     attends_blockwise,
     completion_logprobs_fused,
     contiguous_head_input,
@@ -77,10 +78,8 @@ def completion_logprobs(
             input_ids,
             attention_mask,
             position_ids_from_mask(attention_mask),
-            completion_len,
             completion_ids,
-            temperature=temperature,
-            with_entropy=with_entropy,
+            LogprobSettings(temperature=temperature, with_entropy=with_entropy),
             completion_mask=completion_mask,
         )
     # The head gets a contiguous input: for a frozen lm_head (a reference, a LoRA base) matmul would
@@ -174,7 +173,6 @@ def shared_completion_logprobs(
         predictors,
         model.get_output_embeddings().weight,
         completion_ids,
-        temperature=temperature,
-        with_entropy=with_entropy,
+        LogprobSettings(temperature=temperature, with_entropy=with_entropy),
         mask=completion_mask,
     )
