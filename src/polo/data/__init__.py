@@ -24,7 +24,7 @@ from polo.data.base import (
 from polo.data.code import code_task
 from polo.data.environments import make_environment
 from polo.data.gsm8k import gsm8k_task
-from polo.data.hf import hf_task
+from polo.data.hf import HfSource, hf_options, hf_task
 from polo.data.jsonl import jsonl_task
 from polo.rewards.answers import CHECKERS
 
@@ -52,6 +52,7 @@ def build_task(name: str, **options: object) -> Task:
 
 __all__ = [
     "DEFAULT_INSTRUCTION",
+    "HfSource",
     "OPERATIONS",
     "PLAIN_INSTRUCTION",
     "TASKS",
@@ -126,6 +127,8 @@ def make_task(config: Config, train_dataset: object = None, eval_dataset: object
     keys = TASK_OPTIONS.get(name, ())
     options = {key: getattr(task_config, key) for key in keys if getattr(task_config, key) is not None}
     options.update(passed)
+    if name == "hf":  # the hf task takes where its rows come from as one HfSource
+        options = hf_options(options)
     few_shot = _few_shot_pairs(task_config)
     try:
         task = build_task(name, **options)

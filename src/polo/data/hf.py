@@ -27,6 +27,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -166,53 +167,49 @@ def split_train_eval(
     return first_rows(train, num_train, f"hf train {source}", "task.num_train", "the dataset"), held_out
 
 
+@dataclass(frozen=True)
+class HfSource:
+    """Where the hf task's rows come from: ``path`` (with its ``subset``, ``split``, ``eval_split`` and
+    ``eval_path``), or datasets passed in (``train_dataset``, ``eval_dataset``); the module docstring says how."""
+
+    path: str | None = None
+    split: str = "train"
+    eval_split: str | None = None
+    eval_path: str | None = None
+    subset: str | None = None
+    train_dataset: Any = None
+    eval_dataset: Any = None
+
+
+# The hf task's options that say where its rows come from: `HfSource`'s fields.
+SOURCE_OPTIONS = ("path", "split", "eval_split", "eval_path", "subset", "train_dataset", "eval_dataset")
+
+
+def hf_options(options: dict) -> dict:
+    """Return `hf_task`'s keyword arguments from flat options (TaskConfig keys, datasets passed in): the
+    `SOURCE_OPTIONS` among them gathered into one ``source``."""
+    source = HfSource(**{key: value for key, value in options.items() if key in SOURCE_OPTIONS})
+    return {"source": source, **{key: value for key, value in options.items() if key not in SOURCE_OPTIONS}}
+
+
 def hf_task(
-    path: str | None = None,
-    split: str = "train",
-    eval_split: str | None = None,
-    eval_path: str | None = None,
-    subset: str | None = None,
+    source: HfSource = HfSource(),
     prompt_field: str = "question",
     answer_field: str = "answer",
     num_train: int | None = None,
     num_eval: int | None = None,
     answer_in_tags: bool = False,
     checker: str = "math_verify",
-    train_dataset: Any = None,
-    eval_dataset: Any = None,
 ) -> Task:
-    """Return a Task over a Hugging Face dataset (``path``) or Datasets / lists of dicts passed in, judged by ``checker``.
+    """Return a Task over a Hugging Face dataset (``source.path``) or Datasets / lists of dicts passed in (``source``'s
+    datasets), judged by ``checker``.
 
     The module docstring says where the rows come from and how the eval rows are chosen.
     """
     correctness = bind_checker(checker, answer_in_tags)  # validates the name before any I/O
     fields = (prompt_field, answer_field, checker)
-    if train_dataset is not None:
-        for key, value in (("task.path", path), ("task.eval_path", eval_path)):
-            if value is not None:
-                raise ConfigError(
-                    f"{key} is {value!r} and a train_dataset was passed too; pass one ({key}: null with train_dataset)"
-                )
-        train = dataset_rows(train_dataset, "train_dataset", *fields)
-        held_out = None if eval_dataset is None else dataset_rows(eval_dataset, "eval_dataset", *fields)
-        source, eval_source = "train_dataset", "eval_dataset"
-    elif eval_dataset is not None:
-        raise ConfigError("eval_dataset was passed without train_dataset; pass both, or neither and set task.path")
-    elif path is None:
-        raise ConfigError(
-            "task.path: the hf task needs a dataset: a save_to_disk directory, a data file or directory, or a Hub id, "
-            "or datasets passed to polo.train(config, train_dataset=...); a run recorded with task.path null was "
-            "trained on such datasets: pass the same ones again"
-        )
-    else:
-        train_split, eval_split_data = pick_splits(
-            load_splits(str(path), subset, eval_path), split, eval_split, str(path)
-        )
-        train = dataset_rows(train_split, f"{path} split {split!r}", *fields)
-        eval_source = f"{path} split {eval_split or DEFAULT_EVAL_SPLIT!r}"
-        held_out = None if eval_split_data is None else dataset_rows(eval_split_data, eval_source, *fields)
-        source = f"{path} split {split!r}"
-    train_rows, eval_rows = split_train_eval(train, held_out, num_train, num_eval, source, eval_source)
+    train, held_out, where, eval_where = _source_rows(source, fields)
+    train_rows, eval_rows = split_train_eval(train, held_out, num_train, num_eval, where, eval_where)
     return Task(
         name="hf",
         train_rows=train_rows,
@@ -220,6 +217,35 @@ def hf_task(
         correctness=correctness,
         instruction=default_instruction(answer_in_tags),
     )
+
+
+def _source_rows(source: HfSource, fields: tuple[str, str, str]) -> tuple[list[dict], list[dict] | None, str, str]:
+    """Return (train rows, eval split rows or None, where each came from) of ``source``, through the row contract."""
+    path, split, eval_split = source.path, source.split, source.eval_split
+    if source.train_dataset is not None:
+        for key, value in (("task.path", path), ("task.eval_path", source.eval_path)):
+            if value is not None:
+                raise ConfigError(
+                    f"{key} is {value!r} and a train_dataset was passed too; pass one ({key}: null with train_dataset)"
+                )
+        train = dataset_rows(source.train_dataset, "train_dataset", *fields)
+        eval_dataset = source.eval_dataset
+        held_out = None if eval_dataset is None else dataset_rows(eval_dataset, "eval_dataset", *fields)
+        return train, held_out, "train_dataset", "eval_dataset"
+    if source.eval_dataset is not None:
+        raise ConfigError("eval_dataset was passed without train_dataset; pass both, or neither and set task.path")
+    if path is None:
+        raise ConfigError(
+            "task.path: the hf task needs a dataset: a save_to_disk directory, a data file or directory, or a Hub id, "
+            "or datasets passed to polo.train(config, train_dataset=...); a run recorded with task.path null was "
+            "trained on such datasets: pass the same ones again"
+        )
+    splits = load_splits(str(path), source.subset, source.eval_path)
+    train_split, eval_split_data = pick_splits(splits, split, eval_split, str(path))
+    train = dataset_rows(train_split, f"{path} split {split!r}", *fields)
+    eval_where = f"{path} split {eval_split or DEFAULT_EVAL_SPLIT!r}"
+    held_out = None if eval_split_data is None else dataset_rows(eval_split_data, eval_where, *fields)
+    return train, held_out, f"{path} split {split!r}", eval_where
 
 
 # ---------------------------------------------------------------- datasets passed from Python: the record in config.yaml
@@ -259,4 +285,13 @@ def check_same_datasets(config_path: Path, task: Task) -> None:
         )
 
 
-__all__ = ["BUILDERS", "check_same_datasets", "hf_task", "load_splits", "passed_datasets_note", "rows_fingerprint"]
+__all__ = [
+    "BUILDERS",
+    "HfSource",
+    "check_same_datasets",
+    "hf_options",
+    "hf_task",
+    "load_splits",
+    "passed_datasets_note",
+    "rows_fingerprint",
+]
