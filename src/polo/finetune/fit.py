@@ -341,9 +341,8 @@ def fit(
                 logger.close()
                 raise RunStopped(stop.signum, step - 1, None, resumable=False)
             started = time.perf_counter()
-            units = max(sum(objective.units(example) for example in batch), 1)
             optimizer.zero_grad(set_to_none=True)
-            sums = _backpropagate(model, batch, objective, units, train.micro_batch_size, compute, logger, name, step)
+            sums, units = _backpropagate(model, batch, objective, train.micro_batch_size, compute, logger, name, step)
             grad_norm = torch.nn.utils.clip_grad_norm_(parameters, train.max_grad_norm)
             optimizer.step()
             scheduler.step()
@@ -387,16 +386,17 @@ def _backpropagate(
     model,
     batch: Sequence[Example],
     objective: Objective,
-    units: int,
     micro_batch_size: int,
     compute: Compute,
     logger: MetricsLogger,
     name: str,
     step: int,
-) -> dict[str, float]:
-    """Return the objective's statistics summed over `batch`, after accumulating its gradient micro-batch by micro-batch."""
+) -> tuple[dict[str, float], int]:
+    """Return the objective's statistics summed over `batch` and its units (at least 1), after accumulating the
+    gradient of the loss per unit micro-batch by micro-batch."""
     from polo.runtime.errors import NonFiniteLossError
 
+    units = max(sum(objective.units(example) for example in batch), 1)
     sums: dict[str, float] = {}
     for group in micro_batches(batch, micro_batch_size):
         with compute.autocast():
@@ -408,7 +408,7 @@ def _backpropagate(
         loss.backward()
         for key, value in stats.items():
             sums[key] = sums.get(key, 0.0) + value
-    return sums
+    return sums, units
 
 
 def _step_row(
