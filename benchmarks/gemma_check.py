@@ -15,8 +15,10 @@
    whole 262k x 640 bf16 weight per row: at 32 rows ~10.7 GB). Memory is the largest RSS
    growth during each call, sampled every 5 ms.
 
-The last line is `gemma_check bos=<acc> no_bos=<acc> greedy_equal=<k>/<n> logprob_max_diff=<x> fallback_speedup=<x> fallback_memory_ratio=<x>`
-(bos/no_bos: the demo job).
+The last line is (on one line; bos/no_bos: the demo job)
+
+    gemma_check bos=<acc> no_bos=<acc> greedy_equal=<k>/<n> logprob_max_diff=<x> fallback_speedup=<x>
+        fallback_memory_ratio=<x>
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ def main() -> None:
     for recipe in ("gemma_arith.yaml", "grpo_arith.yaml"):
         accuracy[recipe] = [greedy_accuracy(model, tokenizer, recipe, flag) for flag in (True, False)]
         print(
-            f"1. {recipe}: held-out greedy accuracy with BOS {accuracy[recipe][0]:.3f}, without {accuracy[recipe][1]:.3f}",
+            f"1. {recipe}: held-out greedy accuracy with BOS {accuracy[recipe][0]:.3f}, "
+            f"without {accuracy[recipe][1]:.3f}",
             flush=True,
         )
     prompts, _, _ = recipe_prompts(tokenizer, "gemma_arith.yaml")
@@ -176,7 +179,8 @@ def main() -> None:
     long_equal, long_rows = greedy_matches(model, tokenizer, [long_prompt, prompts[0]], 24)
     equal, rows = short_equal + long_equal, short_rows + long_rows
     print(
-        f"2. greedy polo == transformers generate: {short_equal}/{short_rows} short prompts, {long_equal}/{long_rows} with a prompt past the window",
+        f"2. greedy polo == transformers generate: {short_equal}/{short_rows} short prompts, "
+        f"{long_equal}/{long_rows} with a prompt past the window",
         flush=True,
     )
 
@@ -201,7 +205,8 @@ def main() -> None:
         _, strided_s, strided_mem = timed(lambda: strided_head_forward(model, small))
     speedup = strided_s / contiguous_s
     print(
-        f"4. full logits, frozen bf16 head, {ROWS_BEFORE} rows: contiguous head input {contiguous_s:.2f} s +{contiguous_mem / 2**30:.2f} GiB, "
+        f"4. full logits, frozen bf16 head, {ROWS_BEFORE} rows: contiguous head input {contiguous_s:.2f} s "
+        f"+{contiguous_mem / 2**30:.2f} GiB, "
         f"strided as before {strided_s:.2f} s +{strided_mem / 2**30:.2f} GiB",
         flush=True,
     )

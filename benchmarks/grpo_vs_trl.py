@@ -117,7 +117,8 @@ def polo_config(steps: int, output_dir: Path, lora: bool = False, device: str = 
 
 
 def demo_config(steps: int, output_dir: Path, device: str) -> dict:
-    """Return the demo recipe's configuration (recipes/grpo_arith.yaml) for `steps` steps on `device`, evaluated afterwards by `polo eval`."""
+    """Return the demo recipe's configuration (recipes/grpo_arith.yaml) for `steps` steps on `device`, evaluated
+    afterwards by `polo eval`."""
     import yaml
 
     config = yaml.safe_load(DEMO_RECIPE.read_text())
@@ -139,7 +140,8 @@ def job_config(job: str, steps: int, output_dir: Path, lora: bool = False, devic
 
 
 def trl_micro_batch(config, requested: int | None = None) -> int:
-    """Return TRL's per-device batch: `requested`, else polo's micro-batch size, as a divisor of the step's sequences."""
+    """Return TRL's per-device batch: `requested`, else polo's micro-batch size, as a divisor of the step's
+    sequences."""
     sequences = config.train.prompts_per_step * config.algorithm.group_size
     size = max(min(requested or config.train.micro_batch_size, sequences), 1)
     while sequences % size:
@@ -253,7 +255,8 @@ def run_polo(steps: int, out_dir: Path, lora: bool = False, device: str = "cpu",
 def trl_arguments(
     config, variant: str, micro_batch: int, output_dir: Path, device: str, job: str, reward_weights: list[float]
 ):
-    """Return TRL's GRPOConfig for polo's `config` (same batch, sampling, KL and learning rate; the demo's schedule too)."""
+    """Return TRL's GRPOConfig for polo's `config` (same batch, sampling, KL and learning rate; the demo's schedule
+    too)."""
     from trl import GRPOConfig
 
     bf16, checkpointing = TRL_SETTINGS[variant]
@@ -311,7 +314,8 @@ def trl_rewards(config, task, rows) -> tuple[list, list[float]]:
 
 
 class StepTimer:
-    """A TRL TrainerCallback's hooks: the time, peak RSS, peak GPU memory and mean completion length at each step's end."""
+    """A TRL TrainerCallback's hooks: the time, peak RSS, peak GPU memory and mean completion length at each step's
+    end."""
 
     def __init__(self, device: str):
         self.device = device
@@ -573,7 +577,8 @@ def gpu_step_runs(args, order: list[str], root: Path) -> dict[str, dict]:
 
 
 def gpu_accuracy_runs(args, order: list[str], root: Path) -> None:
-    """Train the demo recipe --accuracy-steps steps with each run on the GPU and print its time, memory and held-out gain."""
+    """Train the demo recipe --accuracy-steps steps with each run on the GPU and print its time, memory and held-out
+    gain."""
     steps = args.accuracy_steps
     print(
         f"\ndemo recipe ({DEMO_RECIPE.name}), {steps} steps on the GPU; held-out greedy accuracy by polo eval",
@@ -586,7 +591,8 @@ def gpu_accuracy_runs(args, order: list[str], root: Path) -> None:
         after = heldout_accuracy(result["final_model"], root / f"demo-eval-{name}.json")
         times = result["step_times"]
         print(
-            f"  {name}: median step {median(times[1:]):.2f} s after a warm-up, {sum(times):.1f} s of training for {len(times)} steps, "
+            f"  {name}: median step {median(times[1:]):.2f} s after a warm-up, "
+            f"{sum(times):.1f} s of training for {len(times)} steps, "
             f"peak GPU memory {gib(result['peak_gpu_train'])}; held-out accuracy {before:.3f} -> {after:.3f} "
             f"(gain {after - before:+.3f})",
             flush=True,
@@ -594,7 +600,8 @@ def gpu_accuracy_runs(args, order: list[str], root: Path) -> None:
 
 
 def gpu_main(args) -> None:
-    """polo against TRL on one GPU: step time and peak GPU memory (and, with --accuracy-steps, the demo's held-out gain)."""
+    """polo against TRL on one GPU: step time and peak GPU memory (and, with --accuracy-steps, the demo's held-out
+    gain)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -602,12 +609,13 @@ def gpu_main(args) -> None:
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="polo-vs-trl-gpu-"))
     order = [name for name in GPU_RUNS if name in (args.only or GPU_RUNS)]
     print(
-        f"polo vs TRL GRPO step on {MODEL} on {torch.cuda.get_device_name()}: {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} "
-        f"completions, <= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, beta={BETA}, mu=1, rewards correct + r1_format"
+        f"polo vs TRL GRPO step on {MODEL} on {torch.cuda.get_device_name()}: {PROMPTS_PER_STEP} prompts x "
+        f"{GROUP_SIZE} completions, <= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, beta={BETA}, mu=1, "
+        "rewards correct + r1_format"
     )
     print(
-        f"torch {torch.__version__} (CUDA {torch.version.cuda}); {args.rounds} round(s) of {order}, {args.steps} steps per run "
-        f"(first dropped); output in {root}",
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}); {args.rounds} round(s) of {order}, "
+        f"{args.steps} steps per run (first dropped); output in {root}",
         flush=True,
     )
     if "trl_gpu" in order:
@@ -624,7 +632,8 @@ def gpu_main(args) -> None:
     for name in order:
         print(
             f"{name:<8} {DESCRIPTIONS[name] if name != 'polo' else 'polo defaults, train.device=cuda'} "
-            f"({summary[name]['precision']}): median step {summary[name]['median']:.3f} s, peak GPU memory {gib(summary[name]['peak_gpu'])}"
+            f"({summary[name]['precision']}): median step {summary[name]['median']:.3f} s, "
+            f"peak GPU memory {gib(summary[name]['peak_gpu'])}"
         )
     if args.accuracy_steps:
         gpu_accuracy_runs(args, order, root)

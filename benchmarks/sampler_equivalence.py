@@ -1,4 +1,4 @@
-"""Greedy equivalence on the real model: the static-cache sampler (eager) vs the CPU KV-cache sampler vs `transformers.generate`.
+"""Greedy equivalence on the real model: the static-cache sampler (eager), the CPU KV-cache sampler, `generate`.
 
 16 prompts (8 GSM8K test questions when ../shared/data/gsm8k is there, arithmetic otherwise, plus 8 arithmetic
 ones) through the task's instruction and SmolLM2's chat template, left-padded in one batch, greedy decoding.
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         same = "".join("=" if results[a][index] == results[b][index] else "x" for a, b in pairs.values())
         text = tokenizer.decode(results["static"][index], skip_special_tokens=True).replace("\n", " ")
         print(
-            f"  {index:2d} [{same}] {len(results['static'][index]):3d} tokens  {row['question'][:40]!r} -> {text[:60]!r}"
+            f"  {index:2d} [{same}] {len(results['static'][index]):3d} tokens  "
+            f"{row['question'][:40]!r} -> {text[:60]!r}"
         )
     print(
         f"sampler_equivalence prompts={len(prompts)} " + " ".join(f"{label}={count}" for label, count in counts.items())

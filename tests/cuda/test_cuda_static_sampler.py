@@ -1,5 +1,6 @@
 """The static-cache sampler on CUDA, its decode step captured (torch.compile "reduce-overhead": CUDA graphs):
-greedy tokens equal `transformers.generate`'s, and the eager step's, on a tiny Llama and a tiny Gemma 3 (sliding window)."""
+greedy tokens equal `transformers.generate`'s, and the eager step's, on a tiny Llama and a tiny Gemma 3 (sliding
+window)."""
 
 from __future__ import annotations
 

@@ -242,7 +242,8 @@ def test_captured_on_cuda_greedy_equals_transformers_generate(tiny_model_dir, fa
 
 
 def test_every_tensor_the_static_sampler_makes_names_its_device(tiny_model_dir):
-    """Under the implicit-device guard (polo.runtime.guard) the static sampler runs: nothing lands on a default device."""
+    """The static sampler runs under the implicit-device guard (polo.runtime.guard): nothing lands on a default
+    device."""
     from polo.runtime.device import CPU
     from polo.runtime.guard import implicit_device_guard
 

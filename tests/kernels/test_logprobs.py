@@ -331,7 +331,8 @@ def test_no_fused_path_when_config_or_structure_rule_it_out():
 
 
 def test_fused_path_is_decided_by_structure_not_by_the_family_name():
-    """An unknown model type whose logits are lm_head(final-normed trunk) takes the fused path and matches the full logits."""
+    """An unknown model type whose logits are lm_head(final-normed trunk) takes the fused path and matches the full
+    logits."""
     model = tiny_llama()
     model.config.model_type = "some_family_polo_never_heard_of"
     assert supports_fused_logprobs(model)

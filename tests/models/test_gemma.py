@@ -34,13 +34,15 @@ from polo.rl.train import train
 PAD, EOS, BOS = 0, 1, 2
 WINDOW = 4  # sliding window of the tiny model: shorter than every sequence below, so it matters
 GEMMA_CHAT_TEMPLATE = (  # writes the BOS itself, as Gemma's instruction-tuned template does
-    "{{ bos_token }}{% for message in messages %}<start>{{ message['role'] }}\n{{ message['content'] }}<end>\n{% endfor %}"
+    "{{ bos_token }}{% for message in messages %}"
+    "<start>{{ message['role'] }}\n{{ message['content'] }}<end>\n{% endfor %}"
     "{% if add_generation_prompt %}<start>model\n{% endif %}"
 )
 
 
 def gemma_tokenizer(chat_template: str | None = None):
-    """A character tokenizer laid out like Gemma's: <pad> 0, <eos> 1, <bos> 2, and <bos> put in front by its post-processor."""
+    """Return a character tokenizer laid out like Gemma's: <pad> 0, <eos> 1, <bos> 2, and <bos> put in front by its
+    post-processor."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -104,7 +106,7 @@ def gemma_dir(tmp_path_factory) -> Path:
     return directory
 
 
-# ---------------------------------------------------------------- BOS: once, everywhere, only where the tokenizer adds it
+# ------------------------------------------------------------ BOS: once, everywhere, only where the tokenizer adds it
 
 
 def test_gemma_like_tokenizers_get_their_bos_and_smollm2_like_ones_nothing(gemma_dir, tiny_model_dir):
@@ -271,7 +273,8 @@ def test_shared_prompt_scoring_only_where_no_window_cuts_a_row(monkeypatch, wind
 
 
 def test_dpo_and_reward_model_prompt_sharing_respects_the_window():
-    """SFT/DPO/reward models share a ranking's prompt through a KV cache, whose sliding-window layers transformers keeps exact."""
+    """SFT/DPO/reward models share a ranking's prompt through a KV cache, whose sliding-window layers transformers
+    keeps exact."""
     from polo.finetune.fit import RankingBatch, ranking_logprobs, sequence_logprobs
 
     model, tokenizer = tiny_gemma(), gemma_tokenizer()

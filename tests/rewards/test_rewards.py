@@ -573,7 +573,8 @@ PARENT_BOMBS = [
         ["assert add(1, 2) == 3"],
     ),
     (
-        "import builtins\ndef boom(*a):\n    raise RecursionError\nbuiltins.repr = boom\ndef add(a, b):\n    return 4\n",
+        "import builtins\ndef boom(*a):\n    raise RecursionError\nbuiltins.repr = boom\n"
+        "def add(a, b):\n    return 4\n",
         ["assert add(1, 2) == 3"],
     ),
     (
@@ -581,7 +582,8 @@ PARENT_BOMBS = [
         ["assert add(1, 2) == 3"],
     ),
     (
-        "class S(str):\n    pass\nclass R:\n    def __repr__(self):\n        return S('3')\ndef add(a, b):\n    return R()\n",
+        "class S(str):\n    pass\nclass R:\n    def __repr__(self):\n        return S('3')\n"
+        "def add(a, b):\n    return R()\n",
         ["assert add(1, 2) == 3"],
     ),
 ]

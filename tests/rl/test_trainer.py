@@ -69,7 +69,8 @@ def final_weights(output_dir):
 
 
 def interrupted_then_resumed(config, monkeypatch, interrupt_at: int = 3):
-    """Run `config`, Ctrl-C in the middle of step `interrupt_at` (which finishes and is saved), then resume; return the resumed result."""
+    """Return the result of resuming `config` after a Ctrl-C in the middle of step `interrupt_at` (which finishes and
+    is saved)."""
     from polo.rl import train as trainer
 
     real_step, calls = trainer.rl_step, []

@@ -368,8 +368,8 @@ def test_the_stdlib_is_read_only_and_bound_files_cannot_be_replaced():
     program = (
         "import os, sysconfig\n"
         "stdlib = sysconfig.get_paths()['stdlib']\n"
-        "for path in (os.path.join(stdlib, 'json', '__init__.py'), os.path.join(stdlib, 'evil.py'), '/run/polo/main.py',\n"
-        "             '/etc/ld.so.cache', '/dev/evil', '/evil'):\n"
+        "for path in (os.path.join(stdlib, 'json', '__init__.py'), os.path.join(stdlib, 'evil.py'),\n"
+        "             '/run/polo/main.py', '/etc/ld.so.cache', '/dev/evil', '/evil'):\n"
         "    try:\n"
         "        open(path, 'a').write('x')\n"
         "        print('WROTE', path)\n"
@@ -396,7 +396,8 @@ def test_no_socket_of_any_family_can_be_made(tmp_path):
             "import socket\n"
             f"targets = [(socket.AF_UNIX, {str(path)!r}), (socket.AF_UNIX, {abstract.getsockname()!r}),\n"
             f"           (socket.AF_INET, ('127.0.0.1', {tcp.getsockname()[1]})),\n"
-            "           (socket.AF_INET6, ('::1', 1)), (40, None), (socket.AF_NETLINK, None), (socket.AF_PACKET, None)]\n"
+            "           (socket.AF_INET6, ('::1', 1)), (40, None), (socket.AF_NETLINK, None),\n"
+            "           (socket.AF_PACKET, None)]\n"
             "for family, address in targets:\n"
             "    try:\n"
             "        s = socket.socket(family, socket.SOCK_RAW if family in (16, 17) else socket.SOCK_STREAM)\n"
@@ -566,7 +567,8 @@ def test_an_unusable_tool_is_one_clear_line(monkeypatch):
 # as AppArmor's restriction on Ubuntu 24.04 and a container make them), and two that are not about it.
 USER_NAMESPACE_LINES = [
     "bwrap: No permissions to creating new namespace, likely because the kernel does not allow "
-    "non-privileged user namespaces. On e.g. debian this can be enabled with 'sysctl kernel.unprivileged_userns_clone=1'.",
+    "non-privileged user namespaces. On e.g. debian this can be enabled with "
+    "'sysctl kernel.unprivileged_userns_clone=1'.",
     "bwrap: Creating new namespace failed: nesting depth or /proc/sys/user/max_*_namespaces exceeded (ENOSPC)",
     "bwrap: setting up uid map: Permission denied",
     "bwrap: loopback: Failed RTM_NEWADDR: Operation not permitted",

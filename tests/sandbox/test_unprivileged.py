@@ -268,7 +268,9 @@ else:
     import pyseccomp
     rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
     for call in ("unshare", "clone"):
-        rules.add_rule(pyseccomp.ERRNO(errno.EPERM), call, pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0x10000000, 0x10000000))
+        rules.add_rule(
+            pyseccomp.ERRNO(errno.EPERM), call, pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0x10000000, 0x10000000)
+        )
     rules.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
     rules.load()
 os.execv(command[0], command)

@@ -117,12 +117,14 @@ def make_task(config: Config, train_dataset: object = None, eval_dataset: object
     passed = {key: value for key, value in passed.items() if value is not None}
     if passed and task_config.name not in ("hf", TaskConfig.name):
         raise ConfigError(
-            f"task.name is {task_config.name!r} but {' and '.join(passed)} was passed; datasets make the hf task (task.name: hf)"
+            f"task.name is {task_config.name!r} but {' and '.join(passed)} was passed; datasets make the hf task "
+            "(task.name: hf)"
         )
     name = "hf" if passed else task_config.name
     if name in ("jsonl", "hf") and task_config.checker not in CHECKERS:
         raise ConfigError(
-            f"task.checker: {task_config.checker!r} is not one of {', '.join(CHECKERS)} (`polo train --help` says what each accepts)"
+            f"task.checker: {task_config.checker!r} is not one of {', '.join(CHECKERS)} "
+            "(`polo train --help` says what each accepts)"
         )
     keys = TASK_OPTIONS.get(name, ())
     options = {key: getattr(task_config, key) for key in keys if getattr(task_config, key) is not None}

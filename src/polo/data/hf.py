@@ -49,7 +49,8 @@ def _load_local(path: Path, eval_path: str | None) -> Any:
 
     if eval_path is not None and not path.is_file():
         raise ConfigError(
-            f"task.eval_path: with task.name=hf it names the eval data file beside a task.path data file; task.path {path} is a directory"
+            "task.eval_path: with task.name=hf it names the eval data file beside a task.path data file; "
+            f"task.path {path} is a directory"
         )
     if path.is_dir() and any((path / name).is_file() for name in ("dataset_dict.json", "state.json")):
         return datasets.load_from_disk(str(path))
@@ -65,7 +66,8 @@ def _load_local(path: Path, eval_path: str | None) -> Any:
     builder = BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise ConfigError(
-            f"task.path: {path} is not a data file datasets reads; use one ending in {', '.join(BUILDERS)}, or a directory"
+            f"task.path: {path} is not a data file datasets reads; use one ending in {', '.join(BUILDERS)}, "
+            "or a directory"
         )
     return datasets.load_dataset(builder, data_files=files)
 
@@ -77,7 +79,8 @@ def load_splits(path: str, subset: str | None = None, eval_path: str | None = No
     local = Path(path).expanduser()
     if subset is not None and local.exists():
         raise ConfigError(
-            f"task.subset: {subset!r} names a configuration of a Hub dataset; task.path {path} is local (set task.subset: null)"
+            f"task.subset: {subset!r} names a configuration of a Hub dataset; task.path {path} is local "
+            "(set task.subset: null)"
         )
     if local.exists():
         try:
@@ -110,7 +113,8 @@ def pick_splits(splits: dict[str, Any], split: str, eval_split: str | None, sour
         return splits[split], splits.get(DEFAULT_EVAL_SPLIT) if split != DEFAULT_EVAL_SPLIT else None
     if eval_split not in splits:
         raise ConfigError(
-            f"task.eval_split: {eval_split!r} is not a split of {source}; its splits: {names} (null: {DEFAULT_EVAL_SPLIT!r} if present, else held-out train rows)"
+            f"task.eval_split: {eval_split!r} is not a split of {source}; its splits: {names} "
+            f"(null: {DEFAULT_EVAL_SPLIT!r} if present, else held-out train rows)"
         )
     if eval_split == split:
         raise ConfigError(f"task.eval_split: {eval_split!r} is also task.split; held-out rows must not be trained on")
@@ -122,14 +126,16 @@ def numbered_rows(data: Any, source: str) -> list[tuple[int, Any]]:
     if isinstance(data, Mapping):
         splits = f" (splits {sorted(data)})" if all(hasattr(value, "column_names") for value in data.values()) else ""
         raise ConfigError(
-            f"{source} is a mapping{splits}; pass one split, e.g. train_dataset=dataset['train'], eval_dataset=dataset['test']"
+            f"{source} is a mapping{splits}; pass one split, e.g. train_dataset=dataset['train'], "
+            "eval_dataset=dataset['test']"
         )
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
         return list(enumerate(data))
     if hasattr(data, "column_names") and hasattr(data, "__len__") and hasattr(data, "to_list"):
         return list(enumerate(data.to_list()))  # a datasets.Dataset: one dict per row, converted in one batch
     raise ConfigError(
-        f"{source} must be a datasets.Dataset or a list of dicts, got {type(data).__name__} (a streaming IterableDataset cannot be used)"
+        f"{source} must be a datasets.Dataset or a list of dicts, got {type(data).__name__} "
+        "(a streaming IterableDataset cannot be used)"
     )
 
 
@@ -151,7 +157,8 @@ def split_train_eval(
     source: str,
     eval_source: str,
 ) -> tuple[list[dict], list[dict]]:
-    """Return (train rows, eval rows): the eval split's first ``num_eval``, else the last ``num_eval`` train rows held out."""
+    """Return (train rows, eval rows): the eval split's first ``num_eval``, else the last ``num_eval`` train rows
+    held out."""
     if held_out is not None:
         held_out = first_rows(held_out, num_eval, f"hf eval {eval_source}", "task.num_eval", "the dataset")
     else:
@@ -160,8 +167,9 @@ def split_train_eval(
             raise ConfigError(f"hf {source}: task.num_eval must be null or an integer >= 0, got {num_eval!r}")
         if count and count >= len(train):
             raise ConfigError(
-                f"task.num_eval is {count} but {source} holds only {len(train)} rows and there is no eval split to hold "
-                f"them out of; set task.num_eval below {len(train)} (0 for no held-out rows), or give an eval split"
+                f"task.num_eval is {count} but {source} holds only {len(train)} rows and there is no eval split "
+                f"to hold them out of; set task.num_eval below {len(train)} (0 for no held-out rows), or give an "
+                "eval split"
             )
         train, held_out = train[: len(train) - count], train[len(train) - count :]
     return first_rows(train, num_train, f"hf train {source}", "task.num_train", "the dataset"), held_out
@@ -248,7 +256,7 @@ def _source_rows(source: HfSource, fields: tuple[str, str, str]) -> tuple[list[d
     return train, held_out, f"{path} split {split!r}", eval_where
 
 
-# ---------------------------------------------------------------- datasets passed from Python: the record in config.yaml
+# ------------------------------------------------------------ datasets passed from Python: the record in config.yaml
 
 _FINGERPRINT = re.compile(r"rows sha256 ([0-9a-f]{64})")
 
@@ -280,8 +288,9 @@ def check_same_datasets(config_path: Path, task: Task) -> None:
         )
     if recorded.group(1) != rows_fingerprint(task):
         raise ConfigError(
-            f"output.resume: the run in {run_dir} was trained on other rows (sha256 {recorded.group(1)[:12]}, these are "
-            f"{rows_fingerprint(task)[:12]}); pass the same train_dataset and eval_dataset to resume it, or pick a new output.dir"
+            f"output.resume: the run in {run_dir} was trained on other rows (sha256 {recorded.group(1)[:12]}, "
+            f"these are {rows_fingerprint(task)[:12]}); pass the same train_dataset and eval_dataset to resume it, "
+            "or pick a new output.dir"
         )
 
 

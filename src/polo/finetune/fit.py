@@ -63,7 +63,8 @@ class Example:
 
 
 def response_logprobs(model, batch: TokenBatch) -> torch.Tensor:
-    """Return log π(y_t | x, y_<t) for every response position, (batch, response_len); padding positions are not meaningful."""
+    """Return log π(y_t | x, y_<t) for every response position, (batch, response_len); padding positions are not
+    meaningful."""
     logprobs, _ = completion_logprobs(
         model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask
     )
@@ -97,7 +98,8 @@ class RankingBatch:
 
 
 def collate_rankings(examples: Sequence[Example], pad_id: int, device: torch.device = CPU.device) -> RankingBatch:
-    """Return the examples (rankings whose sequences share one prompt) as a `RankingBatch` on `device`, padded with `pad_id`."""
+    """Return the examples (rankings whose sequences share one prompt) as a `RankingBatch` on `device`, padded with
+    `pad_id`."""
     prompts, owner = [], []
     for index, example in enumerate(examples):
         if any(sequence.prompt_ids != example.sequences[0].prompt_ids for sequence in example.sequences):
@@ -121,7 +123,8 @@ def uses_gradient_checkpointing(model) -> bool:
 
 
 def shared_prompt_hidden(trunk, batch: RankingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the trunk's last hidden states (prompt part (sequences, prompt_len, d), response part (sequences, response_len, d)).
+    """Return the trunk's last hidden states: the prompt part (sequences, prompt_len, d) and the response part
+    (sequences, response_len, d).
 
     The prompts run once, with a KV cache; the cache is then indexed by `owner` so every response
     attends to its own prompt's keys and values, and the responses run on top of it. Gradients
@@ -259,7 +262,8 @@ def score_sequences(
     micro_batch_size: int,
     compute: Compute,
 ) -> list[list[float]]:
-    """Return `score(model, ranking batch)` (`ranking_rewards`, `ranking_logprobs`) for every sequence, grouped per example, no gradients."""
+    """Return `score(model, ranking batch)` (`ranking_rewards`, `ranking_logprobs`) for every sequence, grouped per
+    example, no gradients."""
     was_training = model.training
     model.eval()
     scored: list[list[float]] = []
@@ -440,7 +444,8 @@ FIT_STOP_PLAN = "stopping after this step (polo sft, rm and dpo keep no checkpoi
 
 @contextmanager
 def finetune_run(config: Any) -> Iterator[None]:
-    """Yield while holding `output.dir` (`polo.runtime.run_lock`) with stop signals turned into requests (`polo.runtime.interrupt`).
+    """Yield while holding `output.dir` (`polo.runtime.run_lock`), stop signals turned into requests
+    (`polo.runtime.interrupt`).
 
     Entered before anything looks at the directory; a signal that arrives before the first
     step stops the run there.

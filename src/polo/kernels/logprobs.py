@@ -79,7 +79,8 @@ class LogprobSettings:
 
 
 def _tile_buffers(rows: int, cols: int, compute_dtype: torch.dtype, acc_dtype: torch.dtype, device) -> tuple:
-    """Return flat scratch buffers for one (rows, cols) tile: logits in compute_dtype (None when it is acc_dtype) and two in acc_dtype.
+    """Return flat scratch buffers for one (rows, cols) tile: logits in compute_dtype (None when it is acc_dtype), and
+    two in acc_dtype.
 
     Reused for every tile of a call (as views of the front of each buffer), so the loop does not
     allocate: fresh large tensors on the CPU cost a page fault per 4 KiB, which had dominated
@@ -367,7 +368,7 @@ _TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> ((i
 
 
 def head_reads_trunk(model, decoder, head, length: int = 4) -> bool:
-    """Return whether, in one forward of `model` on a few tokens, `head` maps the trunk's last hidden state to the logits.
+    """Return whether `head` maps the trunk's last hidden state to the logits in one forward of `model` on a few tokens.
 
     Hooks record what `decoder` returns, what `head` is given and what it returns: the head's input
     must be the trunk's `last_hidden_state` (so the final norm, and nothing else, sits between the

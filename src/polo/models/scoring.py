@@ -159,8 +159,8 @@ def shared_completion_logprobs(
         return None
     if blockwise:  # the trunk runs real tokens only; attention gathers them into the blocks
         shared = without_padding(shared)
-    # polo's attention (polo.kernels.cpu.attention, picked by polo.kernels) reads `shared_layout` and skips the all-masked blocks;
-    # any other attention implementation ignores it and applies the full mask.
+    # polo's attention (polo.kernels.cpu.attention, picked by polo.kernels) reads `shared_layout` and skips the
+    # all-masked blocks; any other attention implementation ignores it and applies the full mask.
     hidden = model.get_decoder()(
         input_ids=shared.input_ids,
         attention_mask=shared.attention_mask,

@@ -482,7 +482,7 @@ def _solution_outcomes(reports: list[dict], count: int) -> dict[int, TestOutcome
 
 
 def _leaf_values(report: dict, test: ParsedTest) -> list[object] | None:
-    """Return the values a test report gives for the test's leaves (a LeafError per failed leaf), or None if malformed."""
+    """Return the values a test report gives for the test's leaves (a LeafError per failed leaf); None if malformed."""
     leaves = report.get("leaves")
     if not isinstance(leaves, list) or len(leaves) != len(test.leaves):
         return None

@@ -40,7 +40,8 @@ class TrainingForward(nn.Module):
         detach_trunk_for_values: bool = False,
         group_size: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Return (log-probs, entropy, values or None), each (batch, completion_len); `group_size` as in `completion_logprobs`."""
+        """Return (log-probs, entropy, values or None), each (batch, completion_len); `group_size` as in
+        `completion_logprobs`."""
         if self.value_head is not None:
             return logprobs_and_values(
                 self.model,
