@@ -8,7 +8,6 @@ import torch
 from polo.kernels.cpu import shared_prompt
 from polo.kernels.cpu.attention import use_polo_attention
 from polo.kernels.cpu.shared_prompt import share_prompts, sharing_pays, without_padding
-from polo.models import scoring as rollout_module
 from polo.models.loading import load_policy
 from polo.models.scoring import completion_logprobs, shared_completion_logprobs
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from polo.kernels import (
+    LogprobSettings,
     attends_blockwise,
     completion_logprobs_fused,
     contiguous_head_input,
@@ -77,10 +78,8 @@ def completion_logprobs(
             input_ids,
             attention_mask,
             position_ids_from_mask(attention_mask),
-            completion_len,
             completion_ids,
-            temperature=temperature,
-            with_entropy=with_entropy,
+            LogprobSettings(temperature=temperature, with_entropy=with_entropy),
             completion_mask=completion_mask,
         )
     # The head gets a contiguous input: for a frozen lm_head (a reference, a LoRA base) matmul would
@@ -111,7 +110,7 @@ def completion_logprobs(
 
 def _params_per_layer(model) -> tuple[int, float]:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    hidden = int(config.hidden_size)
     intermediate = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
     return hidden, 4.0 * hidden * hidden + 3.0 * hidden * intermediate  # attention + gated MLP, roughly
 
@@ -160,8 +159,8 @@ def shared_completion_logprobs(
         return None
     if blockwise:  # the trunk runs real tokens only; attention gathers them into the blocks
         shared = without_padding(shared)
-    # polo's attention (polo.kernels.cpu.attention, picked by polo.kernels) reads `shared_layout` and skips the all-masked blocks;
-    # any other attention implementation ignores it and applies the full mask.
+    # polo's attention (polo.kernels.cpu.attention, picked by polo.kernels) reads `shared_layout` and skips the
+    # all-masked blocks; any other attention implementation ignores it and applies the full mask.
     hidden = model.get_decoder()(
         input_ids=shared.input_ids,
         attention_mask=shared.attention_mask,
@@ -174,7 +173,6 @@ def shared_completion_logprobs(
         predictors,
         model.get_output_embeddings().weight,
         completion_ids,
-        temperature=temperature,
-        with_entropy=with_entropy,
+        LogprobSettings(temperature=temperature, with_entropy=with_entropy),
         mask=completion_mask,
     )
