@@ -18,6 +18,7 @@ import pytest
 
 from polo.rewards import code, harness
 from polo.rewards.code import CodeReward, _read_reports, _test_outcomes, harness_program, parse_test
+from polo.sandbox import runner
 from polo.sandbox.runner import SandboxError
 
 MARKER = "@@polo-0123456789abcdef@@"
@@ -124,7 +125,8 @@ def test_the_program_reports_on_stdout_and_leaves_the_solution_stderr(tmp_path):
 
 
 def test_a_missing_harness_stops_scoring_with_one_line(monkeypatch, tmp_path):
-    monkeypatch.setattr(code, "resources", types.SimpleNamespace(files=lambda package: tmp_path))  # no harness.py
+    # polo.sandbox.runner reads the files that run in the sandbox, the harness among them
+    monkeypatch.setattr(runner, "resources", types.SimpleNamespace(files=lambda package: tmp_path))  # no harness.py
     code.harness_source.cache_clear()
     try:
         with pytest.raises(SandboxError, match=r"^the code reward cannot run: its harness polo/rewards/harness.py"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from polo.control.base import OnPolicyAlgorithm, all_valid, column, explained_variance, register_algorithm
 from polo.control.rollout import Batch
-from polo.core.advantages import gae_advantages
 from polo.core.losses import masked_mean, value_loss
 
 
@@ -26,10 +25,7 @@ class A2C(OnPolicyAlgorithm):
 
     def update(self, batch: Batch, progress: float) -> dict[str, float]:
         learning_rate = self.set_learning_rates([self.optimizer], progress)
-        advantages, returns = gae_advantages(
-            batch.rewards, batch.pad(batch.values), batch.mask, self.algorithm.gamma, 1.0, batch.last_values
-        )
-        advantages, returns = batch.flatten(advantages), batch.flatten(returns)
+        advantages, returns = self.gae_targets(batch, 1.0)  # λ = 1: the n-step advantage
         policy_loss, outputs = self.policy_gradient_loss(batch, advantages)
         values = self.policy.value(batch.observations)
         mask = all_valid(values)

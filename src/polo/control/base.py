@@ -16,6 +16,8 @@ Flat per-transition tensors `(M,)` go through the `(batch, seq)` losses of `polo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -23,12 +25,21 @@ from polo.control.config import ControlConfig, register_algorithm
 from polo.control.policies import ActorCritic
 from polo.control.rollout import Batch
 from polo.core.advantages import explained_variance as masked_explained_variance
-from polo.core.advantages import whiten
-from polo.core.losses import masked_mean, value_loss, vanilla_pg_loss
+from polo.core.advantages import gae_advantages, whiten
+from polo.core.kl import kl_k3
+from polo.core.losses import masked_mean, ppo_clip_loss, value_loss, vanilla_pg_loss
 from polo.core.schedules import lr_multiplier
 from polo.runtime.optimizer import build_optimizer
 
-__all__ = ["OnPolicyAlgorithm", "all_valid", "column", "explained_variance", "normalize", "register_algorithm"]
+__all__ = [
+    "ClippedSurrogate",
+    "OnPolicyAlgorithm",
+    "all_valid",
+    "column",
+    "explained_variance",
+    "normalize",
+    "register_algorithm",
+]
 
 
 def column(values: torch.Tensor) -> torch.Tensor:
@@ -49,6 +60,16 @@ def normalize(advantages: torch.Tensor) -> torch.Tensor:
 def explained_variance(predicted: torch.Tensor, target: torch.Tensor) -> float:
     """Return 1 − Var(target − predicted) / Var(target) of flat transitions `(M,)` (`polo.core.explained_variance`)."""
     return masked_explained_variance(column(predicted), column(target), all_valid(target))
+
+
+@dataclass
+class ClippedSurrogate:
+    """A minibatch's PPO-clip policy loss, the actor's outputs it was computed from, and its two health checks."""
+
+    loss: torch.Tensor  # scalar: the mean clipped-surrogate loss, with its graph
+    outputs: torch.Tensor  # the actor's outputs on the minibatch (its entropy is the caller's)
+    approx_kl: torch.Tensor  # scalar, detached: the k3 estimate of KL(π_old ‖ π)
+    clip_fraction: torch.Tensor  # scalar, detached: the share of transitions whose ratio was clipped
 
 
 class OnPolicyAlgorithm:
@@ -147,6 +168,37 @@ class OnPolicyAlgorithm:
         logprobs = self.policy.log_prob(outputs, batch.actions)
         mask = all_valid(logprobs)
         return masked_mean(vanilla_pg_loss(column(logprobs), column(advantages), mask), mask), outputs
+
+    def gae_targets(self, batch: Batch, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return flat (advantages, value targets) `(M,)` by GAE(γ, `gae_lambda`) over the batch's episode segments."""
+        advantages, returns = gae_advantages(
+            batch.rewards, batch.pad(batch.values), batch.mask, self.algorithm.gamma, gae_lambda, batch.last_values
+        )
+        return batch.flatten(advantages), batch.flatten(returns)
+
+    def clipped_surrogate(
+        self,
+        observations: torch.Tensor,
+        actions: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        clip_range: float,
+    ) -> ClippedSurrogate:
+        """Return the PPO-clip loss (ε = `clip_range` on both sides) of M transitions, with its health checks.
+
+        Shapes: observations (M, observation_size), actions (M,) or (M, action_dim), old_logprobs and
+        advantages (M,).
+        """
+        outputs = self.policy.actor(observations)
+        logprobs = self.policy.log_prob(outputs, actions)
+        mask = all_valid(logprobs)
+        per_step, stats = ppo_clip_loss(
+            column(logprobs), column(old_logprobs), column(advantages), mask, clip_range, clip_range
+        )
+        with torch.no_grad():
+            clip_fraction = (stats["clip_low_count"] + stats["clip_high_count"]) / stats["token_count"]
+            approx_kl = kl_k3(old_logprobs, logprobs).mean()
+        return ClippedSurrogate(masked_mean(per_step, mask), outputs, approx_kl, clip_fraction)
 
     def update(self, batch: Batch, progress: float) -> dict[str, float]:
         raise NotImplementedError

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from polo.control.base import OnPolicyAlgorithm, all_valid, column, register_algorithm
+from polo.control.base import OnPolicyAlgorithm, register_algorithm
 from polo.control.rollout import Batch
 from polo.core.advantages import expand_to_tokens, group_advantages
-from polo.core.kl import kl_k3
-from polo.core.losses import masked_mean, ppo_clip_loss
 
 
 def episode_group_advantages(
@@ -52,21 +50,20 @@ class GRPO(OnPolicyAlgorithm):
         steps = 0
         for _ in range(self.train.epochs):
             for index in self.minibatches(batch.num_transitions):
-                outputs = self.policy.actor(batch.observations[index])
-                logprobs = self.policy.log_prob(outputs, batch.actions[index])
-                old_logprobs = batch.old_logprobs[index]
-                mask = all_valid(logprobs)
-                per_step, stats = ppo_clip_loss(
-                    column(logprobs), column(old_logprobs), column(advantages[index]), mask, clip_range, clip_range
+                surrogate = self.clipped_surrogate(
+                    batch.observations[index],
+                    batch.actions[index],
+                    batch.old_logprobs[index],
+                    advantages[index],
+                    clip_range,
                 )
-                policy_loss = masked_mean(per_step, mask)
-                entropy = self.policy.entropy(outputs).mean()
+                entropy = self.policy.entropy(surrogate.outputs).mean()
                 self.gradient_step(
-                    self.optimizer, policy_loss - self.algorithm.entropy_coef * entropy, self.policy.flat_actor
+                    self.optimizer, surrogate.loss - self.algorithm.entropy_coef * entropy, self.policy.flat_actor
                 )
                 with torch.no_grad():
-                    clipped = (stats["clip_low_count"] + stats["clip_high_count"]) / stats["token_count"]
-                    sums += torch.stack([policy_loss, entropy, kl_k3(old_logprobs, logprobs).mean(), clipped]).detach()
+                    stats = [surrogate.loss, entropy, surrogate.approx_kl, surrogate.clip_fraction]
+                    sums += torch.stack(stats).detach()
                 steps += 1
         policy_loss, entropy, approx_kl, clip_fraction = (sums / max(steps, 1)).tolist()
         grouped = episode_returns.reshape(-1, self.algorithm.group_size)

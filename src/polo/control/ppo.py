@@ -15,9 +15,7 @@ import torch
 
 from polo.control.base import OnPolicyAlgorithm, all_valid, column, explained_variance, normalize, register_algorithm
 from polo.control.rollout import Batch
-from polo.core.advantages import gae_advantages
-from polo.core.kl import kl_k3
-from polo.core.losses import masked_mean, ppo_clip_loss, value_loss
+from polo.core.losses import masked_mean, value_loss
 
 
 @register_algorithm("ppo")
@@ -33,22 +31,10 @@ class PPO(OnPolicyAlgorithm):
         separate = self.train.clip_grad_norm_per_network
         self.clip_groups = [policy.flat_actor, policy.flat_critic] if separate else None
 
-    def advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return flat (advantages, value targets) `(M,)` by GAE over the batch's episode segments."""
-        advantages, returns = gae_advantages(
-            batch.rewards,
-            batch.pad(batch.values),
-            batch.mask,
-            self.algorithm.gamma,
-            self.algorithm.gae_lambda,
-            batch.last_values,
-        )
-        return batch.flatten(advantages), batch.flatten(returns)
-
     def update(self, batch: Batch, progress: float) -> dict[str, float]:
         learning_rate = self.set_learning_rates([self.optimizer], progress)
         clip_range = self.scheduled(self.algorithm.clip_range, self.algorithm.clip_schedule, progress)
-        advantages, returns = self.advantages(batch)
+        advantages, returns = self.gae_targets(batch, self.algorithm.gae_lambda)
         whole_batch = not self.train.minibatch_size or self.train.minibatch_size >= batch.num_transitions
         normalize_each = self.algorithm.normalize_advantages and not whole_batch
         if self.algorithm.normalize_advantages and whole_batch:
@@ -91,22 +77,18 @@ class PPO(OnPolicyAlgorithm):
         )
         if normalize_each:
             minibatch_advantages = normalize(minibatch_advantages)
-        outputs = self.policy.actor(observations)
-        logprobs = self.policy.log_prob(outputs, pick(batch.actions))
-        mask = all_valid(logprobs)
-        per_step, clip_stats = ppo_clip_loss(
-            column(logprobs), column(old_logprobs), column(minibatch_advantages), mask, clip_range, clip_range
+        surrogate = self.clipped_surrogate(
+            observations, pick(batch.actions), old_logprobs, minibatch_advantages, clip_range
         )
-        policy_loss = masked_mean(per_step, mask)
         values = self.policy.value(observations)
+        mask = all_valid(values)
         per_step_value = value_loss(
             column(values), column(pick(batch.values)), column(pick(returns)), mask, self.algorithm.clip_range_value
         )
         critic_loss = masked_mean(per_step_value, mask)
-        loss = policy_loss + self.algorithm.value_coef * critic_loss
+        loss = surrogate.loss + self.algorithm.value_coef * critic_loss
         if use_entropy:
-            loss = loss - self.algorithm.entropy_coef * self.policy.entropy(outputs).mean()
+            loss = loss - self.algorithm.entropy_coef * self.policy.entropy(surrogate.outputs).mean()
         self.gradient_step(self.optimizer, loss, self.policy.flat_all, self.clip_groups)
         with torch.no_grad():
-            clipped = (clip_stats["clip_low_count"] + clip_stats["clip_high_count"]) / clip_stats["token_count"]
-            return torch.stack([policy_loss, critic_loss, kl_k3(old_logprobs, logprobs).mean(), clipped]).detach()
+            return torch.stack([surrogate.loss, critic_loss, surrogate.approx_kl, surrogate.clip_fraction]).detach()

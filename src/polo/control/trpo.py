@@ -17,7 +17,6 @@ import torch
 from polo.control.base import OnPolicyAlgorithm, explained_variance, normalize, register_algorithm
 from polo.control.policies import ActorCritic
 from polo.control.rollout import Batch
-from polo.core.advantages import gae_advantages
 from polo.core.trpo import (
     backtracking_line_search,
     conjugate_gradient,
@@ -118,15 +117,7 @@ class TRPO(OnPolicyAlgorithm):
 
     def update(self, batch: Batch, progress: float) -> dict[str, float]:
         learning_rate = self.set_learning_rates([self.critic_optimizer], progress)
-        advantages, returns = gae_advantages(
-            batch.rewards,
-            batch.pad(batch.values),
-            batch.mask,
-            self.algorithm.gamma,
-            self.algorithm.gae_lambda,
-            batch.last_values,
-        )
-        advantages, returns = batch.flatten(advantages), batch.flatten(returns)
+        advantages, returns = self.gae_targets(batch, self.algorithm.gae_lambda)
         if self.algorithm.normalize_advantages:
             advantages = normalize(advantages)
         alg = self.algorithm

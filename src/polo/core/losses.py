@@ -95,10 +95,9 @@ def ppo_clip_loss(
     return _clipped_surrogate(ratio, _token_advantages(advantages, mask), is_valid, eps_low, eps_high)
 
 
-@register_policy_loss("ppo_clip")
-def ppo_clip_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Return `ppo_clip_loss` of a micro-batch with the recipe's clip range (`clip_eps_low`, `clip_eps_high`)."""
-    return ppo_clip_loss(
+def _with_clip_range(loss, inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return `loss` (`ppo_clip_loss` or `gspo_loss`) of a micro-batch with the recipe's clip range, low and high."""
+    return loss(
         inputs.logprobs,
         inputs.old_logprobs,
         inputs.advantages,
@@ -106,6 +105,12 @@ def ppo_clip_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tens
         settings.clip_eps_low,
         settings.clip_eps_high,
     )
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return `ppo_clip_loss` of a micro-batch with the recipe's clip range (`clip_eps_low`, `clip_eps_high`)."""
+    return _with_clip_range(ppo_clip_loss, inputs, settings)
 
 
 def gspo_loss(
@@ -140,14 +145,7 @@ def gspo_loss(
 @register_policy_loss("gspo")
 def gspo_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return `gspo_loss` of a micro-batch with the recipe's clip range (`clip_eps_low`, `clip_eps_high`)."""
-    return gspo_loss(
-        inputs.logprobs,
-        inputs.old_logprobs,
-        inputs.advantages,
-        inputs.mask,
-        settings.clip_eps_low,
-        settings.clip_eps_high,
-    )
+    return _with_clip_range(gspo_loss, inputs, settings)
 
 
 def vanilla_pg_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

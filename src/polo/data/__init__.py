@@ -71,33 +71,15 @@ __all__ = [
 ]
 
 
+# The TaskConfig fields of a task over the user's rows (jsonl, hf) besides where the rows are.
+USER_ROW_OPTIONS = ("prompt_field", "answer_field", "num_train", "num_eval", "answer_in_tags", "checker")
+
 # Which TaskConfig fields each built-in task takes.
 TASK_OPTIONS = {
     "arithmetic": ("seed", "operators", "min_digits", "max_digits", "num_train", "num_eval", "answer_in_tags"),
     "gsm8k": ("train_path", "eval_path", "num_train", "num_eval", "answer_in_tags"),
-    "jsonl": (
-        "train_path",
-        "eval_path",
-        "prompt_field",
-        "answer_field",
-        "num_train",
-        "num_eval",
-        "answer_in_tags",
-        "checker",
-    ),
-    "hf": (
-        "path",
-        "subset",
-        "split",
-        "eval_split",
-        "eval_path",
-        "prompt_field",
-        "answer_field",
-        "num_train",
-        "num_eval",
-        "answer_in_tags",
-        "checker",
-    ),
+    "jsonl": ("train_path", "eval_path", *USER_ROW_OPTIONS),
+    "hf": ("path", "subset", "split", "eval_split", "eval_path", *USER_ROW_OPTIONS),
     "code": ("num_train", "num_eval", "seed"),
 }
 

@@ -163,3 +163,25 @@ def first_rows(
             f"set it to at most {len(rows)}, or null for every row"
         )
     return rows[:limit]
+
+
+def task_from_files(
+    name: str,
+    read: Callable[[str | Path], list[dict]],
+    train_path: str | Path,
+    eval_path: str | Path,
+    *,
+    num_train: int | None,
+    num_eval: int | None,
+    correctness: Callable[[str, dict], float],
+    answer_in_tags: bool,
+) -> Task:
+    """Return the Task ``name`` over a train and an eval file, each read by ``read`` (path -> task rows), cut to its
+    first ``num_train`` / ``num_eval`` rows (see `first_rows`), prompted to match ``answer_in_tags``."""
+    return Task(
+        name=name,
+        train_rows=first_rows(read(train_path), num_train, f"{name} train {train_path}", "task.num_train"),
+        eval_rows=first_rows(read(eval_path), num_eval, f"{name} eval {eval_path}", "task.num_eval"),
+        correctness=correctness,
+        instruction=default_instruction(answer_in_tags),
+    )

@@ -5,14 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from polo.data.base import (
-    Task,
-    TaskDataError,
-    default_instruction,
-    first_rows,
-    read_jsonl,
-    text_field,
-)
+from polo.data.base import Task, TaskDataError, read_jsonl, task_from_files, text_field
 from polo.rewards.answers import math_verify_answer
 
 FINAL_ANSWER_MARK = "####"
@@ -54,10 +47,13 @@ def gsm8k_task(
     Correctness compares the final answer with math_verify, so "72", "72.00" and "$\\boxed{72}$"
     all count.
     """
-    return Task(
-        name="gsm8k",
-        train_rows=first_rows(read_gsm8k(train_path), num_train, f"gsm8k train {train_path}", "task.num_train"),
-        eval_rows=first_rows(read_gsm8k(eval_path), num_eval, f"gsm8k eval {eval_path}", "task.num_eval"),
+    return task_from_files(
+        "gsm8k",
+        read_gsm8k,
+        train_path,
+        eval_path,
+        num_train=num_train,
+        num_eval=num_eval,
         correctness=functools.partial(math_verify_answer, answer_in_tags=answer_in_tags),
-        instruction=default_instruction(answer_in_tags),
+        answer_in_tags=answer_in_tags,
     )

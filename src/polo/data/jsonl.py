@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from polo.data.base import (
-    Task,
-    TaskDataError,
-    default_instruction,
-    first_rows,
-    read_jsonl,
-    text_field,
-)
+from polo.data.base import Task, TaskDataError, read_jsonl, task_from_files, text_field
 
 # Imported under another name: jsonl_task's ``checker`` parameter would shadow it.
 from polo.rewards.answers import CHECKERS, parse_number
@@ -87,22 +81,15 @@ def jsonl_task(
     accepts); "math_verify" by default.
     """
     correctness = bind_checker(checker, answer_in_tags)  # validates the name before any I/O
-    return Task(
-        name="jsonl",
-        train_rows=first_rows(
-            read_task_jsonl(train_path, prompt_field, answer_field, checker),
-            num_train,
-            f"jsonl train {train_path}",
-            "task.num_train",
-        ),
-        eval_rows=first_rows(
-            read_task_jsonl(eval_path, prompt_field, answer_field, checker),
-            num_eval,
-            f"jsonl eval {eval_path}",
-            "task.num_eval",
-        ),
+    return task_from_files(
+        "jsonl",
+        functools.partial(read_task_jsonl, prompt_field=prompt_field, answer_field=answer_field, checker_name=checker),
+        train_path,
+        eval_path,
+        num_train=num_train,
+        num_eval=num_eval,
         correctness=correctness,
-        instruction=default_instruction(answer_in_tags),
+        answer_in_tags=answer_in_tags,
     )
 
 

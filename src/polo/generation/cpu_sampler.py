@@ -10,8 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from polo.generation.prompts import tokenize_prompts
-from polo.generation.rollouts import Decoding, Rollouts
+from polo.generation.rollouts import Decoding, Rollouts, one_turn_rollouts
 from polo.generation.sampling import sample_next_token
 from polo.generation.stopping import Stopping
 from polo.kernels import contiguous_head_input, prepacked_linears, sampling_cache
@@ -171,20 +170,4 @@ def rollout(
 
     `rows` (the task rows behind the prompts) are not read: a one-turn prompt is the whole context.
     """
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
-    prompt_ids, prompt_mask = prompt_ids.to(compute.device), prompt_mask.to(compute.device)
-    completion_ids, completion_mask, truncated = generate(
-        model,
-        prompt_ids,
-        prompt_mask,
-        decoding,
-        Stopping.of(tokenizer, model),
-        compute=compute,
-        samples_per_prompt=group_size,
-    )
-    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
-    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-    texts = tokenizer.batch_decode(
-        completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
-    )
-    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, group_size)
+    return one_turn_rollouts(generate, model, tokenizer, prompts, group_size, decoding, compute)

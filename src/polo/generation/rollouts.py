@@ -13,12 +13,14 @@ marks the tokens the model wrote, the only ones the policy loss, the KL and the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from polo.generation.prompts import tokenize_prompts
+from polo.generation.stopping import Stopping
 from polo.runtime.device import CPU, Compute
 
 
@@ -131,3 +133,38 @@ class Sampler(Protocol):
         compute: Compute = CPU,
         rows: Sequence[dict] | None = None,
     ) -> Rollouts: ...
+
+
+def one_turn_rollouts(
+    generate: Callable,
+    model,
+    tokenizer,
+    prompts: list[str],
+    group_size: int,
+    decoding: Decoding,
+    compute: Compute,
+    **options,
+) -> Rollouts:
+    """Return `group_size` completions for each prompt drawn by a one-turn sampler's `generate`, groups contiguous.
+
+    What both one-turn samplers' `rollout` do around their own `generate`: tokenize the prompts
+    onto `compute.device`, sample, repeat each prompt for its group, decode the completions.
+    `options` go to `generate` as they are (the static sampler's `capture`).
+    """
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
+    prompt_ids, prompt_mask = prompt_ids.to(compute.device), prompt_mask.to(compute.device)
+    completion_ids, completion_mask, truncated = generate(
+        model,
+        prompt_ids,
+        prompt_mask,
+        decoding,
+        Stopping.of(tokenizer, model),
+        compute=compute,
+        samples_per_prompt=group_size,
+        **options,
+    )
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    padded = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(padded, skip_special_tokens=True)
+    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, group_size)

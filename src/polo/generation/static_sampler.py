@@ -29,8 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from polo.generation.prompts import tokenize_prompts
-from polo.generation.rollouts import Decoding, Rollouts
+from polo.generation.rollouts import Decoding, Rollouts, one_turn_rollouts
 from polo.generation.sampling import sample_on_device
 from polo.generation.stopping import Stopping, StopStrings
 from polo.models.family import cache_keyword
@@ -280,20 +279,4 @@ def rollout(
 
     `rows` (the task rows behind the prompts) are not read: a one-turn prompt is the whole context.
     """
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
-    prompt_ids, prompt_mask = prompt_ids.to(compute.device), prompt_mask.to(compute.device)
-    completion_ids, completion_mask, truncated = generate(
-        model,
-        prompt_ids,
-        prompt_mask,
-        decoding,
-        Stopping.of(tokenizer, model),
-        compute=compute,
-        samples_per_prompt=group_size,
-        capture=capture,
-    )
-    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
-    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-    padded = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(padded, skip_special_tokens=True)
-    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, group_size)
+    return one_turn_rollouts(generate, model, tokenizer, prompts, group_size, decoding, compute, capture=capture)

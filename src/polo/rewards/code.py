@@ -36,9 +36,8 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 
-from polo.sandbox.runner import SandboxError, SandboxLimits, SandboxResult, run_python
+from polo.sandbox.runner import SandboxError, SandboxLimits, SandboxResult, run_python, shipped_text
 
 logger = logging.getLogger(__name__)
 
@@ -433,14 +432,8 @@ def judge(test: ParsedTest, leaf_values: list[object]) -> tuple[bool, str]:
 @functools.cache
 def harness_source() -> str:
     """Return the text of `polo.rewards.harness`, the program every completion runs inside, as the package ships it."""
-    try:
-        return resources.files("polo.rewards").joinpath("harness.py").read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        # No completion can be scored without it: stop the run as a sandbox that cannot run does.
-        raise SandboxError(
-            f"the code reward cannot run: its harness polo/rewards/harness.py cannot be read from the installed "
-            f"polo package ({exc}); reinstall polo"
-        ) from exc
+    # No completion can be scored without it: stop the run as a sandbox that cannot run does.
+    return shipped_text("polo.rewards", "harness.py", "the code reward", "harness")
 
 
 def harness_program(code: str, tests: Sequence[ParsedTest], marker: str) -> str:

@@ -107,16 +107,34 @@ class TensorBoardSink:
         self.writer.close()
 
 
-class WandbSink:
-    """Weights & Biases, offline under `<output.dir>/wandb/` unless WANDB_MODE says otherwise; tables as
-    `wandb.Table`."""
+class RunSink:
+    """A tracker with wandb's API, which trackio keeps: a run that logs dicts by step, tables as `library.Table`.
+
+    A subclass's `__init__` sets `library` (the tracker's module) and `run` (what its `init` started).
+    """
 
     tables = True
+    library: Any
+    run: Any
+
+    def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(dict(scalars), step=step)
+
+    def log_table(self, step: int, name: str, columns: list[str], rows: list[list]) -> None:
+        self.run.log({name: self.library.Table(columns=columns, data=rows)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class WandbSink(RunSink):
+    """Weights & Biases, offline under `<output.dir>/wandb/` unless WANDB_MODE says otherwise; tables as
+    `wandb.Table`."""
 
     def __init__(self, output_dir: Path, start_step: int, trackers: Trackers):
         import wandb
 
-        self.wandb = wandb
+        self.library = wandb
         self.run = wandb.init(
             project=trackers.project_name("WANDB_PROJECT"),
             name=trackers.name(output_dir),
@@ -126,15 +144,6 @@ class WandbSink:
             reinit="create_new",  # a run of its own, whatever other wandb run the process holds
         )
         self.where = f"wandb run {self.run.name} in {self.run.dir.removesuffix('/files')}"
-
-    def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(dict(scalars), step=step)
-
-    def log_table(self, step: int, name: str, columns: list[str], rows: list[list]) -> None:
-        self.run.log({name: self.wandb.Table(columns=columns, data=rows)}, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 class MlflowSink:
@@ -196,28 +205,20 @@ class MlflowSink:
         self.client.set_terminated(self.run_id)
 
 
-class TrackioSink:
+class TrackioSink(RunSink):
     """Trackio, in its local database (TRACKIO_DIR); tables as `trackio.Table`."""
-
-    tables = True
 
     def __init__(self, output_dir: Path, start_step: int, trackers: Trackers):
         import trackio
 
-        self.trackio = trackio
+        self.library = trackio
         project = trackers.project_name()
         self.run = trackio.init(project=project, name=trackers.name(output_dir), config=trackers.config)
         self.where = f"trackio run {self.run.name} in project {project} (trackio show --project {project})"
 
-    def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(dict(scalars), step=step)
-
-    def log_table(self, step: int, name: str, columns: list[str], rows: list[list]) -> None:
-        self.run.log({name: self.trackio.Table(columns=columns, data=rows)}, step=step)
-
     def close(self) -> None:
-        self.run.finish()
-        current = getattr(getattr(self.trackio, "context_vars", None), "current_run", None)
+        super().close()
+        current = getattr(getattr(self.library, "context_vars", None), "current_run", None)
         if current is not None and current.get() is self.run:
             current.set(None)  # what trackio.finish() does for the run it holds
 

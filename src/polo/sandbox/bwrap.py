@@ -183,32 +183,45 @@ def is_user_namespace_failure(bwrap_line: str) -> bool:
     return bool(_USER_NAMESPACE_FAILURE.search(bwrap_line))
 
 
+# The settings that refuse user namespaces, in the order they are looked at: (file, the value that refuses,
+# why and what to do).
+_USER_NAMESPACE_SWITCHES = (
+    (
+        "/proc/sys/kernel/unprivileged_userns_clone",
+        "0",
+        "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone = 0): "
+        "enable them with `sudo sysctl -w kernel.unprivileged_userns_clone=1`",
+    ),
+    (
+        "/proc/sys/user/max_user_namespaces",
+        "0",
+        "user namespaces are disabled (user.max_user_namespaces = 0): "
+        "enable them with `sudo sysctl -w user.max_user_namespaces=15000`",
+    ),
+    (
+        "/sys/module/user_namespace/parameters/enable",
+        "N",
+        "user namespaces are disabled on the kernel command line (user_namespace.enable=N): "
+        "boot with user_namespace.enable=1 and set user.max_user_namespaces",
+    ),
+    (
+        "/proc/sys/kernel/apparmor_restrict_unprivileged_userns",
+        "1",
+        "AppArmor restricts unprivileged user namespaces (kernel.apparmor_restrict_unprivileged_userns = 1): "
+        "give bwrap an AppArmor profile that allows them or "
+        "`sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`",
+    ),
+)
+
+
 def user_namespace_advice(read=_sysctl) -> str:
     """Return why this machine refuses the user namespaces, and what to do, as one phrase.
 
     ``read(path)`` returns a sysctl's value or None (a parameter for the tests).
     """
-    if read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
-        return (
-            "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone = 0): "
-            "enable them with `sudo sysctl -w kernel.unprivileged_userns_clone=1`"
-        )
-    if read("/proc/sys/user/max_user_namespaces") == "0":
-        return (
-            "user namespaces are disabled (user.max_user_namespaces = 0): "
-            "enable them with `sudo sysctl -w user.max_user_namespaces=15000`"
-        )
-    if read("/sys/module/user_namespace/parameters/enable") == "N":
-        return (
-            "user namespaces are disabled on the kernel command line (user_namespace.enable=N): "
-            "boot with user_namespace.enable=1 and set user.max_user_namespaces"
-        )
-    if read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1":
-        return (
-            "AppArmor restricts unprivileged user namespaces (kernel.apparmor_restrict_unprivileged_userns = 1): "
-            "give bwrap an AppArmor profile that allows them or "
-            "`sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`"
-        )
+    for path, refusing, advice in _USER_NAMESPACE_SWITCHES:
+        if read(path) == refusing:
+            return advice
     return (
         "the kernel or a policy around this process (a container's seccomp profile, an LSM) refuses "
         "this user a user namespace: allow unprivileged user namespaces there"

@@ -157,12 +157,22 @@ def runner_source() -> str:
     It runs as ``python -I -S -c <text>`` inside the sandbox, where polo itself is out of sight, so
     the text goes in on the command line instead of being imported there.
     """
+    return shipped_text("polo.sandbox", "child.py", "the code sandbox", "runner")
+
+
+def shipped_text(package: str, name: str, user: str, role: str) -> str:
+    """Return the text of the file ``name`` of the installed ``package``, a program that runs in the sandbox.
+
+    No program can run without it: a file that cannot be read is a SandboxError saying that ``user``
+    cannot run, naming the file as its ``role``.
+    """
     try:
-        return resources.files("polo.sandbox").joinpath("child.py").read_text(encoding="utf-8")
+        return resources.files(package).joinpath(name).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
+        where = f"{package.replace('.', '/')}/{name}"
         raise SandboxError(
-            f"the code sandbox cannot run: its runner polo/sandbox/child.py cannot be read from the installed "
-            f"polo package ({exc}); reinstall polo"
+            f"{user} cannot run: its {role} {where} cannot be read from the installed polo package ({exc}); "
+            "reinstall polo"
         ) from exc
 
 
@@ -511,4 +521,5 @@ __all__ = [
     "detect_isolation",
     "run_python",
     "runner_source",
+    "shipped_text",
 ]

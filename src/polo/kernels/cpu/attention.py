@@ -79,11 +79,11 @@ _PLAIN_KWARGS = {
 }
 
 
-def gqa_without_copies(module, query: torch.Tensor, key: torch.Tensor, mask, args: tuple, kwargs: dict) -> bool:
-    """Return whether this attention call can go to SDPA with `enable_gqa` (as if the key/value heads were repeated).
+def plain_grouped_call(module, query: torch.Tensor, key: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Return whether this attention call is plain grouped-query attention on the CPU.
 
-    Only for a plain call: CPU, a boolean mask (so transformers would not use is_causal), more query
-    than key/value heads, and no extra terms (softcapping, position bias, attention sinks, ...).
+    More query than key/value heads, (batch, heads, len, d) tensors, and no extra terms
+    (softcapping, position bias, attention sinks, ...) in the call.
     """
     groups = getattr(module, "num_key_value_groups", 1)
     return (
@@ -92,30 +92,34 @@ def gqa_without_copies(module, query: torch.Tensor, key: torch.Tensor, mask, arg
         and query.dim() == 4
         and key.dim() == 4
         and query.shape[-3] == key.shape[-3] * groups
+        and not args
+        and all(name in _PLAIN_KWARGS or value is None for name, value in kwargs.items())
+    )
+
+
+def gqa_without_copies(module, query: torch.Tensor, key: torch.Tensor, mask, args: tuple, kwargs: dict) -> bool:
+    """Return whether this attention call can go to SDPA with `enable_gqa` (as if the key/value heads were repeated).
+
+    Only for a plain call (`plain_grouped_call`) of more than one query token with a boolean mask
+    (so transformers would not use is_causal).
+    """
+    return (
+        plain_grouped_call(module, query, key, args, kwargs)
         and query.shape[-2] > 1  # one query token: transformers already folds the heads without copies
         and isinstance(mask, torch.Tensor)
         and mask.dtype == torch.bool
-        and not args
-        and all(name in _PLAIN_KWARGS or value is None for name, value in kwargs.items())
     )
 
 
 def one_query_over_groups(module, query: torch.Tensor, key: torch.Tensor, mask, args: tuple, kwargs: dict) -> bool:
     """Return whether this is a decode step (one query token) of grouped-query attention for `decode_attention`.
 
-    Only for a plain call on the CPU with a mask shared by every head (or none), and no extra terms.
+    Only for a plain call (`plain_grouped_call`) with a mask shared by every head (or none).
     """
-    groups = getattr(module, "num_key_value_groups", 1)
     return (
-        query.device.type == "cpu"
-        and groups > 1
-        and query.dim() == 4
-        and key.dim() == 4
+        plain_grouped_call(module, query, key, args, kwargs)
         and query.shape[-2] == 1
-        and query.shape[-3] == key.shape[-3] * groups
         and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1))
-        and not args
-        and all(name in _PLAIN_KWARGS or value is None for name, value in kwargs.items())
     )
 
 
