@@ -9,7 +9,8 @@ import pytest
 from polo.data import TASKS, TaskDataError, build_task
 from polo.data.code import CODE_PROBLEMS_PATH, read_code_problems
 from polo.rewards import BUILTIN_REWARDS, RewardSet
-from polo.rewards.code import CodeReward, extract_code, parse_test, run_tests
+from polo.rewards.code import CodeReward, extract_code, run_tests
+from polo.rewards.judge import parse_test
 from polo.sandbox.runner import SandboxLimits
 
 FAST = SandboxLimits(timeout_s=2.0)

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from polo.rewards import code, harness
-from polo.rewards.code import CodeReward, _read_reports, _test_outcomes, harness_program, parse_test
+from polo.rewards.code import CodeReward, _read_reports, _test_outcomes, harness_program
+from polo.rewards.judge import MAX_VALUE_CHARS, parse_test
 from polo.sandbox import runner
 from polo.sandbox.runner import SandboxError
 
@@ -25,7 +26,7 @@ MARKER = "@@polo-0123456789abcdef@@"
 ADD = "def add(a, b):\n    return a + b\n"
 
 
-def reports_of(solution: str, tests: list[str], max_repr: int = code.MAX_VALUE_CHARS) -> list[dict]:
+def reports_of(solution: str, tests: list[str], max_repr: int = MAX_VALUE_CHARS) -> list[dict]:
     """Return the harness's reports for `solution` against `tests`, run in this process."""
     sent: list[dict] = []
     specs = [(list(test.setup), list(test.leaves)) for test in map(parse_test, tests)]

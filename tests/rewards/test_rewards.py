@@ -27,7 +27,8 @@ from polo.rewards import (
     resolve_reward,
     tag_count,
 )
-from polo.rewards.code import CodeReward, _read_reports, _test_outcomes, parse_test, read_value
+from polo.rewards.code import CodeReward, _read_reports, _test_outcomes
+from polo.rewards.judge import parse_test, read_value
 from polo.sandbox.runner import SandboxLimits
 
 ROW_85 = {"question": "What is 47 + 38?", "answer": "85"}

@@ -13,7 +13,8 @@ import random
 from pathlib import Path
 
 from polo.data.base import Task, TaskDataError, first_rows, read_jsonl, text_field
-from polo.rewards.code import TestFormatError, all_tests_pass, parse_test
+from polo.rewards.code import all_tests_pass
+from polo.rewards.judge import TestFormatError, parse_test
 
 CODE_PROBLEMS_PATH = Path(__file__).parent / "problems" / "code_problems.jsonl"
 DEFAULT_NUM_EVAL = 10

@@ -5,7 +5,7 @@ appends one call, ``main(marker, solution, tests, max_repr)`` with the values wr
 the sandbox runs the whole as its program. Results go to a private copy of stdout, one JSON line
 each behind the per-run marker; the solution's own prints go to stderr. Nothing it reports can
 pass a test by itself: a test's verdict is computed in the parent from the leaf values
-(polo.rewards.code), so a forged line can at most claim values, which are only right if the
+(polo.rewards.code and polo.rewards.judge), so a forged line can at most claim values, which are only right if the
 program computed them.
 
 Inside the sandbox only the standard library exists, so this module imports nothing else
