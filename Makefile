@@ -21,6 +21,12 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 POLO = $(shell [ -x $(VENV)/bin/polo ] && echo $(VENV)/bin/polo || echo "$(PY) -m polo")
 LINT_IMPORTS = $(shell [ -x $(VENV)/bin/lint-imports ] && echo "$(VENV)/bin/lint-imports --no-cache" \
   || echo "@echo 'make test: import-linter is not installed here: the layer contract is not checked'")
+# ruff (format and lint, rules in pyproject.toml) over the code polo ships and tests; not in the GPU kit either.
+LINTED := src tests benchmarks examples
+RUFF_FORMAT = $(shell [ -x $(VENV)/bin/ruff ] && echo "$(VENV)/bin/ruff format --check $(LINTED)" \
+  || echo "@echo 'make test: ruff is not installed here: formatting is not checked'")
+RUFF_CHECK = $(shell [ -x $(VENV)/bin/ruff ] && echo "$(VENV)/bin/ruff check $(LINTED)" \
+  || echo "@echo 'make test: ruff is not installed here: the lint rules are not checked'")
 
 .PHONY: demo test test-gpu setup model bench rlhf gemma clean
 
@@ -28,6 +34,8 @@ demo: model
 	$(POLO) train recipes/grpo_arith.yaml
 
 test: model
+	$(RUFF_FORMAT)
+	$(RUFF_CHECK)
 	$(LINT_IMPORTS)
 	$(PY) -m pytest -q
 

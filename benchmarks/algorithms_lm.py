@@ -40,7 +40,7 @@ polo.train(recipe, [f"train.steps={steps}", f"output.dir={out}", "output.save_ev
 def run_recipe(
     recipe: Path, run_dir: Path, log_path: Path, steps: int, eval_before: bool, overrides: list[str] = ()
 ) -> dict:
-    """Train `recipe` (plus `overrides`) in a child process; return its figures (peak RSS from the child's own rusage)."""
+    """Return the figures of `recipe` (plus `overrides`) trained in a child process (peak RSS: the child's rusage)."""
     log = log_path.open("w")
     started = time.perf_counter()
     child = subprocess.Popen(

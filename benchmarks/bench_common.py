@@ -48,7 +48,8 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 def system_busy_seconds() -> float:
     """Return CPU-seconds all processes have spent busy since boot (from /proc/stat; 0 if unavailable)."""
     try:
-        fields = open("/proc/stat").readline().split()[1:]
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()[1:]
     except OSError:
         return 0.0
     user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])

@@ -13,9 +13,10 @@ process, with torch on one thread for both.
 A run is solved the first time the mean return of its last 20 training episodes reaches 475;
 it stops there. Reported per run: environment steps and wall seconds to that point (wall
 time from building the environments and networks, imports excluded), and CPU seconds as a
-load-robust cross-check. The last line is
+load-robust cross-check. The last line is (on one line)
 
-    polo_vs_sb3 steps_ratio=<polo median / sb3 median> time_ratio=<polo median / sb3 median> polo_solved=<k>/5 sb3_solved=<k>/5
+    polo_vs_sb3 steps_ratio=<polo median / sb3 median> time_ratio=<polo median / sb3 median>
+        polo_solved=<k>/5 sb3_solved=<k>/5
 
 with medians over the solved runs.
 """
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         f"cpu_time_ratio={ratio(polo['cpu'], sb3['cpu'])} (polo median CPU seconds / SB3's; insensitive to other load)"
     )
     print(
-        f"polo_vs_sb3 steps_ratio={ratio(polo['steps'], sb3['steps'])} time_ratio={ratio(polo['seconds'], sb3['seconds'])} "
+        f"polo_vs_sb3 steps_ratio={ratio(polo['steps'], sb3['steps'])} "
+        f"time_ratio={ratio(polo['seconds'], sb3['seconds'])} "
         f"polo_solved={polo['solved']}/{args.seeds} sb3_solved={sb3['solved']}/{args.seeds}"
     )
     return 0

@@ -15,8 +15,10 @@
    whole 262k x 640 bf16 weight per row: at 32 rows ~10.7 GB). Memory is the largest RSS
    growth during each call, sampled every 5 ms.
 
-The last line is `gemma_check bos=<acc> no_bos=<acc> greedy_equal=<k>/<n> logprob_max_diff=<x> fallback_speedup=<x> fallback_memory_ratio=<x>`
-(bos/no_bos: the demo job).
+The last line is (on one line; bos/no_bos: the demo job)
+
+    gemma_check bos=<acc> no_bos=<acc> greedy_equal=<k>/<n> logprob_max_diff=<x> fallback_speedup=<x>
+        fallback_memory_ratio=<x>
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def greedy_matches(model, tokenizer, prompts: list[str], new_tokens: int) -> tup
     """Return (rows where polo's greedy completion equals transformers' generate, rows)."""
     from polo.generation.cpu_sampler import generate
     from polo.generation.prompts import stop_token_ids, tokenize_prompts
+    from polo.generation.rollouts import Decoding
+    from polo.generation.stopping import Stopping
     from polo.kernels.cpu.attention import use_polo_attention
 
     input_ids, mask = tokenize_prompts(tokenizer, prompts)
@@ -79,16 +83,8 @@ def greedy_matches(model, tokenizer, prompts: list[str], new_tokens: int) -> tup
             eos_token_id=stop,
         )[:, input_ids.shape[1] :].tolist()
     use_polo_attention(model)
-    ids, completion_mask, _ = generate(
-        model,
-        input_ids,
-        mask,
-        max_new_tokens=new_tokens,
-        temperature=0.0,
-        top_p=1.0,
-        stop_ids=stop,
-        pad_id=tokenizer.pad_token_id,
-    )
+    decoding, stopping = Decoding(new_tokens, temperature=0.0), Stopping(stop, tokenizer.pad_token_id)
+    ids, completion_mask, _ = generate(model, input_ids, mask, decoding, stopping)
     equal = 0
     for row, length, expected in zip(ids.tolist(), completion_mask.sum(-1).tolist(), reference):
         cut = next((index + 1 for index, token in enumerate(expected) if token in stop), len(expected))
@@ -98,9 +94,10 @@ def greedy_matches(model, tokenizer, prompts: list[str], new_tokens: int) -> tup
 
 def scoring_batch(model, tokenizer, prompts: list[str], rows: int, completion_len: int = 8):
     from polo.generation.cpu_sampler import rollout
+    from polo.generation.rollouts import Decoding
 
     torch.manual_seed(0)
-    sampled = rollout(model, tokenizer, prompts[: rows // 4], 4, max_new_tokens=completion_len, temperature=1.0)
+    sampled = rollout(model, tokenizer, prompts[: rows // 4], 4, Decoding(completion_len, temperature=1.0))
     return sampled.prompt_ids, sampled.prompt_mask, sampled.completion_ids, sampled.completion_mask
 
 
@@ -165,7 +162,8 @@ def main() -> None:
     for recipe in ("gemma_arith.yaml", "grpo_arith.yaml"):
         accuracy[recipe] = [greedy_accuracy(model, tokenizer, recipe, flag) for flag in (True, False)]
         print(
-            f"1. {recipe}: held-out greedy accuracy with BOS {accuracy[recipe][0]:.3f}, without {accuracy[recipe][1]:.3f}",
+            f"1. {recipe}: held-out greedy accuracy with BOS {accuracy[recipe][0]:.3f}, "
+            f"without {accuracy[recipe][1]:.3f}",
             flush=True,
         )
     prompts, _, _ = recipe_prompts(tokenizer, "gemma_arith.yaml")
@@ -181,7 +179,8 @@ def main() -> None:
     long_equal, long_rows = greedy_matches(model, tokenizer, [long_prompt, prompts[0]], 24)
     equal, rows = short_equal + long_equal, short_rows + long_rows
     print(
-        f"2. greedy polo == transformers generate: {short_equal}/{short_rows} short prompts, {long_equal}/{long_rows} with a prompt past the window",
+        f"2. greedy polo == transformers generate: {short_equal}/{short_rows} short prompts, "
+        f"{long_equal}/{long_rows} with a prompt past the window",
         flush=True,
     )
 
@@ -206,7 +205,8 @@ def main() -> None:
         _, strided_s, strided_mem = timed(lambda: strided_head_forward(model, small))
     speedup = strided_s / contiguous_s
     print(
-        f"4. full logits, frozen bf16 head, {ROWS_BEFORE} rows: contiguous head input {contiguous_s:.2f} s +{contiguous_mem / 2**30:.2f} GiB, "
+        f"4. full logits, frozen bf16 head, {ROWS_BEFORE} rows: contiguous head input {contiguous_s:.2f} s "
+        f"+{contiguous_mem / 2**30:.2f} GiB, "
         f"strided as before {strided_s:.2f} s +{strided_mem / 2**30:.2f} GiB",
         flush=True,
     )

@@ -17,8 +17,9 @@ it the same for the nominal 10*N*T FLOPs of grpo_vs_trl's compute floor.
 Usage:
   python benchmarks/generation.py                       # 8 prompts x 8, 64 tokens, 3 timed reps
   python benchmarks/generation.py --prompts 4 --group-size 8 --reps 5 --grpo-steps 0
-The last line printed is
-  generation polo_vs_hf tokens_per_s_ratio=<polo bf16 / HF bf16> grpo_step_matmul_fraction=<executed FLOP/s / matmul rate>
+The last line printed is (on one line)
+  generation polo_vs_hf tokens_per_s_ratio=<polo bf16 / HF bf16>
+      grpo_step_matmul_fraction=<executed FLOP/s / matmul rate>
 """
 
 from __future__ import annotations
@@ -64,17 +65,18 @@ def hf_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperatu
 def polo_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, precision):
     """Return the number of generated tokens from polo's sampler (the one `sampling.sampler: auto` picks on the CPU)."""
     from polo.generation.grouped import pick_sampler
+    from polo.generation.rollouts import Decoding
     from polo.runtime.device import Compute
 
     compute = Compute.named(precision)
-    rollouts = pick_sampler("auto", compute)(
-        model, tokenizer, prompts, group_size, max_new_tokens=max_new_tokens, temperature=temperature, compute=compute
-    )
+    decoding = Decoding(max_new_tokens, temperature=temperature)
+    rollouts = pick_sampler("auto", compute)(model, tokenizer, prompts, group_size, decoding, compute=compute)
     return int(rollouts.completion_mask.sum())
 
 
 def grpo_step_flops(steps: int, out_dir: Path) -> dict:
-    """Run polo's GRPO benchmark step `steps` + 2 times; return timed step seconds, executed FLOPs of one step, tokens."""
+    """Return timed step seconds, executed FLOPs of one step and tokens of polo's GRPO benchmark step run `steps` + 2
+    times."""
     import json
 
     from torch.utils.flop_counter import FlopCounterMode
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
             (count, seconds), others = measure_quietly(measure, args.max_wait)
             label = "warm-up" if rep == 0 else f"rep {rep}"
             print(
-                f"  {label:<7} {impl:<4} {precision}: {count:5d} tokens in {seconds:6.2f} s = {count / seconds:7.1f} tokens/s (other processes {others:.2f} cores)",
+                f"  {label:<7} {impl:<4} {precision}: {count:5d} tokens in {seconds:6.2f} s = "
+                f"{count / seconds:7.1f} tokens/s (other processes {others:.2f} cores)",
                 flush=True,
             )
             if rep > 0:
@@ -212,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     for impl, precision in cases:
         name = "polo rollout" if impl == "polo" else "HF generate"
         print(
-            f"{name:<16} {precision:<9} {median(rates[(impl, precision)]):>15.1f} {median(tokens[(impl, precision)]):>13.0f}"
+            f"{name:<16} {precision:<9} {median(rates[(impl, precision)]):>15.1f} "
+            f"{median(tokens[(impl, precision)]):>13.0f}"
         )
     fp32_ratio = median(rates[("polo", "fp32")]) / median(rates[("hf", "fp32")])
     bf16_ratio = median(rates[("polo", "bf16")]) / median(rates[("hf", "bf16")])
@@ -240,12 +244,14 @@ def main(argv: list[str] | None = None) -> None:
             + ", ".join(f"{key} {value:.2f} s" for key, value in step["phases"].items())
         )
         print(
-            f"  executed FLOPs of one step (FlopCounterMode: matmuls + attention) {step['executed_flops'] / 1e12:.2f} TFLOP "
+            "  executed FLOPs of one step (FlopCounterMode: matmuls + attention) "
+            f"{step['executed_flops'] / 1e12:.2f} TFLOP "
             f"-> {executed / 1e9:,.1f} GFLOP/s = {matmul_fraction:.1%} of the bf16 matmul rate"
         )
         print(
             f"  nominal 10*N*T = {nominal_flops / 1e12:.2f} TFLOP (T = {step['tokens']:,.0f} tokens) -> "
-            f"{nominal_flops / step_time / 1e9:,.1f} GFLOP/s = {nominal_flops / step_time / rate_bf16:.1%} of the bf16 matmul rate"
+            f"{nominal_flops / step_time / 1e9:,.1f} GFLOP/s = {nominal_flops / step_time / rate_bf16:.1%} "
+            "of the bf16 matmul rate"
         )
     print(f"generation polo_vs_hf tokens_per_s_ratio={bf16_ratio:.3f} grpo_step_matmul_fraction={matmul_fraction:.3f}")
 

@@ -117,7 +117,8 @@ def polo_config(steps: int, output_dir: Path, lora: bool = False, device: str = 
 
 
 def demo_config(steps: int, output_dir: Path, device: str) -> dict:
-    """Return the demo recipe's configuration (recipes/grpo_arith.yaml) for `steps` steps on `device`, evaluated afterwards by `polo eval`."""
+    """Return the demo recipe's configuration (recipes/grpo_arith.yaml) for `steps` steps on `device`, evaluated
+    afterwards by `polo eval`."""
     import yaml
 
     config = yaml.safe_load(DEMO_RECIPE.read_text())
@@ -139,7 +140,8 @@ def job_config(job: str, steps: int, output_dir: Path, lora: bool = False, devic
 
 
 def trl_micro_batch(config, requested: int | None = None) -> int:
-    """Return TRL's per-device batch: `requested`, else polo's micro-batch size, as a divisor of the step's sequences."""
+    """Return TRL's per-device batch: `requested`, else polo's micro-batch size, as a divisor of the step's
+    sequences."""
     sequences = config.train.prompts_per_step * config.algorithm.group_size
     size = max(min(requested or config.train.micro_batch_size, sequences), 1)
     while sequences % size:
@@ -253,7 +255,8 @@ def run_polo(steps: int, out_dir: Path, lora: bool = False, device: str = "cpu",
 def trl_arguments(
     config, variant: str, micro_batch: int, output_dir: Path, device: str, job: str, reward_weights: list[float]
 ):
-    """Return TRL's GRPOConfig for polo's `config` (same batch, sampling, KL and learning rate; the demo's schedule too)."""
+    """Return TRL's GRPOConfig for polo's `config` (same batch, sampling, KL and learning rate; the demo's schedule
+    too)."""
     from trl import GRPOConfig
 
     bf16, checkpointing = TRL_SETTINGS[variant]
@@ -311,7 +314,8 @@ def trl_rewards(config, task, rows) -> tuple[list, list[float]]:
 
 
 class StepTimer:
-    """A TRL TrainerCallback's hooks: the time, peak RSS, peak GPU memory and mean completion length at each step's end."""
+    """A TRL TrainerCallback's hooks: the time, peak RSS, peak GPU memory and mean completion length at each step's
+    end."""
 
     def __init__(self, device: str):
         self.device = device
@@ -573,7 +577,8 @@ def gpu_step_runs(args, order: list[str], root: Path) -> dict[str, dict]:
 
 
 def gpu_accuracy_runs(args, order: list[str], root: Path) -> None:
-    """Train the demo recipe --accuracy-steps steps with each run on the GPU and print its time, memory and held-out gain."""
+    """Train the demo recipe --accuracy-steps steps with each run on the GPU and print its time, memory and held-out
+    gain."""
     steps = args.accuracy_steps
     print(
         f"\ndemo recipe ({DEMO_RECIPE.name}), {steps} steps on the GPU; held-out greedy accuracy by polo eval",
@@ -586,7 +591,8 @@ def gpu_accuracy_runs(args, order: list[str], root: Path) -> None:
         after = heldout_accuracy(result["final_model"], root / f"demo-eval-{name}.json")
         times = result["step_times"]
         print(
-            f"  {name}: median step {median(times[1:]):.2f} s after a warm-up, {sum(times):.1f} s of training for {len(times)} steps, "
+            f"  {name}: median step {median(times[1:]):.2f} s after a warm-up, "
+            f"{sum(times):.1f} s of training for {len(times)} steps, "
             f"peak GPU memory {gib(result['peak_gpu_train'])}; held-out accuracy {before:.3f} -> {after:.3f} "
             f"(gain {after - before:+.3f})",
             flush=True,
@@ -594,7 +600,8 @@ def gpu_accuracy_runs(args, order: list[str], root: Path) -> None:
 
 
 def gpu_main(args) -> None:
-    """polo against TRL on one GPU: step time and peak GPU memory (and, with --accuracy-steps, the demo's held-out gain)."""
+    """polo against TRL on one GPU: step time and peak GPU memory (and, with --accuracy-steps, the demo's held-out
+    gain)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -602,12 +609,13 @@ def gpu_main(args) -> None:
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="polo-vs-trl-gpu-"))
     order = [name for name in GPU_RUNS if name in (args.only or GPU_RUNS)]
     print(
-        f"polo vs TRL GRPO step on {MODEL} on {torch.cuda.get_device_name()}: {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} "
-        f"completions, <= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, beta={BETA}, mu=1, rewards correct + r1_format"
+        f"polo vs TRL GRPO step on {MODEL} on {torch.cuda.get_device_name()}: {PROMPTS_PER_STEP} prompts x "
+        f"{GROUP_SIZE} completions, <= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, beta={BETA}, mu=1, "
+        "rewards correct + r1_format"
     )
     print(
-        f"torch {torch.__version__} (CUDA {torch.version.cuda}); {args.rounds} round(s) of {order}, {args.steps} steps per run "
-        f"(first dropped); output in {root}",
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}); {args.rounds} round(s) of {order}, "
+        f"{args.steps} steps per run (first dropped); output in {root}",
         flush=True,
     )
     if "trl_gpu" in order:
@@ -615,16 +623,17 @@ def gpu_main(args) -> None:
             import trl
 
             print(f"trl {trl.__version__}: {DESCRIPTIONS['trl_gpu']}", flush=True)
-        except ImportError:
+        except ImportError as error:
             raise SystemExit(
                 'TRL is not installed: pip install -e ".[bench]" (on the GPU machine: its wheel kit, docs/gpu.md)'
-            )
+            ) from error
     summary = gpu_step_runs(args, order, root)
     print()
     for name in order:
         print(
             f"{name:<8} {DESCRIPTIONS[name] if name != 'polo' else 'polo defaults, train.device=cuda'} "
-            f"({summary[name]['precision']}): median step {summary[name]['median']:.3f} s, peak GPU memory {gib(summary[name]['peak_gpu'])}"
+            f"({summary[name]['precision']}): median step {summary[name]['median']:.3f} s, "
+            f"peak GPU memory {gib(summary[name]['peak_gpu'])}"
         )
     if args.accuracy_steps:
         gpu_accuracy_runs(args, order, root)
@@ -635,7 +644,8 @@ def gpu_main(args) -> None:
     print(f"polo_vs_trl_gpu step_time_ratio={fmt(step_ratio)} gpu_memory_ratio={fmt(memory_ratio)}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command line's parser."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is a warm-up (default 4)")
     parser.add_argument("--rounds", type=int, default=1, help="times to repeat the alternating runs (default 1)")
@@ -683,6 +693,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--child", choices=RUNS + EXTRA_RUNS + GPU_RUNS[1:], help=argparse.SUPPRESS)
     parser.add_argument("--job", choices=("bench", "demo"), default="bench", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.child:
         child_main(args)
@@ -694,7 +709,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.accuracy_steps:
         parser.error("--accuracy-steps goes with --device cuda")
+    cpu_main(args)
 
+
+def cpu_main(args) -> None:
+    """polo against TRL on the CPU: step time, peak RSS and the compute floor, run by run."""
     import torch
 
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="polo-vs-trl-"))
@@ -712,16 +731,35 @@ def main(argv: list[str] | None = None) -> None:
         import trl
 
         print(f"trl {trl.__version__}", flush=True)
-    except ImportError:
+    except ImportError as error:
         if any(name.startswith("trl") for name in order):
-            raise SystemExit('TRL is not installed: pip install -e ".[bench]"')
+            raise SystemExit('TRL is not installed: pip install -e ".[bench]"') from error
 
     # Measure the machine first, while nothing else runs.
-    rate_bf16, rate_fp32 = matmul_rates(args.max_wait)
+    rates = matmul_rates(args.max_wait)
     print(
-        f"matmul 2048^3 best rate: bf16 {rate_bf16 / 1e9:,.1f} GFLOP/s, fp32 {rate_fp32 / 1e9:,.1f} GFLOP/s", flush=True
+        f"matmul 2048^3 best rate: bf16 {rates[0] / 1e9:,.1f} GFLOP/s, fp32 {rates[1] / 1e9:,.1f} GFLOP/s", flush=True
+    )
+    results = measure_rounds(args, order, root)
+    summary = print_run_table(args, order, results)
+    step_ratio, rss_ratio, floor_fraction = print_polo_against_trl(order, results, summary, rates)
+    print_lora_runs(results, summary)
+    busy = [
+        f"{name} round {i + 1} ({r['foreign_cores']:.2f} cores)"
+        for name in order
+        for i, r in enumerate(results[name])
+        if r["foreign_cores"] > 0.2
+    ]
+    if busy:
+        print("WARNING: other processes used the CPU during " + ", ".join(busy) + "; those timings are inflated")
+    print(
+        f"polo_vs_trl step_time_ratio={fmt(step_ratio)} peak_rss_ratio={fmt(rss_ratio)} "
+        f"floor_fraction={fmt(floor_fraction)}"
     )
 
+
+def measure_rounds(args, order: list[str], root: Path) -> dict[str, list[dict]]:
+    """Return each run's results, one per round; a run during which other processes used the CPU is redone."""
     results: dict[str, list[dict]] = {name: [] for name in order}
     for round_index in range(args.rounds):
         for name in order:
@@ -744,9 +782,16 @@ def main(argv: list[str] | None = None) -> None:
                 f"process {result['process_wall']:.0f} s, other processes {result['foreign_cores']:.2f} cores",
                 flush=True,
             )
+    return results
 
+
+def print_run_table(args, order: list[str], results: dict[str, list[dict]]) -> dict[str, dict]:
+    """Return each run's median step and peak RSS over its rounds, after printing a row per round and a summary."""
     print()
-    header = f"{'run':<11} {'setting':<31} {'round':>5} {'median step':>11} {'timed steps (s)':<22} {'mean len':>8} {'peak RSS train':>14} {'peak RSS proc':>13} {'others':>6}"
+    header = (
+        f"{'run':<11} {'setting':<31} {'round':>5} {'median step':>11} {'timed steps (s)':<22} {'mean len':>8} "
+        f"{'peak RSS train':>14} {'peak RSS proc':>13} {'others':>6}"
+    )
     print(header)
     print("-" * len(header))
     summary = {}
@@ -759,9 +804,10 @@ def main(argv: list[str] | None = None) -> None:
             peaks_train.append(train_peak)
             peaks.append(result["peak_rss"])
             lengths = [x for x in result["completion_length"][1:] if x == x]
+            mean_length = fmt(sum(lengths) / len(lengths) if lengths else float("nan"), ".1f")
             print(
                 f"{name:<11} {DESCRIPTIONS[name]:<31} {round_index + 1:>5} {median(timed):>10.2f}s "
-                f"{', '.join(f'{t:.1f}' for t in timed):<22} {fmt(sum(lengths) / len(lengths) if lengths else float('nan'), '.1f'):>8} "
+                f"{', '.join(f'{t:.1f}' for t in timed):<22} {mean_length:>8} "
                 f"{mib(train_peak):>14} {mib(result['peak_rss']):>13} {result['foreign_cores']:>6.2f}"
             )
         summary[name] = {"median": median(all_timed), "peak_train": max(peaks_train), "peak": max(peaks)}
@@ -769,75 +815,82 @@ def main(argv: list[str] | None = None) -> None:
     for name in order:
         s = summary[name]
         print(
-            f"{name:<11} ({results[name][0].get('precision', '?')}) median step {s['median']:.2f} s over {args.rounds} round(s); peak RSS {mib(s['peak_train'])} "
-            f"at the last step, {mib(s['peak'])} whole process"
+            f"{name:<11} ({results[name][0].get('precision', '?')}) median step {s['median']:.2f} s over "
+            f"{args.rounds} round(s); peak RSS {mib(s['peak_train'])} at the last step, {mib(s['peak'])} whole process"
         )
+    return summary
 
+
+def print_polo_against_trl(
+    order: list[str], results: dict[str, list[dict]], summary: dict[str, dict], rates: tuple[float, float]
+) -> tuple[float, float, float]:
+    """Return (TRL's fastest step / polo's, polo's peak RSS / TRL's leanest, the compute floor / polo's step), printed.
+
+    NaN where polo or TRL did not run.
+    """
     step_ratio = rss_ratio = floor_fraction = float("nan")
-    trl_runs = [name for name in order if name in FULL_RUNS and name.startswith("trl")]
-    if "polo" in summary:
-        polo_median = summary["polo"]["median"]
-        # The floor is the least work at the best rate this machine offers: every group's prompt counted once,
-        # and the faster of the two measured dtypes (a floor_fraction above 1 would be a bug in the floor).
-        tokens = median([t for result in results["polo"] for t in result["floor_tokens"][1:]])
-        n_params = parameter_count()
-        flops = (6 + 2 + 2) * n_params * tokens
-        best_rate, best_dtype = max((rate_bf16, "bf16"), (rate_fp32, "fp32"))
-        floor = flops / best_rate
-        floor_fraction = floor / polo_median
-        print(
-            f"compute floor: N = {n_params:,} parameters, T = {tokens:,.0f} tokens per step (each group's prompt once + "
-            f"the completions; median of polo's timed steps), 10*N*T = {flops / 1e12:.2f} TFLOP at the faster measured rate, "
-            f"{best_dtype} {best_rate / 1e9:,.1f} GFLOP/s (bf16 {rate_bf16 / 1e9:,.1f}, fp32 {rate_fp32 / 1e9:,.1f}) = {floor:.2f} s "
-            f"= {floor_fraction:.1%} of polo's median step"
-        )
-        first = results["polo"][0]
-        print(
-            f"polo settings: precision {first['precision']}, gradient checkpointing {first['gradient_checkpointing']}, "
-            f"micro-batch {first['micro_batch']}; step time from {first['time_source']}"
-        )
-        print_phase_medians("polo", results["polo"])
-        if trl_runs:
-            fastest = min(trl_runs, key=lambda name: summary[name]["median"])
-            leanest = min(trl_runs, key=lambda name: summary[name]["peak_train"])
-            step_ratio = summary[fastest]["median"] / polo_median
-            rss_ratio = summary["polo"]["peak_train"] / summary[leanest]["peak_train"]
-            same = all(r.get("same_prompt_tokens") for name in trl_runs for r in results[name])
-            print(
-                f"TRL prompt tokens identical to polo's: {same}; TRL micro-batch "
-                f"{results[trl_runs[0]][0]['micro_batch']} x {PROMPTS_PER_STEP * GROUP_SIZE // results[trl_runs[0]][0]['micro_batch']} accumulation steps"
-            )
-            print(
-                f"TRL fastest: {fastest} ({summary[fastest]['median']:.2f} s); TRL lowest peak: {leanest} "
-                f"({mib(summary[leanest]['peak_train'])}); peak RSS compared at the end of the last step"
-            )
-    lora_runs = [name for name in LORA_RUNS if name in summary]
-    if lora_runs:
-        print(
-            "LoRA beside (r=16 on every linear layer; not in the ratios below): "
-            + "; ".join(
-                f"{name} {summary[name]['median']:.2f} s, {mib(summary[name]['peak_train'])}" for name in lora_runs
-            )
-            + (
-                f"; trl_lora / polo_lora step time {summary['trl_lora']['median'] / summary['polo_lora']['median']:.3f}, "
-                f"peak RSS {summary['polo_lora']['peak_train'] / summary['trl_lora']['peak_train']:.3f}"
-                if len(lora_runs) == 2
-                else ""
-            )
-        )
-        if "polo_lora" in results:
-            print_phase_medians("polo_lora", results["polo_lora"])
-    busy = [
-        f"{name} round {i + 1} ({r['foreign_cores']:.2f} cores)"
-        for name in order
-        for i, r in enumerate(results[name])
-        if r["foreign_cores"] > 0.2
-    ]
-    if busy:
-        print("WARNING: other processes used the CPU during " + ", ".join(busy) + "; those timings are inflated")
+    if "polo" not in summary:
+        return step_ratio, rss_ratio, floor_fraction
+    rate_bf16, rate_fp32 = rates
+    polo_median = summary["polo"]["median"]
+    # The floor is the least work at the best rate this machine offers: every group's prompt counted once,
+    # and the faster of the two measured dtypes (a floor_fraction above 1 would be a bug in the floor).
+    tokens = median([t for result in results["polo"] for t in result["floor_tokens"][1:]])
+    n_params = parameter_count()
+    flops = (6 + 2 + 2) * n_params * tokens
+    best_rate, best_dtype = max((rate_bf16, "bf16"), (rate_fp32, "fp32"))
+    floor = flops / best_rate
+    floor_fraction = floor / polo_median
     print(
-        f"polo_vs_trl step_time_ratio={fmt(step_ratio)} peak_rss_ratio={fmt(rss_ratio)} floor_fraction={fmt(floor_fraction)}"
+        f"compute floor: N = {n_params:,} parameters, T = {tokens:,.0f} tokens per step (each group's prompt once + "
+        f"the completions; median of polo's timed steps), 10*N*T = {flops / 1e12:.2f} TFLOP at the faster measured "
+        f"rate, {best_dtype} {best_rate / 1e9:,.1f} GFLOP/s (bf16 {rate_bf16 / 1e9:,.1f}, fp32 {rate_fp32 / 1e9:,.1f}) "
+        f"= {floor:.2f} s = {floor_fraction:.1%} of polo's median step"
     )
+    first = results["polo"][0]
+    print(
+        f"polo settings: precision {first['precision']}, gradient checkpointing {first['gradient_checkpointing']}, "
+        f"micro-batch {first['micro_batch']}; step time from {first['time_source']}"
+    )
+    print_phase_medians("polo", results["polo"])
+    trl_runs = [name for name in order if name in FULL_RUNS and name.startswith("trl")]
+    if trl_runs:
+        fastest = min(trl_runs, key=lambda name: summary[name]["median"])
+        leanest = min(trl_runs, key=lambda name: summary[name]["peak_train"])
+        step_ratio = summary[fastest]["median"] / polo_median
+        rss_ratio = summary["polo"]["peak_train"] / summary[leanest]["peak_train"]
+        same = all(r.get("same_prompt_tokens") for name in trl_runs for r in results[name])
+        trl_micro_batch = results[trl_runs[0]][0]["micro_batch"]
+        print(
+            f"TRL prompt tokens identical to polo's: {same}; TRL micro-batch {trl_micro_batch} x "
+            f"{PROMPTS_PER_STEP * GROUP_SIZE // trl_micro_batch} accumulation steps"
+        )
+        print(
+            f"TRL fastest: {fastest} ({summary[fastest]['median']:.2f} s); TRL lowest peak: {leanest} "
+            f"({mib(summary[leanest]['peak_train'])}); peak RSS compared at the end of the last step"
+        )
+    return step_ratio, rss_ratio, floor_fraction
+
+
+def print_lora_runs(results: dict[str, list[dict]], summary: dict[str, dict]) -> None:
+    """Print the LoRA runs beside the comparison (not in its ratios), when they ran."""
+    lora_runs = [name for name in LORA_RUNS if name in summary]
+    if not lora_runs:
+        return
+    both = ""
+    if len(lora_runs) == 2:
+        polo_lora, trl_lora = summary["polo_lora"], summary["trl_lora"]
+        both = (
+            f"; trl_lora / polo_lora step time {trl_lora['median'] / polo_lora['median']:.3f}, "
+            f"peak RSS {polo_lora['peak_train'] / trl_lora['peak_train']:.3f}"
+        )
+    print(
+        "LoRA beside (r=16 on every linear layer; not in the ratios below): "
+        + "; ".join(f"{name} {summary[name]['median']:.2f} s, {mib(summary[name]['peak_train'])}" for name in lora_runs)
+        + both
+    )
+    if "polo_lora" in results:
+        print_phase_medians("polo_lora", results["polo_lora"])
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ def table(results: list[dict]) -> str:
     for result in results:
         lines.append(
             f"| {MODELS[result['model']]} | {result['mode']} | {result['median_step_s']:.1f} s | "
-            f"{result['peak_rss_bytes'] / 2**30:.2f} GiB | {result['mean_completion_length']:.1f} | {result['other_cores']:.1f} cores |"
+            f"{result['peak_rss_bytes'] / 2**30:.2f} GiB | {result['mean_completion_length']:.1f} | "
+            f"{result['other_cores']:.1f} cores |"
         )
     return "\n".join(lines)
 
@@ -89,7 +90,8 @@ def main() -> None:
             result = run_one(model, mode, Path(args.recipe), out_dir, args.steps)
             results.append(result)
             print(
-                f"{model:>8} {mode}: median step {result['median_step_s']:.1f} s  peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB  "
+                f"{model:>8} {mode}: median step {result['median_step_s']:.1f} s  "
+                f"peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB  "
                 f"completion length {result['mean_completion_length']:.1f}  others {result['other_cores']:.1f} cores",
                 flush=True,
             )

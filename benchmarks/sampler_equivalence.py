@@ -1,4 +1,4 @@
-"""Greedy equivalence on the real model: the static-cache sampler (eager) vs the CPU KV-cache sampler vs `transformers.generate`.
+"""Greedy equivalence on the real model: the static-cache sampler (eager), the CPU KV-cache sampler, `generate`.
 
 16 prompts (8 GSM8K test questions when ../shared/data/gsm8k is there, arithmetic otherwise, plus 8 arithmetic
 ones) through the task's instruction and SmolLM2's chat template, left-padded in one batch, greedy decoding.
@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     from polo.generation import cpu_sampler, static_sampler
     from polo.generation.grouped import load_for_sampling
     from polo.generation.prompts import stop_token_ids, tokenize_prompts
+    from polo.generation.rollouts import Decoding
+    from polo.generation.stopping import Stopping
     from polo.runtime.device import Compute
 
     compute = Compute.named(args.precision)
@@ -76,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     stop, pad = stop_token_ids(tokenizer, model), tokenizer.pad_token_id
     settings = dict(
-        max_new_tokens=args.max_new_tokens, temperature=0.0, top_p=1.0, stop_ids=stop, pad_id=pad, compute=compute
+        decoding=Decoding(args.max_new_tokens, temperature=0.0, top_p=1.0),
+        stopping=Stopping(stop, pad),
+        compute=compute,
     )
     print(
         f"{MODEL} ({compute}): {len(prompts)} prompts, {prompt_ids.shape[1]} prompt positions, greedy, "
@@ -117,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         same = "".join("=" if results[a][index] == results[b][index] else "x" for a, b in pairs.values())
         text = tokenizer.decode(results["static"][index], skip_special_tokens=True).replace("\n", " ")
         print(
-            f"  {index:2d} [{same}] {len(results['static'][index]):3d} tokens  {row['question'][:40]!r} -> {text[:60]!r}"
+            f"  {index:2d} [{same}] {len(results['static'][index]):3d} tokens  "
+            f"{row['question'][:40]!r} -> {text[:60]!r}"
         )
     print(
         f"sampler_equivalence prompts={len(prompts)} " + " ".join(f"{label}={count}" for label, count in counts.items())

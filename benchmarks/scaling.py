@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(processes: int, steps: int, output_dir: Path, recipe: str, extra: list[str], threads: int = 1) -> dict:
-    """Train `steps` steps with `processes` ranks of `threads` threads; return throughput figures from the run's metrics."""
+    """Return throughput figures from the metrics of `steps` steps trained with `processes` ranks of `threads`
+    threads."""
     command = [
         sys.executable,
         "-m",
@@ -97,7 +98,8 @@ def main() -> None:
             )
             results.append(result)
             print(
-                f"{processes} process(es) x {threads} thread(s): {result['step_seconds']:.1f} s/step, {result['samples_per_second']:.2f} samples/s "
+                f"{processes} process(es) x {threads} thread(s): {result['step_seconds']:.1f} s/step, "
+                f"{result['samples_per_second']:.2f} samples/s "
                 f"(generation {result['generation_seconds']:.1f} s, update {result['update_seconds']:.1f} s per rank; "
                 f"mean completion {result['mean_completion_tokens']:.1f} tokens)",
                 flush=True,
@@ -106,7 +108,8 @@ def main() -> None:
     for result in results[1 : len(args.processes)]:
         ratio = result["samples_per_second"] / base["samples_per_second"]
         print(
-            f"scaling {result['processes']}/{base['processes']} processes: samples/s ratio {ratio:.2f} (ideal {result['processes'] / base['processes']:.1f})"
+            f"scaling {result['processes']}/{base['processes']} processes: samples/s ratio {ratio:.2f} "
+            f"(ideal {result['processes'] / base['processes']:.1f})"
         )
 
 

@@ -81,14 +81,20 @@ def jsonl_task(train: Path, held_out: Path, **options) -> dict:
 def test_train_misspelled_checker(tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", 3)
     recipe = rl_recipe(tmp_path, task=jsonl_task(data, data, checker="exact_nmber"))
-    expected = "task.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string (`polo train --help` says what each accepts)"
+    expected = (
+        "task.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string "
+        "(`polo train --help` says what each accepts)"
+    )
     assert polo("train", str(recipe), cwd=tmp_path) == expected
 
 
 def test_train_num_eval_beyond_the_held_out_file(tmp_path):
     train, held_out = write_jsonl(tmp_path / "train.jsonl", 8), write_jsonl(tmp_path / "held_out.jsonl", 3)
     recipe = rl_recipe(tmp_path, task=jsonl_task(train, held_out, num_eval=10))
-    expected = f"jsonl eval {held_out}: task.num_eval is 10 but the file holds only 3 rows; set it to at most 3, or null for every row"
+    expected = (
+        f"jsonl eval {held_out}: task.num_eval is 10 but the file holds only 3 rows; set it to at most 3, "
+        "or null for every row"
+    )
     assert polo("train", str(recipe), cwd=tmp_path) == expected
 
 

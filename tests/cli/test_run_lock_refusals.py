@@ -1,4 +1,5 @@
-"""Every command that writes a run directory is refused, in one line and before it loads anything, while another run holds it.
+"""Every command that writes a run directory is refused while another run holds it: in one line, before it loads
+anything.
 
 The lock is held here, in the test's own process, with `RunDirLock` (an flock is held by an open
 file, so a second open in the same process is refused as another process would be). Every recipe names a model

@@ -1,4 +1,5 @@
-"""Values of the right type that make no sense: one `ConfigError` line naming the key, the value and what is accepted."""
+"""Values of the right type that make no sense: one `ConfigError` line naming the key, the value and what is
+accepted."""
 
 from __future__ import annotations
 

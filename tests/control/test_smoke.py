@@ -77,7 +77,8 @@ def test_a_second_run_into_the_same_directory_is_refused_unless_overwrite(tmp_pa
     first = (tmp_path / "metrics.jsonl").read_text()
     with pytest.raises(
         ConfigError,
-        match=r"already holds a run \(.*metrics.jsonl.*\): replace it with output.overwrite=true, or pick a new output.dir",
+        match=r"already holds a run \(.*metrics.jsonl.*\): "
+        r"replace it with output.overwrite=true, or pick a new output.dir",
     ):
         train(RECIPES / "a2c_cartpole.yaml", overrides)
     assert (tmp_path / "metrics.jsonl").read_text() == first  # nothing lost

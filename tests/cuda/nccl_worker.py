@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def main(batch_path: str, config_path: str, out_path: str) -> None:
     rows = torch.tensor([group * GROUP_SIZE + member for group in groups for member in range(GROUP_SIZE)])
     share = Batch(batch.rollouts.select(rows), batch.rewards[rows], [batch.prompts[group] for group in groups])
     monkeypatch = pytest.MonkeyPatch()
-    metrics, weights = one_step(json.loads(open(config_path).read()), share, monkeypatch)
+    metrics, weights = one_step(json.loads(Path(config_path).read_text()), share, monkeypatch)
     if parallel.rank() == 0:
         torch.save({"weights": weights, "metrics": metrics}, out_path)
     parallel.barrier()

@@ -1,4 +1,5 @@
-"""One GRPO step on CUDA (polo's default precision there) equals the same step on the CPU in fp32, within bf16 tolerance."""
+"""One GRPO step on CUDA (polo's default precision there) equals the same step on the CPU in fp32, within bf16
+tolerance."""
 
 from __future__ import annotations
 

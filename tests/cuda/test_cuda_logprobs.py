@@ -17,7 +17,7 @@ def full_logits_reference(hidden, weight, targets, temperature):
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_chunked_logprobs_and_gradients_equal_full_logits_on_cuda(dtype, tolerance):
-    from polo.kernels.logprobs import token_logprobs
+    from polo.kernels.logprobs import LogprobSettings, token_logprobs
 
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
@@ -28,7 +28,9 @@ def test_chunked_logprobs_and_gradients_equal_full_logits_on_cuda(dtype, toleran
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     h2, w2 = hidden.float().clone().requires_grad_(), weight.float().clone().requires_grad_()
 
-    logprobs, entropy = token_logprobs(h1, w1, targets, temperature=0.7, chunk_size=16, vocab_block=128)
+    logprobs, entropy = token_logprobs(
+        h1, w1, targets, LogprobSettings(temperature=0.7, chunk_size=16, vocab_block=128, with_entropy=True)
+    )
     reference, reference_entropy = full_logits_reference(h2, w2, targets, 0.7)
     assert logprobs.device.type == "cuda" and logprobs.dtype == torch.float32
     torch.testing.assert_close(logprobs, reference, atol=tolerance, rtol=tolerance)
@@ -40,7 +42,7 @@ def test_chunked_logprobs_and_gradients_equal_full_logits_on_cuda(dtype, toleran
 
 
 def test_chunked_logprobs_never_hold_the_fp32_logits_on_cuda():
-    from polo.kernels.logprobs import token_logprobs
+    from polo.kernels.logprobs import LogprobSettings, token_logprobs
 
     device = torch.device("cuda")
     tokens, vocab, width = 4096, 49152, 64  # SmolLM2's vocabulary: full fp32 logits would be 768 MiB
@@ -50,7 +52,7 @@ def test_chunked_logprobs_never_hold_the_fp32_logits_on_cuda():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
-    logprobs, _ = token_logprobs(hidden, weight, targets, chunk_size=512)
+    logprobs, _ = token_logprobs(hidden, weight, targets, LogprobSettings(chunk_size=512, with_entropy=True))
     logprobs.sum().backward()
     torch.cuda.synchronize()
     full_logits_bytes = tokens * vocab * 4
@@ -58,7 +60,7 @@ def test_chunked_logprobs_never_hold_the_fp32_logits_on_cuda():
 
 
 def test_fused_completion_logprobs_equal_the_model_logits_on_cuda(tiny_model_dir):
-    from polo.kernels.logprobs import completion_logprobs_fused, supports_fused_logprobs
+    from polo.kernels.logprobs import LogprobSettings, completion_logprobs_fused, supports_fused_logprobs
     from polo.models.loading import load_policy
 
     model, _ = load_policy(str(tiny_model_dir))
@@ -76,9 +78,8 @@ def test_fused_completion_logprobs_equal_the_model_logits_on_cuda(tiny_model_dir
             input_ids,
             attention_mask,
             position_ids,
-            completion_len,
             input_ids[:, -completion_len:],
-            with_entropy=True,
+            LogprobSettings(with_entropy=True),
         )
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits.float()
     full = torch.log_softmax(logits[:, -completion_len - 1 : -1], dim=-1)

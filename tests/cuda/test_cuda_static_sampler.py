@@ -1,5 +1,6 @@
 """The static-cache sampler on CUDA, its decode step captured (torch.compile "reduce-overhead": CUDA graphs):
-greedy tokens equal `transformers.generate`'s, and the eager step's, on a tiny Llama and a tiny Gemma 3 (sliding window)."""
+greedy tokens equal `transformers.generate`'s, and the eager step's, on a tiny Llama and a tiny Gemma 3 (sliding
+window)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ def completions(completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> 
 def test_captured_greedy_equals_transformers_generate_on_cuda(cuda_policy, group_size):
     from polo.generation import static_sampler
     from polo.generation.prompts import stop_token_ids, tokenize_prompts
+    from polo.generation.rollouts import Decoding
+    from polo.generation.stopping import Stopping
 
     model, tokenizer, compute = cuda_policy
     prompt_ids, prompt_mask = (tensor.to(compute.device) for tensor in tokenize_prompts(tokenizer, PROMPTS))
@@ -71,11 +74,8 @@ def test_captured_greedy_equals_transformers_generate_on_cuda(cuda_policy, group
         model,
         prompt_ids,
         prompt_mask,
-        max_new_tokens=MAX_NEW_TOKENS,
-        temperature=0.0,
-        top_p=1.0,
-        stop_ids=stop_ids,
-        pad_id=tokenizer.pad_token_id,
+        Decoding(MAX_NEW_TOKENS, temperature=0.0, top_p=1.0),
+        Stopping(stop_ids, tokenizer.pad_token_id),
         compute=compute,
         samples_per_prompt=group_size,
     )  # capture defaults to True on CUDA
@@ -94,9 +94,10 @@ def test_captured_greedy_equals_transformers_generate_on_cuda(cuda_policy, group
 
 def test_the_captured_step_gives_the_eager_steps_tokens_and_is_reused(cuda_policy):
     from polo.generation import static_sampler
+    from polo.generation.rollouts import Decoding
 
     model, tokenizer, compute = cuda_policy
-    settings = dict(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, compute=compute)
+    settings = dict(decoding=Decoding(MAX_NEW_TOKENS, temperature=0.0), compute=compute)
     captured = static_sampler.rollout(model, tokenizer, PROMPTS, 2, capture=True, **settings)
     eager = static_sampler.rollout(model, tokenizer, PROMPTS, 2, capture=False, **settings)
     assert torch.equal(captured.completion_ids, eager.completion_ids) and captured.texts == eager.texts

@@ -187,18 +187,19 @@ def test_hostile_calls_inside_an_episode_leave_the_sampler_running(tiny_model_di
     import torch
 
     from polo.generation.episodes import EpisodeLimits, EpisodeSampler
+    from polo.generation.rollouts import Decoding
     from polo.models.loading import load_policy
 
     model, tokenizer = load_policy(str(tiny_model_dir))
     turns = iter(["<python>while True: pass</python>", "<python>import os\nos._exit(3)</python>", "It is 4."])
 
-    def scripted(model, prompt_ids, prompt_mask, *, samples_per_prompt=1, **_):
+    def scripted(model, prompt_ids, prompt_mask, decoding, stopping, *, samples_per_prompt=1, **_):
         ids = tokenizer(next(turns), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         drawn = torch.tensor([ids] * prompt_ids.shape[0] * samples_per_prompt)
         return drawn, torch.ones_like(drawn), torch.zeros(len(drawn), dtype=torch.bool)
 
     sampler = EpisodeSampler(lambda: PythonToolEnvironment(FAST), scripted, EpisodeLimits(4, 400))
-    rollouts = sampler(model, tokenizer, ["q"], 1, max_new_tokens=100, temperature=1.0, rows=[{"question": "2 + 2?"}])
+    rollouts = sampler(model, tokenizer, ["q"], 1, Decoding(100, temperature=1.0), rows=[{"question": "2 + 2?"}])
     (episode,) = rollouts.episodes
     assert episode.done and (episode.tool_calls, episode.tool_failures) == (2, 2)
     assert all(text.startswith("error: ") for text in episode.observations)

@@ -13,7 +13,7 @@ datasets = pytest.importorskip("datasets")
 import polo  # noqa: E402
 from polo.cli import main  # noqa: E402
 from polo.config import ConfigError, load_config  # noqa: E402
-from polo.data import TASKS, hf_task, jsonl_task, make_task  # noqa: E402
+from polo.data import TASKS, HfSource, hf_task, jsonl_task, make_task  # noqa: E402
 from polo.data.base import TaskDataError  # noqa: E402
 from polo.rewards.answers import CHECKER_HELP, CHECKERS, DEFAULT_CHECKER  # noqa: E402
 
@@ -64,7 +64,7 @@ def subtraction_files(root: Path, form: str) -> Path:
 def test_datasets_files_give_the_jsonl_rows(tmp_path, form):
     train, test = subtraction_jsonl(tmp_path)
     expected = jsonl_task(train, test)
-    task = hf_task(str(subtraction_files(tmp_path, form)))
+    task = hf_task(HfSource(str(subtraction_files(tmp_path, form))))
     assert task.name == "hf"
     assert task.train_rows == expected.train_rows and task.eval_rows == expected.eval_rows
     assert task.train_rows[0] == {"level": 2, "question": "What is 2 - 9?", "answer": "-7"}
@@ -73,7 +73,7 @@ def test_datasets_files_give_the_jsonl_rows(tmp_path, form):
 def test_one_data_file_with_eval_path(tmp_path):
     folder = subtraction_files(tmp_path, "parquet")
     expected = jsonl_task(*subtraction_jsonl(tmp_path))
-    task = hf_task(str(folder / "train.parquet"), eval_path=str(folder / "test.parquet"))
+    task = hf_task(HfSource(str(folder / "train.parquet"), eval_path=str(folder / "test.parquet")))
     assert (task.train_rows, task.eval_rows) == (expected.train_rows, expected.eval_rows)
 
 
@@ -81,7 +81,7 @@ def test_one_data_file_with_eval_path(tmp_path):
 def test_passed_datasets_give_the_jsonl_rows(tmp_path, as_dataset):
     expected = jsonl_task(*subtraction_jsonl(tmp_path))
     wrap = datasets.Dataset.from_list if as_dataset else list
-    task = hf_task(train_dataset=wrap(TRAIN), eval_dataset=wrap(TEST))
+    task = hf_task(HfSource(train_dataset=wrap(TRAIN), eval_dataset=wrap(TEST)))
     assert (task.train_rows, task.eval_rows) == (expected.train_rows, expected.eval_rows)
 
 
@@ -100,7 +100,7 @@ def test_a_bad_row_is_the_same_error_from_jsonl_and_from_datasets(tmp_path, bad_
     with pytest.raises(TaskDataError) as from_jsonl:
         jsonl_task(write_jsonl(tmp_path / "train.jsonl", rows), write_jsonl(tmp_path / "test.jsonl", TEST))
     with pytest.raises(TaskDataError) as from_list:
-        hf_task(train_dataset=rows, eval_dataset=TEST)
+        hf_task(HfSource(train_dataset=rows, eval_dataset=TEST))
     assert from_jsonl.value.problem == from_list.value.problem == problem
     assert str(from_jsonl.value).endswith(f"train.jsonl line 3: {problem}")
     assert str(from_list.value) == f"train_dataset row 2: {problem}"
@@ -113,14 +113,14 @@ def test_a_bad_row_of_a_dataset_file_names_split_row_and_field(tmp_path):
         str(folder / "train.parquet")
     )
     with pytest.raises(TaskDataError) as error:
-        hf_task(str(folder), num_eval=1)
+        hf_task(HfSource(str(folder)), num_eval=1)
     assert str(error.value) == f"{folder} split 'train' row 4: field 'question' is empty"
     assert (error.value.line, error.value.unit) == (4, "row") and "\n" not in str(error.value)
 
 
 def test_a_missing_column_names_the_setting_and_the_columns(tmp_path):
     with pytest.raises(ConfigError) as error:
-        hf_task(train_dataset=datasets.Dataset.from_list(TRAIN), prompt_field="prompt")
+        hf_task(HfSource(train_dataset=datasets.Dataset.from_list(TRAIN)), prompt_field="prompt")
     assert (
         str(error.value)
         == "train_dataset: no column 'prompt' (task.prompt_field); its columns: ['question', 'answer', 'level']"
@@ -128,7 +128,7 @@ def test_a_missing_column_names_the_setting_and_the_columns(tmp_path):
     with pytest.raises(
         TaskDataError, match=r"^train_dataset row 1: missing field 'question'; fields present: \['answer', 'q'\]$"
     ):
-        hf_task(train_dataset=[TRAIN[0], {"q": "What?", "answer": 1}])
+        hf_task(HfSource(train_dataset=[TRAIN[0], {"q": "What?", "answer": 1}]))
 
 
 def test_exact_number_needs_numeric_answers_from_datasets_too(tmp_path):
@@ -136,7 +136,7 @@ def test_exact_number_needs_numeric_answers_from_datasets_too(tmp_path):
     with pytest.raises(
         TaskDataError, match=r"^train_dataset row 2: answer 'Paris' is not a number, which checker 'exact_number' needs"
     ):
-        hf_task(train_dataset=rows, num_eval=0, checker="exact_number")
+        hf_task(HfSource(train_dataset=rows), num_eval=0, checker="exact_number")
 
 
 # ---------------------------------------------------------------- splits
@@ -145,35 +145,39 @@ def test_exact_number_needs_numeric_answers_from_datasets_too(tmp_path):
 def test_no_test_split_holds_out_the_last_num_eval_rows(tmp_path):
     folder = tmp_path / "train-only"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(TRAIN)}).save_to_disk(str(folder))
-    task = hf_task(str(folder), num_eval=3, num_train=5, checker="exact_number")
+    task = hf_task(HfSource(str(folder)), num_eval=3, num_train=5, checker="exact_number")
     expected = jsonl_task(*subtraction_jsonl(tmp_path), checker="exact_number")
     assert task.eval_rows == expected.train_rows[-3:] and task.train_rows == expected.train_rows[:5]
-    assert hf_task(train_dataset=TRAIN, num_eval=3).eval_rows == task.eval_rows
-    assert hf_task(str(folder), num_eval=0).eval_rows == [] and len(hf_task(str(folder)).train_rows) == len(TRAIN)
+    assert hf_task(HfSource(train_dataset=TRAIN), num_eval=3).eval_rows == task.eval_rows
+    assert hf_task(HfSource(str(folder)), num_eval=0).eval_rows == [] and len(
+        hf_task(HfSource(str(folder))).train_rows
+    ) == len(TRAIN)
     with pytest.raises(
         ConfigError,
         match=rf"^task\.num_eval is {len(TRAIN)} but .* holds only {len(TRAIN)} rows and there is no eval split",
     ):
-        hf_task(str(folder), num_eval=len(TRAIN))
+        hf_task(HfSource(str(folder)), num_eval=len(TRAIN))
 
 
 def test_split_settings_name_the_splits_there_are(tmp_path):
     folder = subtraction_files(tmp_path, "save_to_disk")
-    assert hf_task(str(folder), split="test", eval_split="train").train_rows[0]["question"] == "What is 20 - 3?"
+    assert (
+        hf_task(HfSource(str(folder), split="test", eval_split="train")).train_rows[0]["question"] == "What is 20 - 3?"
+    )
     with pytest.raises(
         ConfigError, match=r"^task\.split: 'training' is not a split of .*; its splits: \['test', 'train'\]$"
     ):
-        hf_task(str(folder), split="training")
+        hf_task(HfSource(str(folder), split="training"))
     with pytest.raises(
         ConfigError, match=r"^task\.eval_split: 'validation' is not a split of .*; its splits: \['test', 'train'\]"
     ):
-        hf_task(str(folder), eval_split="validation")
+        hf_task(HfSource(str(folder), eval_split="validation"))
     with pytest.raises(ConfigError, match=r"^task\.eval_split: 'train' is also task\.split"):
-        hf_task(str(folder), eval_split="train")
+        hf_task(HfSource(str(folder), eval_split="train"))
     with pytest.raises(
         ConfigError, match=r"^hf eval .* split 'test': task\.num_eval is 5 but the dataset holds only 3 rows"
     ):
-        hf_task(str(folder), num_eval=5)
+        hf_task(HfSource(str(folder)), num_eval=5)
 
 
 def test_paths_that_are_not_datasets_fail_at_once(tmp_path):
@@ -181,17 +185,17 @@ def test_paths_that_are_not_datasets_fail_at_once(tmp_path):
         ConfigError,
         match=r"^task\.path: .*missing\.parquet is neither a local file or directory nor a Hugging Face Hub",
     ):
-        hf_task(str(tmp_path / "missing.parquet"))
+        hf_task(HfSource(str(tmp_path / "missing.parquet")))
     text = write_jsonl(tmp_path / "notes.txt", TRAIN)
     with pytest.raises(
         ConfigError,
         match=r"^task\.path: .*notes\.txt is not a data file datasets reads; use one ending in \.parquet, \.json",
     ):
-        hf_task(str(text))
+        hf_task(HfSource(str(text)))
     broken = tmp_path / "broken.json"
     broken.write_text('{"question": "What?", "answer": ')
     with pytest.raises(TaskDataError, match=r"broken\.json: datasets could not read it"):
-        hf_task(str(broken))
+        hf_task(HfSource(str(broken)))
     with pytest.raises(ConfigError, match=r"^task\.path: the hf task needs a dataset"):
         hf_task()
 
@@ -199,15 +203,15 @@ def test_paths_that_are_not_datasets_fail_at_once(tmp_path):
 def test_passed_datasets_are_checked(tmp_path):
     whole = datasets.DatasetDict({"train": datasets.Dataset.from_list(TRAIN)})
     with pytest.raises(ConfigError, match=r"^train_dataset is a mapping \(splits \['train'\]\); pass one split"):
-        hf_task(train_dataset=whole)
+        hf_task(HfSource(train_dataset=whole))
     with pytest.raises(
         ConfigError, match=r"^train_dataset must be a datasets\.Dataset or a list of dicts, got IterableDataset"
     ):
-        hf_task(train_dataset=datasets.Dataset.from_list(TRAIN).to_iterable_dataset())
+        hf_task(HfSource(train_dataset=datasets.Dataset.from_list(TRAIN).to_iterable_dataset()))
     with pytest.raises(ConfigError, match=r"^task\.path is 'data' and a train_dataset was passed too"):
-        hf_task("data", train_dataset=TRAIN)
+        hf_task(HfSource("data", train_dataset=TRAIN))
     with pytest.raises(ConfigError, match=r"^eval_dataset was passed without train_dataset"):
-        hf_task("data", eval_dataset=TEST)
+        hf_task(HfSource("data", eval_dataset=TEST))
 
 
 # ---------------------------------------------------------------- from a config

@@ -432,7 +432,8 @@ def _jsonl_config(tmp_path, *overrides):
 def test_make_task_misspelled_checker_names_the_valid_ones(tmp_path):
     with pytest.raises(
         ConfigError,
-        match=r"^task\.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string \(`polo train --help` says what each accepts\)$",
+        match=r"^task\.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string "
+        r"\(`polo train --help` says what each accepts\)$",
     ):
         make_task(_jsonl_config(tmp_path, "task.checker=exact_nmber"))
 

@@ -323,9 +323,9 @@ def test_evaluate_policy_samples_each_problem_as_one_group(tiny_policy):
     model, tokenizer = tiny_policy
     calls = []
 
-    def recording(model, tokenizer, prompts, group_size, **settings):
+    def recording(model, tokenizer, prompts, group_size, decoding, **settings):
         calls.append((len(prompts), group_size))
-        return rollout(model, tokenizer, prompts, group_size, **settings)
+        return rollout(model, tokenizer, prompts, group_size, decoding, **settings)
 
     rows = [{"question": prompt, "answer": "2"} for prompt in PROMPTS]
     result = evaluate_policy(

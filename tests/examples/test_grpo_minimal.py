@@ -42,7 +42,10 @@ def load_example() -> ModuleType:
 def test_the_example_defaults_are_the_recipe():
     args, config = load_example().Args(), load_config(str(RECIPE))
     alg, train, sampling = config.algorithm, config.train, config.sampling
-    assert config.algorithm.name == "grpo" and (alg.policy_loss, alg.loss_aggregation) == ("ppo_clip", "seq_mean_token_mean")
+    assert config.algorithm.name == "grpo" and (alg.policy_loss, alg.loss_aggregation) == (
+        "ppo_clip",
+        "seq_mean_token_mean",
+    )
     assert (alg.advantage_estimator, alg.kl_estimator, alg.scale_rewards) == ("grpo", "k3", True)
     assert (args.group_size, args.beta, args.update_epochs) == (alg.group_size, alg.beta, alg.update_epochs)
     assert args.clip_eps == alg.clip_eps_low == alg.clip_eps_high

@@ -37,7 +37,8 @@ def test_a_second_sft_run_into_the_same_dir_is_refused_before_the_model_loads_un
     )
     assert main(["sft", str(path)]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"polo: error: output.dir {tmp_path / 'run'} already holds a run (final/, metrics.jsonl, config.yaml, summary.json): "
+        f"polo: error: output.dir {tmp_path / 'run'} already holds a run "
+        "(final/, metrics.jsonl, config.yaml, summary.json): "
         "replace it with output.overwrite=true, or pick a new output.dir"
     )
     assert snapshot(tmp_path / "run") == before
@@ -45,7 +46,7 @@ def test_a_second_sft_run_into_the_same_dir_is_refused_before_the_model_loads_un
     monkeypatch.setattr(loading, "load_policy", real_load)
     assert main(["sft", str(path), "output.overwrite=true"]) == 0
     assert (
-        f"polo: output.overwrite=true: removed the earlier run in {tmp_path / 'run'} (final/, metrics.jsonl, config.yaml, summary.json)"
-        in capsys.readouterr().out
+        f"polo: output.overwrite=true: removed the earlier run in {tmp_path / 'run'} "
+        "(final/, metrics.jsonl, config.yaml, summary.json)" in capsys.readouterr().out
     )
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()

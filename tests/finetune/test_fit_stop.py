@@ -1,4 +1,5 @@
-"""polo sft, rm and dpo stop at SIGTERM after the step in progress, and say how to start again (they keep no checkpoint)."""
+"""polo sft, rm and dpo stop at SIGTERM after the step in progress, and say how to start again (they keep no
+checkpoint)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_sigterm_during_an_sft_step_finishes_it_then_stops_with_the_command_to_s
         in captured.out
     )
     assert captured.err.strip().splitlines()[-1] == (
-        f"polo: stopped by SIGTERM after step 2; polo sft cannot resume; start it again with: polo sft {path} train.seed=1 output.overwrite=true"
+        "polo: stopped by SIGTERM after step 2; polo sft cannot resume; start it again with: "
+        f"polo sft {path} train.seed=1 output.overwrite=true"
     )
     assert [row["step"] for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in row] == [1, 2]
     assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / LOCK_FILE).exists()

@@ -9,7 +9,8 @@ from polo.data.environments import ChatEnvironment, EnvironmentSettings
 from polo.generation import cpu_sampler
 from polo.generation.episodes import EnvStep, EpisodeLimits, EpisodeSampler, episode_metrics
 from polo.generation.prompts import render_messages
-from polo.generation.stopping import StopStrings
+from polo.generation.rollouts import Decoding
+from polo.generation.stopping import Stopping, StopStrings
 from polo.models.family import encode_prompts
 from polo.models.loading import load_policy
 from polo.models.scoring import completion_logprobs
@@ -33,9 +34,9 @@ def scripted(tokenizer, turns: list[str]):
     """Return a per-turn `generate` that writes `turns` in order (the same text in every row), then EOS."""
     turns = list(turns)
 
-    def generate(model, prompt_ids, prompt_mask, *, max_new_tokens, samples_per_prompt=1, stop_strings=None, **_):
+    def generate(model, prompt_ids, prompt_mask, decoding, stopping, *, samples_per_prompt=1, **_):
         text = turns.pop(0)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_new_tokens]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: decoding.max_new_tokens]
         rows = prompt_ids.shape[0] * samples_per_prompt
         drawn = torch.tensor([ids] * rows, dtype=torch.long)
         return drawn, torch.ones_like(drawn), torch.zeros(rows, dtype=torch.bool)
@@ -48,7 +49,7 @@ def test_episode_layout_and_loss_mask_token_by_token(tiny_model_dir):
     turns = ["<add>2 3</add>", "<add>5 10</add>", "It is 15.<|im_end|>"]
     sampler = EpisodeSampler(Adder, scripted(tokenizer, turns), EpisodeLimits(max_turns=4, max_episode_tokens=200))
     rows = [{"question": "2 + 3 + 10?", "answer": "15"}]
-    rollouts = sampler(model, tokenizer, ["unused"], 2, max_new_tokens=40, temperature=1.0, rows=rows)
+    rollouts = sampler(model, tokenizer, ["unused"], 2, Decoding(40, temperature=1.0), rows=rows)
 
     pieces = [  # (text, written by the model)
         (turns[0], 1),
@@ -84,7 +85,7 @@ def test_a_turn_is_cut_at_its_first_stop_string_and_limits_truncate(tiny_model_d
     sampler = EpisodeSampler(
         Adder, scripted(tokenizer, ["<add>1 1</add> and more", "<add>1 2</add>"]), EpisodeLimits(2)
     )
-    rollouts = sampler(model, tokenizer, ["p"], 1, max_new_tokens=40, temperature=1.0, rows=[{"question": "q"}])
+    rollouts = sampler(model, tokenizer, ["p"], 1, Decoding(40, temperature=1.0), rows=[{"question": "q"}])
     assert rollouts.episodes[0].turns == ["<add>1 1</add>", "<add>1 2</add>"]
     assert rollouts.truncated.tolist() == [True]  # the turns ran out before the environment said done
     # The episode's token budget ends it mid-turn: the completion holds exactly max_episode_tokens tokens.
@@ -92,7 +93,7 @@ def test_a_turn_is_cut_at_its_first_stop_string_and_limits_truncate(tiny_model_d
         len(tokenizer("<add>1 1</add>" + OBSERVATION_TEMPLATE.format(2), add_special_tokens=False)["input_ids"]) + 5
     )
     sampler = EpisodeSampler(Adder, scripted(tokenizer, ["<add>1 1</add>", "x" * 30]), EpisodeLimits(4, budget))
-    rollouts = sampler(model, tokenizer, ["p"], 1, max_new_tokens=40, temperature=1.0, rows=[{"question": "q"}])
+    rollouts = sampler(model, tokenizer, ["p"], 1, Decoding(40, temperature=1.0), rows=[{"question": "q"}])
     assert rollouts.completion_mask.sum().item() == budget and rollouts.truncated.tolist() == [True]
     assert rollouts.episodes[0].turns[-1] == "x" * 5
 
@@ -106,13 +107,9 @@ def test_stop_strings_end_rows_in_the_cpu_sampler(tiny_model_dir):
         model,
         ids,
         torch.ones_like(ids),
-        max_new_tokens=200,
-        temperature=1.0,
-        top_p=1.0,
-        stop_ids=[tokenizer.eos_token_id],
-        pad_id=tokenizer.pad_token_id,
+        Decoding(200, temperature=1.0, top_p=1.0),
+        Stopping([tokenizer.eos_token_id], tokenizer.pad_token_id, stops),
         samples_per_prompt=6,
-        stop_strings=stops,
     )
     for row in range(6):
         ids = drawn[row][drawn_mask[row].bool()].tolist()
@@ -128,10 +125,10 @@ def test_one_turn_environment_gives_the_one_turn_samplers_completions(tiny_model
     rows = [{"question": "1 + 1"}, {"question": "a longer question, 20 + 22"}]
     prompts = [render_messages(tokenizer, ChatEnvironment(settings).reset(row)) for row in rows]
     torch.manual_seed(3)
-    single = cpu_sampler.rollout(model, tokenizer, prompts, 3, max_new_tokens=16, temperature=1.0)
+    single = cpu_sampler.rollout(model, tokenizer, prompts, 3, Decoding(16, temperature=1.0))
     torch.manual_seed(3)
     episodes = EpisodeSampler(lambda: ChatEnvironment(settings), cpu_sampler.generate, EpisodeLimits(4, 16))(
-        model, tokenizer, prompts, 3, max_new_tokens=16, temperature=1.0, rows=rows
+        model, tokenizer, prompts, 3, Decoding(16, temperature=1.0), rows=rows
     )
     for row in range(6):
         length = int(single.completion_mask[row].sum())
@@ -159,7 +156,7 @@ def test_sampler_layout_and_trainer_layout_log_probs_agree(tiny_model_dir):
     torch.manual_seed(1)
     sampler = EpisodeSampler(EveryE, cpu_sampler.generate, EpisodeLimits(max_turns=3, max_episode_tokens=120))
     rows = [{"question": "go"}, {"question": "go on, longer"}]
-    rollouts = sampler(model, tokenizer, ["a", "b"], 2, max_new_tokens=30, temperature=1.0, rows=rows)
+    rollouts = sampler(model, tokenizer, ["a", "b"], 2, Decoding(30, temperature=1.0), rows=rows)
     assert (rollouts.loss_mask < rollouts.completion_mask).any()  # observations are in the layout, masked
     with torch.no_grad():
         trainer, _ = completion_logprobs(
@@ -220,7 +217,7 @@ def test_the_static_sampler_runs_the_same_greedy_episodes(tiny_model_dir):
     results = []
     for generate in (cpu_sampler.generate, static_sampler.generate):
         sampler = EpisodeSampler(EveryE, generate, EpisodeLimits(max_turns=3, max_episode_tokens=90))
-        results.append(sampler(model, tokenizer, ["a", "b"], 2, max_new_tokens=24, temperature=0.0, rows=rows))
+        results.append(sampler(model, tokenizer, ["a", "b"], 2, Decoding(24, temperature=0.0), rows=rows))
     kv_cache, static = results
     assert kv_cache.loss_mask.tolist() == static.loss_mask.tolist()
     assert kv_cache.completion_ids[kv_cache.completion_mask.bool()].tolist() == (

@@ -18,6 +18,7 @@ from polo.generation.grouped import (
     pick_sampler,
     sample_groups,
 )
+from polo.generation.rollouts import Decoding
 from polo.models.family import encode_prompts
 from polo.runtime.device import CPU, Compute
 
@@ -40,9 +41,9 @@ def test_sample_groups_calls_the_sampler_with_whole_groups_and_returns_prompt_or
     model, tokenizer = policy
     calls = []
 
-    def recording(model, tokenizer, prompts, group_size, **settings):
+    def recording(model, tokenizer, prompts, group_size, decoding, **settings):
         calls.append((list(prompts), group_size, settings["compute"]))
-        return cpu_sampler.rollout(model, tokenizer, prompts, group_size, **settings)
+        return cpu_sampler.rollout(model, tokenizer, prompts, group_size, decoding, **settings)
 
     settings = GroupSampling(samples=3, max_new_tokens=5, temperature=1.0, batch_size=7, sampler=recording)
     results = sample_groups(model, tokenizer, PROMPTS, settings)
@@ -68,9 +69,7 @@ def old_grouped_completions(model, tokenizer, prompts, samples, *, max_new_token
             tokenizer,
             [prompts[index] for index in chunk],
             samples,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
+            Decoding(max_new_tokens, temperature, top_p),
         )
         counts, cut = sampled.completion_mask.sum(-1).tolist(), sampled.truncated.tolist()
         for row, text in enumerate(sampled.texts):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from polo.generation.cpu_sampler import generate, rollout
-from polo.generation.prompts import stop_token_ids, tokenize_prompts
+from polo.generation.prompts import tokenize_prompts
+from polo.generation.rollouts import Decoding
+from polo.generation.stopping import Stopping
 from polo.models.loading import load_policy
 from polo.models.scoring import completion_logprobs
 
@@ -15,14 +17,7 @@ def test_greedy_sampler_matches_transformers_generate(tiny_model_dir):
     prompts = ["What is 1 + 2?", "A much longer prompt, so the others are left-padded: 17 * 3 = "]
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     ours, mask, _ = generate(
-        model,
-        prompt_ids,
-        prompt_mask,
-        max_new_tokens=12,
-        temperature=0.0,
-        top_p=1.0,
-        stop_ids=stop_token_ids(tokenizer, model),
-        pad_id=tokenizer.pad_token_id,
+        model, prompt_ids, prompt_mask, Decoding(12, temperature=0.0), Stopping.of(tokenizer, model)
     )
     theirs = model.generate(
         input_ids=prompt_ids,
@@ -39,7 +34,7 @@ def test_greedy_sampler_matches_transformers_generate(tiny_model_dir):
 def test_rollout_masks_and_truncation(tiny_model_dir):
     model, tokenizer = load_policy(str(tiny_model_dir))
     torch.manual_seed(0)
-    batch = rollout(model, tokenizer, ["1+1=", "2+2="], 4, max_new_tokens=6, temperature=1.0)
+    batch = rollout(model, tokenizer, ["1+1=", "2+2="], 4, Decoding(6, temperature=1.0))
     assert batch.completion_ids.shape[0] == 8 and batch.group_size == 4
     eos = tokenizer.eos_token_id
     for row in range(8):
@@ -120,17 +115,11 @@ def test_one_prefill_per_prompt_samples_like_repeated_prompts(tiny_model_dir):
     """samples_per_prompt=3 (the prompt run once, its cache repeated) draws what 3 copies of the prompt draw."""
     model, tokenizer = load_policy(str(tiny_model_dir))
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, ["1+1=", "a longer prompt: 12+30="])
-    options = dict(
-        max_new_tokens=8,
-        temperature=1.0,
-        top_p=1.0,
-        stop_ids=stop_token_ids(tokenizer, model),
-        pad_id=tokenizer.pad_token_id,
-    )
+    options = (Decoding(8, temperature=1.0, top_p=1.0), Stopping.of(tokenizer, model))
     torch.manual_seed(5)
-    shared = generate(model, prompt_ids, prompt_mask, samples_per_prompt=3, **options)
+    shared = generate(model, prompt_ids, prompt_mask, *options, samples_per_prompt=3)
     torch.manual_seed(5)
-    repeated = generate(model, prompt_ids.repeat_interleave(3, 0), prompt_mask.repeat_interleave(3, 0), **options)
+    repeated = generate(model, prompt_ids.repeat_interleave(3, 0), prompt_mask.repeat_interleave(3, 0), *options)
     assert shared[0].shape[0] == 6
     for ours, theirs in zip(shared, repeated):
         assert torch.equal(ours, theirs)

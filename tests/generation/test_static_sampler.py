@@ -4,12 +4,16 @@ fixed shapes and addresses, and a compiled decode step that never recompiles."""
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 import pytest
 import torch
 
 from polo.generation import cpu_sampler, static_sampler
 from polo.generation.prompts import stop_token_ids, tokenize_prompts
+from polo.generation.rollouts import Decoding
 from polo.generation.sampling import sample_next_token, sample_on_device
+from polo.generation.stopping import Stopping
 from polo.models.family import attention_window
 from polo.models.loading import load_policy
 
@@ -52,13 +56,24 @@ def policy(request, tiny_model_dir):
 
 
 def options(model, tokenizer, **overrides) -> dict:
-    stop_ids, pad_id = stop_token_ids(tokenizer, model), tokenizer.pad_token_id
-    settings = dict(max_new_tokens=16, temperature=0.0, top_p=1.0, stop_ids=stop_ids, pad_id=pad_id)
-    return {**settings, **overrides}
+    """Return `generate`'s keyword arguments: 16 greedy tokens, the model's stop ids, changed by `overrides` (a
+    `Decoding` or `Stopping` field, or another keyword of `generate`)."""
+    decoding = {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0}
+    stopping = {"stop_ids": stop_token_ids(tokenizer, model), "pad_id": tokenizer.pad_token_id}
+    rest = {}
+    for key, value in overrides.items():
+        if key in {field.name for field in fields(Decoding)}:
+            decoding[key] = value
+        elif key in stopping:
+            stopping[key] = value
+        else:
+            rest[key] = value
+    return {"decoding": Decoding(**decoding), "stopping": Stopping(**stopping), **rest}
 
 
-def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def seeded(settings: dict, seed: int) -> dict:
+    """Return `settings` drawing from a fresh generator seeded `seed`."""
+    return {**settings, "decoding": replace(settings["decoding"], generator=torch.Generator().manual_seed(seed))}
 
 
 def until_stop(row: list[int], stop: list[int]) -> list[int]:
@@ -81,11 +96,11 @@ def test_greedy_equals_the_cpu_sampler_and_transformers_generate(policy, group_s
         max_new_tokens=16,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=settings["stop_ids"],
+        eos_token_id=list(settings["stopping"].stop_ids),
     )[:, prompt_ids.shape[1] :]
     completion_ids, completion_mask, _ = static
     got = [row[: int(length)] for row, length in zip(completion_ids.tolist(), completion_mask.sum(-1).tolist())]
-    assert got == [until_stop(row, settings["stop_ids"]) for row in expected.tolist()]
+    assert got == [until_stop(row, settings["stopping"].stop_ids) for row in expected.tolist()]
     assert prompt_ids.shape[1] + 16 > WINDOW  # the window cuts into every row
 
 
@@ -96,8 +111,8 @@ def test_sampled_tokens_equal_the_cpu_samplers_under_one_generator(policy, top_p
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, PROMPTS)
     never = [model.config.vocab_size + 7]  # a stop id no row can draw, so no row finishes (and is dropped) early
     settings = options(model, tokenizer, temperature=1.0, top_p=top_p, stop_ids=never, samples_per_prompt=3)
-    static = static_sampler.generate(model, prompt_ids, prompt_mask, generator=seeded(3), **settings)
-    cpu = cpu_sampler.generate(model, prompt_ids, prompt_mask, generator=seeded(3), **settings)
+    static = static_sampler.generate(model, prompt_ids, prompt_mask, **seeded(settings, 3))
+    cpu = cpu_sampler.generate(model, prompt_ids, prompt_mask, **seeded(settings, 3))
     for ours, theirs in zip(static, cpu):
         assert torch.equal(ours, theirs)
     assert static[0].shape == (9, 16) and len({tuple(row) for row in static[0].tolist()}) > 1
@@ -108,9 +123,9 @@ def test_sampled_tokens_agree_until_the_first_row_stops_and_repeat_under_the_sam
     model, tokenizer = policy
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, PROMPTS)
     settings = options(model, tokenizer, temperature=1.0, max_new_tokens=24, samples_per_prompt=4)
-    static = static_sampler.generate(model, prompt_ids, prompt_mask, generator=seeded(5), **settings)
-    again = static_sampler.generate(model, prompt_ids, prompt_mask, generator=seeded(5), **settings)
-    cpu = cpu_sampler.generate(model, prompt_ids, prompt_mask, generator=seeded(5), **settings)
+    static = static_sampler.generate(model, prompt_ids, prompt_mask, **seeded(settings, 5))
+    again = static_sampler.generate(model, prompt_ids, prompt_mask, **seeded(settings, 5))
+    cpu = cpu_sampler.generate(model, prompt_ids, prompt_mask, **seeded(settings, 5))
     for first, second in zip(static, again):
         assert torch.equal(first, second)
     first_stop = int(static[1].sum(-1).min())  # the column in which the first row drew its stop token, plus one
@@ -141,7 +156,8 @@ def test_finished_rows_are_masked_and_nothing_moves(tiny_model_dir):
     for row in stopped.nonzero().squeeze(1).tolist():
         length = int(mask[row].sum())
         assert mask[row, :length].all() and not mask[row, length:].any()
-        assert int(ids[row, length - 1]) in settings["stop_ids"] and (ids[row, length:] == tokenizer.pad_token_id).all()
+        assert int(ids[row, length - 1]) in settings["stopping"].stop_ids
+        assert (ids[row, length:] == tokenizer.pad_token_id).all()
 
 
 def test_device_sampling_draws_what_the_cpu_draw_draws_and_matches_the_distribution():
@@ -218,20 +234,21 @@ def test_captured_on_cuda_greedy_equals_transformers_generate(tiny_model_dir, fa
         max_new_tokens=16,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=settings["stop_ids"],
+        eos_token_id=list(settings["stopping"].stop_ids),
     )[:, prompt_ids.shape[1] :]
     assert ids.device.type == "cuda" and all(shape.captured for shape, _ in model.__dict__["_polo_static_decoders"])
     got = [row[: int(length)] for row, length in zip(ids.tolist(), mask.sum(-1).tolist())]
-    assert got == [until_stop(row, settings["stop_ids"]) for row in expected.tolist()]
+    assert got == [until_stop(row, settings["stopping"].stop_ids) for row in expected.tolist()]
 
 
 def test_every_tensor_the_static_sampler_makes_names_its_device(tiny_model_dir):
-    """Under the implicit-device guard (polo.runtime.guard) the static sampler runs: nothing lands on a default device."""
+    """The static sampler runs under the implicit-device guard (polo.runtime.guard): nothing lands on a default
+    device."""
     from polo.runtime.device import CPU
     from polo.runtime.guard import implicit_device_guard
 
     model, tokenizer = load_policy(str(tiny_model_dir))
     model.eval()
     with implicit_device_guard():
-        rollouts = static_sampler.rollout(model, tokenizer, PROMPTS, 2, max_new_tokens=6, temperature=1.0, compute=CPU)
+        rollouts = static_sampler.rollout(model, tokenizer, PROMPTS, 2, Decoding(6, temperature=1.0), compute=CPU)
     assert rollouts.completion_ids.device == CPU.device and len(rollouts.texts) == 6

@@ -7,6 +7,7 @@ import torch
 
 from polo.kernels.logprobs import (
     ChunkedTokenLogprobs,
+    LogprobSettings,
     completion_logprobs_fused,
     supports_fused_logprobs,
     token_logprobs,
@@ -42,7 +43,12 @@ def test_forward_and_gradients_match_full_logits(temperature, shape, vocab_block
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 
-    logprobs, entropy = token_logprobs(h1, w1, targets, temperature=temperature, chunk_size=8, vocab_block=vocab_block)
+    logprobs, entropy = token_logprobs(
+        h1,
+        w1,
+        targets,
+        LogprobSettings(temperature=temperature, chunk_size=8, vocab_block=vocab_block, with_entropy=True),
+    )
     ref_logprobs, ref_entropy = naive(h2, w2, targets, temperature)
     assert logprobs.shape == entropy.shape == targets.shape and logprobs.dtype == torch.float32
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
@@ -57,7 +63,9 @@ def test_forward_and_gradients_match_full_logits(temperature, shape, vocab_block
 
 def test_float64_matches_reference_tightly():
     hidden, weight, targets, _ = random_case(dtype=torch.float64)
-    logprobs, entropy = token_logprobs(hidden, weight, targets, temperature=1.3, chunk_size=8, vocab_block=10)
+    logprobs, entropy = token_logprobs(
+        hidden, weight, targets, LogprobSettings(temperature=1.3, chunk_size=8, vocab_block=10, with_entropy=True)
+    )
     ref_logprobs, ref_entropy = naive(hidden, weight, targets, 1.3)
     assert logprobs.dtype == torch.float64
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-12, rtol=0)
@@ -71,14 +79,18 @@ def test_gradcheck_float64():
     targets = torch.randint(0, 7, (5,), generator=generator)
 
     def logprobs_only(h, w):
-        return ChunkedTokenLogprobs.apply(h, w, targets, 0.7, 2, torch.float64, True, 3)[0]
+        settings = LogprobSettings(0.7, with_entropy=True, chunk_size=2, vocab_block=3, compute_dtype=torch.float64)
+        return ChunkedTokenLogprobs.apply(h, w, targets, settings)[0]
 
     assert torch.autograd.gradcheck(logprobs_only, (hidden, weight))
 
 
 def test_chunk_size_does_not_change_the_result():
     hidden, weight, targets, _ = random_case()
-    results = [token_logprobs(hidden, weight, targets, chunk_size=size) for size in (1, 8, 37, 4096)]
+    results = [
+        token_logprobs(hidden, weight, targets, LogprobSettings(chunk_size=size, with_entropy=True))
+        for size in (1, 8, 37, 4096)
+    ]
     for logprobs, entropy in results[1:]:
         torch.testing.assert_close(logprobs, results[0][0], atol=1e-5, rtol=0)
         torch.testing.assert_close(entropy, results[0][1], atol=1e-5, rtol=0)
@@ -86,8 +98,8 @@ def test_chunk_size_does_not_change_the_result():
 
 def test_without_entropy_returns_none_and_same_logprobs():
     hidden, weight, targets, _ = random_case()
-    with_entropy, _ = token_logprobs(hidden, weight, targets, chunk_size=8)
-    logprobs, entropy = token_logprobs(hidden, weight, targets, chunk_size=8, with_entropy=False)
+    with_entropy, _ = token_logprobs(hidden, weight, targets, LogprobSettings(chunk_size=8, with_entropy=True))
+    logprobs, entropy = token_logprobs(hidden, weight, targets, LogprobSettings(chunk_size=8, with_entropy=False))
     assert entropy is None
     torch.testing.assert_close(logprobs, with_entropy, atol=1e-6, rtol=0)
 
@@ -96,8 +108,10 @@ def test_frozen_weight_gets_no_gradient_and_hidden_gradient_is_unchanged():
     hidden, weight, targets, upstream = random_case()
     h1 = hidden.clone().requires_grad_()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    (token_logprobs(h1, weight, targets, chunk_size=8)[0] * upstream).sum().backward()
-    (token_logprobs(h2, w2, targets, chunk_size=8)[0] * upstream).sum().backward()
+    (
+        token_logprobs(h1, weight, targets, LogprobSettings(chunk_size=8, with_entropy=True))[0] * upstream
+    ).sum().backward()
+    (token_logprobs(h2, w2, targets, LogprobSettings(chunk_size=8, with_entropy=True))[0] * upstream).sum().backward()
     assert weight.grad is None
     torch.testing.assert_close(h1.grad, h2.grad, atol=0, rtol=0)
 
@@ -106,7 +120,9 @@ def test_bf16_compute_matches_bf16_matmul_with_fp32_softmax():
     hidden, weight, targets, upstream = random_case()
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logprobs, entropy = token_logprobs(h1, w1, targets, chunk_size=8, compute_dtype=torch.bfloat16)
+    logprobs, entropy = token_logprobs(
+        h1, w1, targets, LogprobSettings(chunk_size=8, compute_dtype=torch.bfloat16, with_entropy=True)
+    )
     ref_logprobs, ref_entropy = naive(h2, w2, targets, 1.0, matmul_dtype=torch.bfloat16)
     assert logprobs.dtype == torch.float32
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-2, rtol=1e-2)
@@ -121,10 +137,12 @@ def test_bf16_compute_matches_bf16_matmul_with_fp32_softmax():
 
 def test_autocast_selects_bf16_and_backward_outside_autocast_works():
     hidden, weight, targets, upstream = random_case()
-    explicit, _ = token_logprobs(hidden, weight, targets, chunk_size=8, compute_dtype=torch.bfloat16)
+    explicit, _ = token_logprobs(
+        hidden, weight, targets, LogprobSettings(chunk_size=8, compute_dtype=torch.bfloat16, with_entropy=True)
+    )
     h = hidden.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logprobs, _ = token_logprobs(h, weight, targets, chunk_size=8)
+        logprobs, _ = token_logprobs(h, weight, targets, LogprobSettings(chunk_size=8, with_entropy=True))
     torch.testing.assert_close(logprobs, explicit, atol=0, rtol=0)
     (logprobs * upstream).sum().backward()
     assert h.grad.dtype == torch.float32 and torch.isfinite(h.grad).all()
@@ -134,7 +152,7 @@ def test_bf16_inputs_return_bf16_gradients():
     hidden, weight, targets, upstream = random_case(dtype=torch.bfloat16)
     hidden.requires_grad_()
     weight.requires_grad_()
-    logprobs, entropy = token_logprobs(hidden, weight, targets, chunk_size=8)
+    logprobs, entropy = token_logprobs(hidden, weight, targets, LogprobSettings(chunk_size=8, with_entropy=True))
     assert logprobs.dtype == entropy.dtype == torch.float32
     (logprobs * upstream.float()).sum().backward()
     assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
@@ -228,7 +246,6 @@ def test_decoder_is_the_trunk_and_head_is_tied():
 def test_fused_completion_logprobs_match_full_logits_path(temperature):
     model = tiny_llama()
     input_ids, attention_mask, position_ids, completion_ids = left_padded_batch()
-    completion_len = completion_ids.shape[1]
     upstream = torch.randn(completion_ids.shape, generator=torch.Generator().manual_seed(3))
 
     logprobs, entropy = completion_logprobs_fused(
@@ -236,11 +253,8 @@ def test_fused_completion_logprobs_match_full_logits_path(temperature):
         input_ids,
         attention_mask,
         position_ids,
-        completion_len,
         completion_ids,
-        temperature,
-        True,
-        chunk_size=4,
+        LogprobSettings(temperature, with_entropy=True, chunk_size=4),
     )
     (logprobs * upstream).sum().backward()
     fused_grads = tracked_grads(model)
@@ -264,10 +278,9 @@ def test_fused_completion_logprobs_match_full_logits_path(temperature):
 def test_fused_completion_logprobs_under_bf16_autocast_track_full_path():
     model = tiny_llama()
     input_ids, attention_mask, position_ids, completion_ids = left_padded_batch()
-    completion_len = completion_ids.shape[1]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logprobs, entropy = completion_logprobs_fused(
-            model, input_ids, attention_mask, position_ids, completion_len, completion_ids, 1.0, False
+            model, input_ids, attention_mask, position_ids, completion_ids, LogprobSettings(1.0, with_entropy=False)
         )
         ref_logprobs, _ = full_logits_path(model, input_ids, attention_mask, position_ids, completion_ids, 1.0)
     assert entropy is None and logprobs.dtype == torch.float32
@@ -318,14 +331,13 @@ def test_no_fused_path_when_config_or_structure_rule_it_out():
 
 
 def test_fused_path_is_decided_by_structure_not_by_the_family_name():
-    """An unknown model type whose logits are lm_head(final-normed trunk) takes the fused path and matches the full logits."""
+    """An unknown model type whose logits are lm_head(final-normed trunk) takes the fused path and matches the full
+    logits."""
     model = tiny_llama()
     model.config.model_type = "some_family_polo_never_heard_of"
     assert supports_fused_logprobs(model)
     input_ids, attention_mask, position_ids, completion_ids = left_padded_batch()
-    logprobs, _ = completion_logprobs_fused(
-        model, input_ids, attention_mask, position_ids, completion_ids.shape[1], completion_ids
-    )
+    logprobs, _ = completion_logprobs_fused(model, input_ids, attention_mask, position_ids, completion_ids)
     ref_logprobs, _ = full_logits_path(model, input_ids, attention_mask, position_ids, completion_ids, 1.0)
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
 
@@ -402,7 +414,7 @@ def test_fused_path_matches_on_other_families(name):
     assert supports_fused_logprobs(model)
     input_ids, attention_mask, position_ids, completion_ids = left_padded_batch()
     logprobs, _ = completion_logprobs_fused(
-        model, input_ids, attention_mask, position_ids, completion_ids.shape[1], completion_ids, 1.0, False
+        model, input_ids, attention_mask, position_ids, completion_ids, LogprobSettings(1.0, with_entropy=False)
     )
     logprobs.sum().backward()
     head = model.get_output_embeddings().weight
@@ -417,9 +429,8 @@ def test_fused_path_matches_on_other_families(name):
 def test_no_tokens_give_empty_results_and_zero_gradients():
     hidden = torch.zeros(0, 16, requires_grad=True)
     weight = torch.randn(101, 16, requires_grad=True)
-    logprobs, entropy = ChunkedTokenLogprobs.apply(
-        hidden, weight, torch.zeros(0, dtype=torch.long), 1.0, 8, torch.float32, True, 7
-    )
+    settings = LogprobSettings(1.0, with_entropy=True, chunk_size=8, vocab_block=7, compute_dtype=torch.float32)
+    logprobs, entropy = ChunkedTokenLogprobs.apply(hidden, weight, torch.zeros(0, dtype=torch.long), settings)
     assert logprobs.shape == entropy.shape == (0,)
     logprobs.sum().backward()
     assert torch.equal(weight.grad, torch.zeros_like(weight))
@@ -433,11 +444,15 @@ def test_a_mask_scores_only_its_tokens_and_gives_the_same_values_and_gradients()
     targets = torch.randint(0, 11, (3, 5))
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
     upstream = torch.randn(3, 5, dtype=torch.float64)
-    full, full_entropy = token_logprobs(hidden, weight, targets, chunk_size=4, vocab_block=3)
+    full, full_entropy = token_logprobs(
+        hidden, weight, targets, LogprobSettings(chunk_size=4, vocab_block=3, with_entropy=True)
+    )
     ((full * mask) * upstream).sum().backward()
     expected_grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad, weight.grad = None, None
-    masked, masked_entropy = token_logprobs(hidden, weight, targets, chunk_size=4, vocab_block=3, mask=mask)
+    masked, masked_entropy = token_logprobs(
+        hidden, weight, targets, LogprobSettings(chunk_size=4, vocab_block=3, with_entropy=True), mask=mask
+    )
     (masked * upstream).sum().backward()
     real = mask.bool()
     torch.testing.assert_close(masked[real], full[real])

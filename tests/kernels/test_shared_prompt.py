@@ -8,7 +8,7 @@ import torch
 from polo.kernels.cpu import shared_prompt
 from polo.kernels.cpu.attention import use_polo_attention
 from polo.kernels.cpu.shared_prompt import share_prompts, sharing_pays, without_padding
-from polo.models import scoring as rollout_module
+from polo.models import scoring
 from polo.models.loading import load_policy
 from polo.models.scoring import completion_logprobs, shared_completion_logprobs
 
@@ -238,11 +238,11 @@ def test_rows_sharing_a_prompt_prefix_run_it_once_with_the_same_logprobs_and_gra
     batch = prefixed_batch(model.config.vocab_size)
     completion_mask = batch[3]
     ran = []
-    real_without_padding = rollout_module.without_padding
-    monkeypatch.setattr(rollout_module, "without_padding", lambda s: ran.append(real_without_padding(s)) or ran[-1])
+    real_without_padding = scoring.without_padding
+    monkeypatch.setattr(scoring, "without_padding", lambda s: ran.append(real_without_padding(s)) or ran[-1])
     results = []
     for fused in (False, True):  # False: plain logits over each row whole
-        monkeypatch.setattr(rollout_module, "FUSED_LOGPROBS", fused)
+        monkeypatch.setattr(scoring, "FUSED_LOGPROBS", fused)
         model.zero_grad(set_to_none=True)
         logprobs, entropy = completion_logprobs(model, *batch, temperature=0.7, with_entropy=True)
         (logprobs * completion_mask).sum().backward()

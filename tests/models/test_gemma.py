@@ -21,6 +21,8 @@ from polo.finetune.reward_model import encode_rankings
 from polo.finetune.sft import encode_demonstrations
 from polo.generation.cpu_sampler import generate, rollout
 from polo.generation.prompts import format_prompt, stop_token_ids, tokenize_prompts
+from polo.generation.rollouts import Decoding
+from polo.generation.stopping import Stopping
 from polo.kernels.cpu.attention import use_polo_attention
 from polo.kernels.logprobs import supports_fused_logprobs
 from polo.models import loading, scoring
@@ -32,13 +34,15 @@ from polo.rl.train import train
 PAD, EOS, BOS = 0, 1, 2
 WINDOW = 4  # sliding window of the tiny model: shorter than every sequence below, so it matters
 GEMMA_CHAT_TEMPLATE = (  # writes the BOS itself, as Gemma's instruction-tuned template does
-    "{{ bos_token }}{% for message in messages %}<start>{{ message['role'] }}\n{{ message['content'] }}<end>\n{% endfor %}"
+    "{{ bos_token }}{% for message in messages %}"
+    "<start>{{ message['role'] }}\n{{ message['content'] }}<end>\n{% endfor %}"
     "{% if add_generation_prompt %}<start>model\n{% endif %}"
 )
 
 
 def gemma_tokenizer(chat_template: str | None = None):
-    """A character tokenizer laid out like Gemma's: <pad> 0, <eos> 1, <bos> 2, and <bos> put in front by its post-processor."""
+    """Return a character tokenizer laid out like Gemma's: <pad> 0, <eos> 1, <bos> 2, and <bos> put in front by its
+    post-processor."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -102,7 +106,7 @@ def gemma_dir(tmp_path_factory) -> Path:
     return directory
 
 
-# ---------------------------------------------------------------- BOS: once, everywhere, only where the tokenizer adds it
+# ------------------------------------------------------------ BOS: once, everywhere, only where the tokenizer adds it
 
 
 def test_gemma_like_tokenizers_get_their_bos_and_smollm2_like_ones_nothing(gemma_dir, tiny_model_dir):
@@ -150,7 +154,7 @@ def test_sft_dpo_reward_model_and_rollouts_all_start_prompts_with_one_bos(gemma_
     for sequence in (*sft.sequences, *dpo.sequences, scored):
         assert sequence.prompt_ids[0] == BOS and sequence.prompt_ids.count(BOS) == 1
         assert BOS not in sequence.response_ids and sequence.response_ids[-1] == EOS
-    sampled = rollout(model, tokenizer, ["Q: 1+2=\nA:\n", "Q: 12+34=\nA:\n"], 2, max_new_tokens=3, temperature=1.0)
+    sampled = rollout(model, tokenizer, ["Q: 1+2=\nA:\n", "Q: 12+34=\nA:\n"], 2, Decoding(3, temperature=1.0))
     for row, row_mask in zip(sampled.prompt_ids.tolist(), sampled.prompt_mask.tolist()):
         real = [token for token, keep in zip(row, row_mask) if keep]
         assert real[0] == BOS and real.count(BOS) == 1
@@ -184,16 +188,8 @@ def test_polo_greedy_sampling_equals_transformers_generate_with_bos(gemma_dir, p
     )[:, input_ids.shape[1] :]
     if polo_attention:
         assert use_polo_attention(model)
-    ids, completion_mask, _ = generate(
-        model,
-        input_ids,
-        mask,
-        max_new_tokens=new_tokens,
-        temperature=0.0,
-        top_p=1.0,
-        stop_ids=stop_token_ids(tokenizer, model),
-        pad_id=PAD,
-    )
+    stopping = Stopping(stop_token_ids(tokenizer, model), PAD)
+    ids, completion_mask, _ = generate(model, input_ids, mask, Decoding(new_tokens, temperature=0.0), stopping)
     got = [row[: int(length)] for row, length in zip(ids.tolist(), completion_mask.sum(-1).tolist())]
     assert got == completions_until_stop(expected, EOS)
     # The window matters here: the same weights attending to everything write something else.
@@ -277,7 +273,8 @@ def test_shared_prompt_scoring_only_where_no_window_cuts_a_row(monkeypatch, wind
 
 
 def test_dpo_and_reward_model_prompt_sharing_respects_the_window():
-    """SFT/DPO/reward models share a ranking's prompt through a KV cache, whose sliding-window layers transformers keeps exact."""
+    """SFT/DPO/reward models share a ranking's prompt through a KV cache, whose sliding-window layers transformers
+    keeps exact."""
     from polo.finetune.fit import RankingBatch, ranking_logprobs, sequence_logprobs
 
     model, tokenizer = tiny_gemma(), gemma_tokenizer()

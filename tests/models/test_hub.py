@@ -36,7 +36,8 @@ REAL_SNAPSHOT_DOWNLOAD = huggingface_hub.snapshot_download
 
 
 def cache_entry(cache: Path, repo_id: str, source: Path, commit: str = COMMIT, ref: str | None = "main") -> Path:
-    """Lay `source`'s files out as the hub cache does: blobs named by digest, snapshot links to them, refs/<ref> holding the commit."""
+    """Return the snapshot directory of `source`'s files laid out as the hub cache does: blobs named by digest,
+    snapshot links to them, refs/<ref> holding the commit."""
     repo_dir = cache / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo_dir / "snapshots" / commit
     (repo_dir / "blobs").mkdir(parents=True, exist_ok=True)
@@ -240,9 +241,10 @@ def test_a_missing_hub_id_is_one_line_through_the_cli(hub_cache, tmp_path, capsy
     status, err = cli(tiny_rl_recipe("polo-test/missing", tmp_path / "run"), tmp_path, capsys)
     assert status == 2 and len(err) == 1, err
     assert err[0] == (
-        f"polo: error: model 'polo-test/missing' is not a local directory, and as a Hugging Face Hub id it is not in the local cache "
-        f"({hub_cache}) while the Hub is offline (HF_HUB_OFFLINE=1): fetch it on a machine with internet with "
-        "'hf download polo-test/missing' (or 'huggingface-cli download') and copy the cache here, or point the model at a local directory"
+        "polo: error: model 'polo-test/missing' is not a local directory, and as a Hugging Face Hub id it is not in "
+        f"the local cache ({hub_cache}) while the Hub is offline (HF_HUB_OFFLINE=1): fetch it on a machine with "
+        "internet with 'hf download polo-test/missing' (or 'huggingface-cli download') and copy the cache here, or "
+        "point the model at a local directory"
     )
 
 

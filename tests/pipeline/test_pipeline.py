@@ -1,4 +1,5 @@
-"""`polo pipeline` end to end on the tiny model: four chained stages, the report, skipping and continuing stages, the GSM8K recipe."""
+"""`polo pipeline` end to end on the tiny model: four chained stages, the report, skipping and continuing stages, the
+GSM8K recipe."""
 
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ def write_gsm8k(path: Path, count: int, offset: int = 0) -> str:
         rows.append(
             {
                 "question": f"Tom has {apples} apples and buys {more} more. How many apples does Tom have now?",
-                "answer": f"Tom has {apples} + {more} = <<{apples}+{more}={apples + more}>>{apples + more} apples.\n#### {apples + more}",
+                "answer": f"Tom has {apples} + {more} = <<{apples}+{more}={apples + more}>>{apples + more} apples.\n"
+                f"#### {apples + more}",
             }
         )
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))

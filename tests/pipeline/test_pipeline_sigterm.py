@@ -1,4 +1,4 @@
-"""`polo pipeline` stopped by SIGTERM in the middle of a grpo stage, then run again: the same result as straight through.
+"""`polo pipeline` stopped by SIGTERM in the middle of a grpo stage, then run again: the result of a straight run.
 
 The pipeline runs as the real `polo` executable; `tests/signal_hook/sitecustomize.py` (prepended to
 PYTHONPATH) makes it send itself SIGTERM during an update.
@@ -56,7 +56,8 @@ def test_sigterm_mid_stage_then_the_same_command_finishes_as_an_uninterrupted_pi
     checkpoint = root / "b_reason" / "checkpoints" / "step-000002"
     assert stopped.returncode == EXIT_STOPPED, stopped.stdout + stopped.stderr
     assert stopped.stderr.strip().splitlines()[-1] == (
-        f"polo: stopped by SIGTERM in stage b_reason after step 2; saved {checkpoint}; resume with: polo pipeline {path}"
+        f"polo: stopped by SIGTERM in stage b_reason after step 2; saved {checkpoint}; "
+        f"resume with: polo pipeline {path}"
     ), stopped.stderr
     assert "Traceback" not in stopped.stderr
     assert (root / "a_cold_start" / "stage_done.json").exists() and not (root / "b_reason" / "stage_done.json").exists()

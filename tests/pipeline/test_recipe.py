@@ -1,4 +1,5 @@
-"""A pipeline recipe is checked whole before any stage runs; every mistake is one line naming the key and what is valid."""
+"""A pipeline recipe is checked whole before any stage runs; every mistake is one line naming the key and what is
+valid."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def recipe(tmp_path) -> dict:
         (["stages.reason.train.steps=-1"], "stages.reason: train.steps must be at least 0, got -1"),
         (
             ["stages.reject.demos.num_train=3"],
-            "stages.reject: unknown key 'demos' for a reject_sft stage; valid keys: kind, recipe, overrides, model, data, train, output, rejection",
+            "stages.reject: unknown key 'demos' for a reject_sft stage; valid keys: kind, recipe, overrides, model, "
+            "data, train, output, rejection",
         ),
         (
             ["stages.cold_start.demos.num_trian=3"],

@@ -1,4 +1,5 @@
-"""Rejection sampling keeps only correct, well-formed, distinct completions, at most M per prompt; cold-start demos pass both checks."""
+"""Rejection sampling keeps only correct, well-formed, distinct completions, at most M per prompt; cold-start demos
+pass both checks."""
 
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ def test_gsm8k_cold_start_uses_the_worked_solution_without_annotations():
     row = gsm8k_row(
         {
             "question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
-            "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72",
+            "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+            "Natalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72",
         },
         "train.jsonl",
         1,
@@ -124,7 +126,8 @@ def test_gsm8k_cold_start_uses_the_worked_solution_without_annotations():
 
 
 def test_stage_sampling_goes_through_the_one_grouped_sampler(tiny_model_dir):
-    """Greedy answers sampled in groups are each prompt's alone; K samples per problem score as `polo eval` scores them."""
+    """Greedy answers sampled in groups are each prompt's alone; K samples per problem score as `polo eval` scores
+    them."""
     from polo.evaluation.evaluate import evaluate_policy
     from polo.generation.grouped import GroupSampling, load_for_sampling, sample_groups
     from polo.runtime.device import Compute

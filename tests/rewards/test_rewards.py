@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from polo.data import Task
+from polo.data.code import CODE_PROBLEMS_PATH, read_code_problems
 from polo.rewards import (
     BUILTIN_REWARDS,
     RewardFunctionError,
@@ -26,6 +27,8 @@ from polo.rewards import (
     resolve_reward,
     tag_count,
 )
+from polo.rewards.code import CodeReward, _read_reports, _test_outcomes, parse_test, read_value
+from polo.sandbox.runner import SandboxLimits
 
 ROW_85 = {"question": "What is 47 + 38?", "answer": "85"}
 
@@ -406,16 +409,6 @@ def test_empty_batch_scores_to_empty_tensors():
 # scored through RewardSet, as the trainer does, with on_error="raise": nothing may raise, and
 # the code reward must be 0 (the fraction too, where a constant could not pass a test).
 
-from polo.data.code import CODE_PROBLEMS_PATH, read_code_problems
-from polo.rewards.code import (
-    CodeReward,
-    _read_reports,
-    _test_outcomes,
-    parse_test,
-    read_value,
-)
-from polo.sandbox.runner import SandboxLimits
-
 ATTACK_LIMITS = SandboxLimits(timeout_s=3.0)
 # No constant passes any of these, and each statement test hides what its call should return.
 ADD_ROW = {
@@ -562,8 +555,9 @@ def test_malformed_reports_fail_their_test_and_never_raise():
 PARENT_BOMBS = [
     # (program, tests): values the program picks, meeting arithmetic the tests do in the parent.
     (
-        MARKER_FROM_FILE + "import os, json\nfor bomb in %r:\n    os.write(1, (MARKER + bomb + '\\n').encode())\n"
-        "def add(a, b):\n    return 0\n" % REPORT_BOMBS[:12],
+        MARKER_FROM_FILE
+        + f"import os, json\nfor bomb in {REPORT_BOMBS[:12]!r}:\n    os.write(1, (MARKER + bomb + '\\n').encode())\n"
+        "def add(a, b):\n    return 0\n",
         ADD_ROW["tests"],
     ),
     (
@@ -579,7 +573,8 @@ PARENT_BOMBS = [
         ["assert add(1, 2) == 3"],
     ),
     (
-        "import builtins\ndef boom(*a):\n    raise RecursionError\nbuiltins.repr = boom\ndef add(a, b):\n    return 4\n",
+        "import builtins\ndef boom(*a):\n    raise RecursionError\nbuiltins.repr = boom\n"
+        "def add(a, b):\n    return 4\n",
         ["assert add(1, 2) == 3"],
     ),
     (
@@ -587,7 +582,8 @@ PARENT_BOMBS = [
         ["assert add(1, 2) == 3"],
     ),
     (
-        "class S(str):\n    pass\nclass R:\n    def __repr__(self):\n        return S('3')\ndef add(a, b):\n    return R()\n",
+        "class S(str):\n    pass\nclass R:\n    def __repr__(self):\n        return S('3')\n"
+        "def add(a, b):\n    return R()\n",
         ["assert add(1, 2) == 3"],
     ),
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
@@ -87,7 +88,7 @@ def main(argv: list[str]) -> None:
         batch_path, configs_path, out_dir, model_dir = argv[1:5]
         parallel.init_from_environment()
         batch = torch.load(batch_path, weights_only=False)
-        for name, config_dict in json.loads(open(configs_path).read()).items():
+        for name, config_dict in json.loads(Path(configs_path).read_text()).items():
             weights, metrics = one_update(batch, config_dict, model_dir)
             if parallel.rank() == 0:
                 torch.save({"weights": weights, "metrics": metrics}, f"{out_dir}/{name}.pt")
@@ -98,7 +99,7 @@ def main(argv: list[str]) -> None:
     elif mode == "train":
         from polo.rl import train as trainer
 
-        config = json.loads(open(argv[1]).read())
+        config = json.loads(Path(argv[1]).read_text())
         if "--interrupt-at" in argv:
             interrupt_at, calls, real_step = int(argv[argv.index("--interrupt-at") + 1]), [], trainer.rl_step
 

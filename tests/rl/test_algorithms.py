@@ -10,6 +10,7 @@ from test_trainer import final_weights, tiny_config, without_times
 from polo import core
 from polo.config import PRESETS, load_config
 from polo.generation.cpu_sampler import rollout
+from polo.generation.rollouts import Decoding
 from polo.models.loading import load_policy
 from polo.rl import step as rl_step_module
 from polo.rl.batching import UpdateBatch
@@ -81,7 +82,7 @@ def test_dapo_masks_truncated_completions_out_of_the_loss(tiny_model_dir):
     )
     model, tokenizer = load_policy(str(tiny_model_dir))
     torch.manual_seed(0)
-    batch = rollout(model, tokenizer, ["1+1=", "2+2="], 4, max_new_tokens=6, temperature=1.0)
+    batch = rollout(model, tokenizer, ["1+1=", "2+2="], 4, Decoding(6, temperature=1.0))
     advantages = torch.linspace(-1, 1, 8)
 
     def grad_norm(truncated: bool) -> float:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from test_trainer import final_weights, tiny_config, without_times
 
 from polo.generation.cpu_sampler import rollout
+from polo.generation.rollouts import Decoding
 from polo.rl.batching import Batch
 
 WORKER = Path(__file__).with_name("data_parallel_worker.py")
@@ -85,7 +86,7 @@ def saved_batch(tiny_model_dir, tmp_path_factory):
     prompts = [
         f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n" for a, b in [(1, 2), (13, 4), (2, 2), (7, 30)]
     ]
-    rollouts = rollout(model, tokenizer, prompts, 4, max_new_tokens=8, temperature=1.0)
+    rollouts = rollout(model, tokenizer, prompts, 4, Decoding(8, temperature=1.0))
     assert rollouts.completion_mask.sum(-1).unique().numel() > 1  # lengths differ, so the token counts matter
     rewards = torch.linspace(-1.0, 2.0, len(rollouts))[torch.randperm(len(rollouts))]
     path = tmp_path_factory.mktemp("dp-batch") / "batch.pt"

@@ -73,7 +73,8 @@ def test_a_second_run_into_the_same_dir_stops_with_one_line_and_the_first_is_int
     assert cli_train(config, tmp_path, "train.seed=7") == 2
     err = capsys.readouterr().err.strip()
     assert err == (
-        f"polo: error: output.dir {tmp_path / 'run'} already holds a run (checkpoints/, tensorboard/, metrics.jsonl, samples.jsonl, ...): "
+        f"polo: error: output.dir {tmp_path / 'run'} already holds a run "
+        "(checkpoints/, tensorboard/, metrics.jsonl, samples.jsonl, ...): "
         "continue it with output.resume=true, or replace it with output.overwrite=true, or pick a new output.dir"
     )
     assert snapshot(tmp_path / "run") == before
@@ -89,7 +90,8 @@ def test_resume_without_a_checkpoint_over_an_earlier_run_is_refused(tiny_model_d
     no_model_load(monkeypatch)
     with pytest.raises(
         OutputDirInUseError,
-        match=r"output.resume=true but output.dir .* has no complete checkpoint, only an earlier run's files \(tensorboard/, metrics.jsonl",
+        match=r"output.resume=true but output.dir .* has no complete checkpoint, "
+        r"only an earlier run's files \(tensorboard/, metrics.jsonl",
     ):
         train(tiny_config(tiny_model_dir, tmp_path / "run", **QUICK), ["output.resume=true"])
     with pytest.raises(
@@ -110,8 +112,8 @@ def test_overwrite_removes_the_earlier_run_says_so_and_keeps_the_users_own_files
     result = train(config, ["output.overwrite=true", "train.steps=2"])
     out = capsys.readouterr().out
     assert (
-        f"polo: output.overwrite=true: removed the earlier run in {tmp_path / 'run'} (checkpoints/, tensorboard/, metrics.jsonl, samples.jsonl, ...)"
-        in out
+        f"polo: output.overwrite=true: removed the earlier run in {tmp_path / 'run'} "
+        "(checkpoints/, tensorboard/, metrics.jsonl, samples.jsonl, ...)" in out
     )
     assert [row["step"] for row in result.metrics if "loss" in row] == [1, 2]
     assert sorted(path.name for path in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-000002"]
@@ -153,8 +155,8 @@ def test_a_huge_learning_rate_stops_at_step_1_before_the_ruined_weights_are_save
     assert len(err) == 1 and err[0].startswith("polo: error: step 1 diverged: weight_norm ")
     assert "x the starting weights' " in err[0] and "(train.divergence_factor=10)" in err[0]
     assert err[0].endswith(
-        f"the run stopped without saving it; no checkpoint was written before step 1 and the starting model {tiny_model_dir} "
-        "is untouched: start again with a lower train.learning_rate and output.overwrite=true"
+        "the run stopped without saving it; no checkpoint was written before step 1 and the starting model "
+        f"{tiny_model_dir} is untouched: start again with a lower train.learning_rate and output.overwrite=true"
     )
     assert not list((tmp_path / "run").glob("checkpoints/step-*"))
     assert snapshot(tiny_model_dir) == start
@@ -187,7 +189,8 @@ def test_a_jump_after_a_checkpoint_names_that_checkpoint_and_resuming_from_it_go
     message = str(error.value)
     assert message.startswith("step 3 diverged: weight_norm ") and "x step 2's " in message
     assert message.endswith(
-        f"its last checkpoint, written before the jump, is {checkpoint}: continue from it with output.resume=true and a lower train.learning_rate"
+        f"its last checkpoint, written before the jump, is {checkpoint}: continue from it with output.resume=true "
+        "and a lower train.learning_rate"
     )
     assert sorted(path.name for path in checkpoint.parent.iterdir()) == ["step-000002"]
     weights = load_file(str(checkpoint / "model.safetensors"))
@@ -200,7 +203,8 @@ def test_a_jump_after_a_checkpoint_names_that_checkpoint_and_resuming_from_it_go
 
 
 def jump_once_at(step_to_break: int, monkeypatch) -> list[list[str]]:
-    """Make the first time step `step_to_break` runs take a 1e9 learning-rate step; return the data position each step drew."""
+    """Return the data position each step drew, filled as the run goes; the first time step `step_to_break` runs,
+    it takes a 1e9 learning-rate step."""
     real_step, broken, positions = trainer.rl_step, [], []
     real_batch_rows = rl_step_module.batch_rows
 
@@ -282,8 +286,9 @@ def test_rollbacks_that_do_not_help_stop_the_run_naming_the_checkpoint_before_th
         f"rolling back to {checkpoint} and skipping the 1 batch(es)" in rollbacks[1]
     )  # each retry skips the next batch too
     assert str(error.value) == (
-        "step 3 diverged: weight_norm is inf; 2 rollbacks did not help (train.max_rollbacks=2); the run stopped without saving it; "
-        f"its last checkpoint, written before the jump, is {checkpoint}: continue from it with output.resume=true and a lower train.learning_rate"
+        "step 3 diverged: weight_norm is inf; 2 rollbacks did not help (train.max_rollbacks=2); the run stopped "
+        f"without saving it; its last checkpoint, written before the jump, is {checkpoint}: continue from it with "
+        "output.resume=true and a lower train.learning_rate"
     )
     assert sorted(path.name for path in checkpoint.parent.iterdir()) == ["step-000002"]
     assert [row["step"] for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in row] == [

@@ -13,6 +13,7 @@ from polo.config import load_config
 from polo.data.environments import ChatEnvironment
 from polo.generation import cpu_sampler
 from polo.generation.episodes import EnvStep, EpisodeLimits, EpisodeSampler
+from polo.generation.rollouts import Decoding
 from polo.models.loading import load_policy
 from polo.rl.batching import UpdateBatch
 from polo.rl.train import train
@@ -51,7 +52,7 @@ def test_tool_output_and_template_tokens_never_reach_the_loss(tiny_model_dir):
     torch.manual_seed(2)
     sampler = EpisodeSampler(EveryE, cpu_sampler.generate, EpisodeLimits(max_turns=3, max_episode_tokens=60))
     rows = [{"question": "1 + 1"}, {"question": "2 + 2"}]
-    episodes = sampler(model, tokenizer, ["a", "b"], 4, max_new_tokens=12, temperature=1.0, rows=rows)
+    episodes = sampler(model, tokenizer, ["a", "b"], 4, Decoding(12, temperature=1.0), rows=rows)
     not_written = (episodes.completion_mask == 1) & (episodes.loss_mask == 0)
     assert not_written.any()
     advantages = torch.randn(episodes.completion_ids.shape)

@@ -62,7 +62,7 @@ def cispo(inputs, settings):
 
 
 def test_presets_name_registered_functions():
-    for name, preset in PRESETS.items():
+    for name in PRESETS:
         config = load_config({"algorithm": {"name": name}})
         alg = config.algorithm
         assert alg.advantage_estimator in core.ADVANTAGE_ESTIMATORS, name

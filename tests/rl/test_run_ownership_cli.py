@@ -32,7 +32,8 @@ TIMEOUT = 600  # generous: CI machines can be busy
 
 
 def child_env(**variables: str) -> dict:
-    """Return this process's environment with the test hook prepended to PYTHONPATH (never replacing it) and `variables` set."""
+    """Return this process's environment with the test hook prepended to PYTHONPATH (never replacing it) and
+    `variables` set."""
     env = {**os.environ, **variables}
     env["PYTHONPATH"] = os.pathsep.join([str(HOOK), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
@@ -120,7 +121,7 @@ def test_a_lock_left_by_a_killed_run_does_not_block_the_next(tiny_model_dir, tmp
 
 
 def test_sigterm_in_sampling_checkpointing_and_update_then_resume_equals_an_uninterrupted_run(tiny_model_dir, tmp_path):
-    """Four processes for one 4-step run: SIGTERM in step 1's sampling, in step 2's checkpoint write, in step 3's update."""
+    """Four processes for one 4-step run: SIGTERM in step 1's sampling, step 2's checkpoint write, step 3's update."""
     straight = train(
         tiny_config(tiny_model_dir, tmp_path / "straight", eval={"before": False, "after": False}, output=QUIET)
     )
@@ -140,7 +141,8 @@ def test_sigterm_in_sampling_checkpointing_and_update_then_resume_equals_an_unin
             "polo: SIGTERM: stopping after this step and saving a checkpoint (send SIGTERM again to abort now)" in out
         )
         assert err.strip().splitlines()[-1] == (
-            f"polo: stopped by SIGTERM after step {step}; saved {checkpoint}; resume with: polo train {path} output.resume=true"
+            f"polo: stopped by SIGTERM after step {step}; saved {checkpoint}; "
+            f"resume with: polo train {path} output.resume=true"
         ), (phase, err)
         assert (checkpoint / "trainer_state.pt").exists() and steps_logged(run_dir) == list(range(1, step + 1))
         assert not (run_dir / LOCK_FILE).exists()

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from polo.config import load_config
 from polo.data import make_task
 from polo.generation.cpu_sampler import rollout
+from polo.generation.rollouts import Decoding
 from polo.models.loading import load_policy
 from polo.rewards import RewardFunctionError, RewardSet
 from polo.rl.batching import UpdateBatch, batch_rows
@@ -68,7 +69,8 @@ def final_weights(output_dir):
 
 
 def interrupted_then_resumed(config, monkeypatch, interrupt_at: int = 3):
-    """Run `config`, Ctrl-C in the middle of step `interrupt_at` (which finishes and is saved), then resume; return the resumed result."""
+    """Return the result of resuming `config` after a Ctrl-C in the middle of step `interrupt_at` (which finishes and
+    is saved)."""
     from polo.rl import train as trainer
 
     real_step, calls = trainer.rl_step, []
@@ -175,7 +177,7 @@ def test_padding_never_contributes_to_the_update(tiny_model_dir):
     config = load_config(tiny_config(tiny_model_dir, "unused"))
     model, tokenizer = load_policy(str(tiny_model_dir))
     torch.manual_seed(0)
-    batch = rollout(model, tokenizer, ["1+1=", "9+9= please"], 4, max_new_tokens=8, temperature=1.0)
+    batch = rollout(model, tokenizer, ["1+1=", "9+9= please"], 4, Decoding(8, temperature=1.0))
     # a random model rarely stops: end some completions early by hand (EOS, then padding)
     for row, length in enumerate([2, 8, 5, 1, 8, 3, 6, 4]):
         batch.completion_ids[row, length - 1] = tokenizer.eos_token_id
@@ -204,7 +206,7 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny_model_dir):
     """Gradient accumulation with global normalisers equals one full-batch backward."""
     model, tokenizer = load_policy(str(tiny_model_dir))
     torch.manual_seed(1)
-    batch = rollout(model, tokenizer, ["3+4=", "5+6="], 4, max_new_tokens=8, temperature=1.0)
+    batch = rollout(model, tokenizer, ["3+4=", "5+6="], 4, Decoding(8, temperature=1.0))
     advantages = torch.linspace(-1, 1, 8)
     results = []
     for mode in ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"):
@@ -226,7 +228,7 @@ def test_micro_batch_token_mean_is_the_mean_of_each_micro_batchs_token_mean(tiny
     """TRL's bnpo through the update: micro-batches of 3, 3 and 2 rows each normalise by their own tokens."""
     model, tokenizer = load_policy(str(tiny_model_dir))
     torch.manual_seed(1)
-    batch = rollout(model, tokenizer, ["3+4=", "5+6="], 4, max_new_tokens=8, temperature=1.0)
+    batch = rollout(model, tokenizer, ["3+4=", "5+6="], 4, Decoding(8, temperature=1.0))
     for row, length in enumerate([2, 8, 5, 1, 8, 3, 6, 4]):  # unequal token counts per micro-batch
         batch.completion_mask[row, length:] = 0
     advantages = torch.linspace(-1, 1, 8)
@@ -261,7 +263,7 @@ def test_micro_batch_token_mean_is_the_mean_of_each_micro_batchs_token_mean(tiny
 def test_nan_loss_is_a_clear_error_and_applies_no_update(tiny_model_dir, tmp_path):
     config = load_config(tiny_config(tiny_model_dir, "unused"))
     model, tokenizer = load_policy(str(tiny_model_dir))
-    batch = rollout(model, tokenizer, ["1+1="], 4, max_new_tokens=4, temperature=1.0)
+    batch = rollout(model, tokenizer, ["1+1="], 4, Decoding(4, temperature=1.0))
     with torch.no_grad():
         model.model.norm.weight.fill_(float("nan"))
     before = {name: p.clone() for name, p in model.named_parameters()}

@@ -18,7 +18,7 @@ TIME_KEYS = ("time/", "tokens_per_second", "update_tokens_per_second", "timestam
 
 
 def fake_cuda_states(devices: int = 2) -> list[torch.Tensor]:
-    """Return what `torch.cuda.get_rng_state_all()` gives on a machine with `devices` GPUs (Philox seed + offset bytes)."""
+    """Return what `torch.cuda.get_rng_state_all()` gives on a machine with `devices` GPUs (Philox seed, offset)."""
     return [torch.arange(16, dtype=torch.uint8) + index for index in range(devices)]
 
 

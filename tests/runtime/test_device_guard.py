@@ -41,7 +41,7 @@ def rl_config(model_dir: Path, output_dir: Path, **algorithm) -> dict:
 
 
 def guarded_rl_step(config: dict, overrides: list[str] | None = None) -> tuple[dict, Path]:
-    """Return (metrics, checkpoint) of step 1 of `config`, set up under the factory check and run whole under the guard."""
+    """Return (metrics, checkpoint) of step 1 of `config`, set up under the factory check, run whole under the guard."""
     from polo.rl.setup import set_up
     from polo.rl.step import rl_step
 
@@ -148,7 +148,8 @@ def test_an_eval_batch_names_the_device_of_every_tensor(tiny_model_dir):
 
 
 def planted_in(module, source: str, name: str):
-    """Return function `name` defined by `source` as if it were written in `module`'s file (the guard reads the caller's file)."""
+    """Return function `name` defined by `source` as if it were written in `module`'s file (the guard reads the
+    caller's file)."""
     namespace = dict(vars(module))
     exec(compile(source, module.__file__, "exec"), namespace)
     return namespace[name]

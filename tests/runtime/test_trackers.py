@@ -297,8 +297,8 @@ def test_a_missing_tracker_package_is_one_line_naming_the_extra(monkeypatch, tra
     with pytest.raises(ConfigError) as error:
         load_config({"output": {"report_to": [tracker]}})
     assert (
-        str(error.value)
-        == f"output.report_to includes {tracker} but the {package} package is not installed: pip install 'polo[{tracker}]'"
+        str(error.value) == f"output.report_to includes {tracker} but the {package} package is not installed: "
+        f"pip install 'polo[{tracker}]'"
     )
     if package == "sqlalchemy":  # only mlflow's local store needs it
         monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")

@@ -186,7 +186,8 @@ def test_parent_environment_secrets_are_invisible(monkeypatch, isolation):
     program = (
         "import os\n"
         "print(dict(os.environ))\n"
-        "for pid in [p for p in os.listdir('/proc') if p.isdigit()] + ['%d']:\n" % os.getpid() + "    try:\n"
+        f"for pid in [p for p in os.listdir('/proc') if p.isdigit()] + ['{os.getpid()}']:\n"
+        "    try:\n"
         "        print(open('/proc/%s/environ' % pid, 'rb').read())\n"
         "    except OSError:\n"
         "        pass\n"
@@ -209,10 +210,10 @@ def test_network_connection_fails(isolation):
         program = (
             "import socket\n"
             "try:\n"
-            "    socket.create_connection(('127.0.0.1', %d), timeout=1)\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
             "    print('connected')\n"
             "except OSError as exc:\n"
-            "    print('refused', exc.errno)\n" % port
+            "    print('refused', exc.errno)\n"
         )
         result = run_python(program, LIMITS)
     if isolation.network_namespace:
@@ -254,8 +255,8 @@ def test_killing_its_parent_does_not_reach_the_caller(isolation):
     if isolation.pid_namespace or isolation.throwaway_uid:
         # Aim at the caller's real pid: out of sight (PID namespace) or not permitted (uid).
         result = run_python(
-            "import os, signal\ntry:\n    os.kill(%d, signal.SIGKILL)\n"
-            "except OSError as exc:\n    print(type(exc).__name__)\n" % os.getpid(),
+            f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGKILL)\n"
+            "except OSError as exc:\n    print(type(exc).__name__)\n",
             LIMITS,
         )
         assert result.stdout.strip() in (b"ProcessLookupError", b"PermissionError")
@@ -305,38 +306,37 @@ def package_directories() -> list[str]:
         os.path.join(sysconfig.get_paths()["stdlib"], "site-packages"),
         site.getusersitepackages(),
         "/usr/lib/python3/dist-packages",
-        "/usr/local/lib/python%d.%d/dist-packages" % sys.version_info[:2],
+        f"/usr/local/lib/python{sys.version_info[0]}.{sys.version_info[1]}/dist-packages",
     }
     paths |= set(getattr(site, "getsitepackages", list)())
     return sorted(paths)
 
 
 def test_the_file_system_holds_only_the_interpreter_and_its_scratch():
+    probes = [
+        str(ANSWER_KEY),
+        str(Path.cwd()),
+        "/etc/passwd",
+        "/etc/shadow",
+        os.path.expanduser("~"),
+        "/home",
+        "/work",
+        "/sys/kernel",
+        "/var",
+    ]
     program = (
         "import os, sys\n"
         "print(sorted(os.listdir('/')))\n"
-        "for path in sys.argv[1:] or %r:\n"
-        % [
-            str(ANSWER_KEY),
-            str(Path.cwd()),
-            "/etc/passwd",
-            "/etc/shadow",
-            os.path.expanduser("~"),
-            "/home",
-            "/work",
-            "/sys/kernel",
-            "/var",
-        ]
-        + "    try:\n"
+        f"for path in sys.argv[1:] or {probes!r}:\n"
+        "    try:\n"
         "        if os.path.isdir(path):\n"
         "            print('LISTED', path, *os.listdir(path))\n"
         "        else:\n"
         "            print('READ', path, open(path, 'rb').read(1))\n"
         "    except OSError as exc:\n"
         "        print('refused', path, type(exc).__name__)\n"
-        "for path in %r:\n"
-        % package_directories()
-        + "    print('packages', path, os.listdir(path) if os.path.isdir(path) else 'absent')\n"
+        f"for path in {package_directories()!r}:\n"
+        "    print('packages', path, os.listdir(path) if os.path.isdir(path) else 'absent')\n"
         "found = [os.path.join(root, name) for root, _, names in os.walk('/') if not root.startswith('/proc')\n"
         "         for name in names if 'code_problems' in name or 'site-packages' in root or 'dist-packages' in root\n"
         "         or name in ('pyproject.toml', 'torch', 'polo')]\n"
@@ -368,8 +368,8 @@ def test_the_stdlib_is_read_only_and_bound_files_cannot_be_replaced():
     program = (
         "import os, sysconfig\n"
         "stdlib = sysconfig.get_paths()['stdlib']\n"
-        "for path in (os.path.join(stdlib, 'json', '__init__.py'), os.path.join(stdlib, 'evil.py'), '/run/polo/main.py',\n"
-        "             '/etc/ld.so.cache', '/dev/evil', '/evil'):\n"
+        "for path in (os.path.join(stdlib, 'json', '__init__.py'), os.path.join(stdlib, 'evil.py'),\n"
+        "             '/run/polo/main.py', '/etc/ld.so.cache', '/dev/evil', '/evil'):\n"
         "    try:\n"
         "        open(path, 'a').write('x')\n"
         "        print('WROTE', path)\n"
@@ -394,10 +394,11 @@ def test_no_socket_of_any_family_can_be_made(tmp_path):
         tcp.listen(1)
         program = (
             "import socket\n"
-            "targets = [(socket.AF_UNIX, %r), (socket.AF_UNIX, %r), (socket.AF_INET, ('127.0.0.1', %d)),\n"
-            "           (socket.AF_INET6, ('::1', 1)), (40, None), (socket.AF_NETLINK, None), (socket.AF_PACKET, None)]\n"
-            % (str(path), abstract.getsockname(), tcp.getsockname()[1])
-            + "for family, address in targets:\n"
+            f"targets = [(socket.AF_UNIX, {str(path)!r}), (socket.AF_UNIX, {abstract.getsockname()!r}),\n"
+            f"           (socket.AF_INET, ('127.0.0.1', {tcp.getsockname()[1]})),\n"
+            "           (socket.AF_INET6, ('::1', 1)), (40, None), (socket.AF_NETLINK, None),\n"
+            "           (socket.AF_PACKET, None)]\n"
+            "for family, address in targets:\n"
             "    try:\n"
             "        s = socket.socket(family, socket.SOCK_RAW if family in (16, 17) else socket.SOCK_STREAM)\n"
             "        print('CREATED', family)\n"
@@ -472,9 +473,8 @@ def test_dangerous_syscalls_are_refused():
     program = (
         "import ctypes, os\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
-        "for name, (number, args) in %r.items():\n"
-        % SYSCALL_ATTEMPTS
-        + "    args = [ctypes.create_string_buffer(128) if a == 'buffer' else a for a in args]\n"
+        f"for name, (number, args) in {SYSCALL_ATTEMPTS!r}.items():\n"
+        "    args = [ctypes.create_string_buffer(128) if a == 'buffer' else a for a in args]\n"
         "    result = libc.syscall(number, *args)\n"
         "    print(name, '|', result, '|', ctypes.get_errno())\n"
     )
@@ -567,7 +567,8 @@ def test_an_unusable_tool_is_one_clear_line(monkeypatch):
 # as AppArmor's restriction on Ubuntu 24.04 and a container make them), and two that are not about it.
 USER_NAMESPACE_LINES = [
     "bwrap: No permissions to creating new namespace, likely because the kernel does not allow "
-    "non-privileged user namespaces. On e.g. debian this can be enabled with 'sysctl kernel.unprivileged_userns_clone=1'.",
+    "non-privileged user namespaces. On e.g. debian this can be enabled with "
+    "'sysctl kernel.unprivileged_userns_clone=1'.",
     "bwrap: Creating new namespace failed: nesting depth or /proc/sys/user/max_*_namespaces exceeded (ENOSPC)",
     "bwrap: setting up uid map: Permission denied",
     "bwrap: loopback: Failed RTM_NEWADDR: Operation not permitted",

@@ -30,7 +30,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 IS_ROOT = os.geteuid() == 0
-VERSION = "%d.%d" % sys.version_info[:2]
+VERSION = f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 
 def free_id(start: int) -> int:
@@ -133,7 +133,7 @@ def user():
             (base / name).mkdir()
             os.chown(base / name, ident, ident)
         env = user_environment(base)
-        probe = "import sys, json, sysconfig; print(sys.version_info[:2] == (%d, %d))" % sys.version_info[:2]
+        probe = f"import sys, json, sysconfig; print(sys.version_info[:2] == {tuple(sys.version_info[:2])})"
         tried = []
         for interpreter in system_interpreters():
             try:
@@ -268,7 +268,9 @@ else:
     import pyseccomp
     rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
     for call in ("unshare", "clone"):
-        rules.add_rule(pyseccomp.ERRNO(errno.EPERM), call, pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0x10000000, 0x10000000))
+        rules.add_rule(
+            pyseccomp.ERRNO(errno.EPERM), call, pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0x10000000, 0x10000000)
+        )
     rules.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
     rules.load()
 os.execv(command[0], command)

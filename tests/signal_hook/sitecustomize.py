@@ -25,7 +25,8 @@ def _sigterm_once(fired: list) -> None:
 
 
 def _signal_before(owner, name: str, fires) -> None:
-    """Replace `owner.name` with a wrapper that sends SIGTERM (once) when `fires(args)` is true, then calls the real one."""
+    """Replace `owner.name` with a wrapper that sends SIGTERM (once) when `fires(args)` is true, then calls the real
+    one."""
     real, fired = getattr(owner, name), []
 
     def wrapper(*args, **kwargs):

@@ -144,7 +144,8 @@ class KeyHelp(argparse.Action):
 
 
 def train_epilog() -> str:
-    """Return the end of `polo train -h`: the tasks and answer checkers (read only when asked: math-verify loads slowly)."""
+    """Return the end of `polo train -h`: the tasks and answer checkers (read only when asked: math-verify loads
+    slowly)."""
     from polo.data import TASKS
     from polo.rewards.answers import DEFAULT_CHECKER, checker_help
 

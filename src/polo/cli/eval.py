@@ -1,4 +1,4 @@
-"""The `polo eval` and `polo report` subcommands (thin wrappers over polo.evaluation.evaluate and polo.evaluation.report).
+"""The `polo eval` and `polo report` subcommands: thin wrappers over polo.evaluation.evaluate and .report.
 
 `polo.cli` calls `add_parsers(subcommands)` to register both, and `run(args)` to execute one.
 """
@@ -43,7 +43,8 @@ def add_eval_parser(subcommands) -> None:
     eval_parser.add_argument(
         "--model",
         default=None,
-        help=f"a local Hugging Face causal-LM directory, a built-in name or a Hub id org/name[@revision] (default: {DEFAULT_MODEL}, or the recipe's model)",
+        help="a local Hugging Face causal-LM directory, a built-in name or a Hub id org/name[@revision] "
+        f"(default: {DEFAULT_MODEL}, or the recipe's model)",
     )
     eval_parser.add_argument(
         "--task", default=None, help="arith | gsm8k | jsonl:FILE (default: arith, or the recipe's task)"
@@ -102,7 +103,8 @@ def add_sampling_arguments(eval_parser) -> None:
         "--reward-model",
         default=None,
         metavar="PATH[?normalize]",
-        help="also score every sample with this reward model (polo rm); reports its mean over all, correct and wrong samples",
+        help="also score every sample with this reward model (polo rm); reports its mean over all, correct and "
+        "wrong samples",
     )
     eval_parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     eval_parser.add_argument(
@@ -125,7 +127,8 @@ def add_report_parser(subcommands) -> None:
     report_parser = subcommands.add_parser(
         "report",
         help="one self-contained HTML page of a run: config, curves, sample completions",
-        description="Write RUN_DIR/report.html (images embedded) from a run's config.yaml, metrics.jsonl, eval_step*.json and samples.jsonl.",
+        description="Write RUN_DIR/report.html (images embedded) from a run's config.yaml, metrics.jsonl, "
+        "eval_step*.json and samples.jsonl.",
     )
     report_parser.add_argument("run_dir")
     report_parser.add_argument("--output", "-o", default=None, help="HTML path (default RUN_DIR/report.html)")
@@ -264,7 +267,10 @@ def check_numbers(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """Run `polo eval`; return the exit status. Writing into a run directory, it holds that run's lock first (`polo.runtime.run_lock`)."""
+    """Run `polo eval`; return the exit status.
+
+    Writing into a run directory, it holds that run's lock first (`polo.runtime.run_lock`).
+    """
     from polo.runtime.run_lock import is_run_dir, owned_run_dir
 
     run_dir = Path(args.output).parent
@@ -385,7 +391,8 @@ def format_summary(summary: dict, max_new_tokens: int) -> str:
             [
                 (
                     "reward model score, mean (correct / wrong samples)",
-                    f"{summary['reward_model_mean']:.3f} ({summary['reward_model_mean_correct']:.3f} / {summary['reward_model_mean_wrong']:.3f})",
+                    f"{summary['reward_model_mean']:.3f} ({summary['reward_model_mean_correct']:.3f} / "
+                    f"{summary['reward_model_mean_wrong']:.3f})",
                 )
             ]
             if "reward_model_mean" in summary

@@ -21,7 +21,8 @@ def add_parser(subcommands) -> None:
         "pipeline",
         help=help_text,
         description=help_text
-        + ". A finished stage is skipped when the pipeline runs again; an interrupted GRPO stage continues. See docs/r1.md.",
+        + ". A finished stage is skipped when the pipeline runs again; an interrupted GRPO stage continues. "
+        "See docs/r1.md.",
         add_help=False,
     )
     parser.add_argument("-h", "--help", action=KeyHelp, command="pipeline")

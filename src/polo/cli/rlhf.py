@@ -16,7 +16,8 @@ COMMANDS = ("sft", "rm", "dpo", "make-preferences")
 
 
 def mistake_list(text: str) -> list[str]:
-    """Parse `--mistakes` ("carry,units") into kinds of `polo.data.preferences.wrong_answer`; argparse reports a bad one."""
+    """Return `--mistakes` ("carry,units") as kinds of `polo.data.preferences.wrong_answer`; argparse reports a
+    bad one."""
     from polo.data.preferences import MISTAKES
 
     names = [name.strip() for name in text.split(",") if name.strip()]
@@ -45,18 +46,21 @@ def add_parsers(subcommands) -> None:
 
     data_parser = subcommands.add_parser(
         "make-preferences",
-        help="write arithmetic SFT demonstrations and comparisons as jsonl, or (--from-model) comparisons of a model's own answers",
+        help="write arithmetic SFT demonstrations and comparisons as jsonl, or (--from-model) comparisons of a "
+        "model's own answers",
         description=(
             "Write sft_train/sft_eval/preferences_train/preferences_eval.jsonl to OUT_DIR: arithmetic problems "
             "from the training split of the RL task (never its held-out problems); demonstrations give the correct "
-            "concise answer, comparisons prefer it to the same answer with a mistake (by default in the carry into the tens)."
+            "concise answer, comparisons prefer it to the same answer with a mistake (by default in the carry into "
+            "the tens)."
         ),
     )
     data_parser.add_argument("out_dir")
     data_parser.add_argument(
         "--recipe",
         default=None,
-        help="an RL recipe (polo train) whose arithmetic task settings and instruction to use (default: the built-in defaults, those of recipes/rlhf_rl.yaml)",
+        help="an RL recipe (polo train) whose arithmetic task settings and instruction to use (default: the "
+        "built-in defaults, those of recipes/rlhf_rl.yaml)",
     )
     data_parser.add_argument(
         "--seed",
@@ -181,7 +185,8 @@ def sampled_preferences(args: argparse.Namespace, config) -> int:
     task = make_task(config)
     if not 0 < args.temperature < float("inf"):  # NaN fails this too
         raise ConfigError(
-            f"make-preferences --from-model: --temperature must be > 0 and finite (samples must differ), got {args.temperature}"
+            "make-preferences --from-model: --temperature must be > 0 and finite (samples must differ), "
+            f"got {args.temperature}"
         )
     draw = PreferenceDraw(
         num_prompts=args.num_prompts,

@@ -17,7 +17,8 @@ from polo.core.registry import Registry
 
 
 def import_user_module(module_name: str, key: str) -> ModuleType:
-    """Return the imported module `module_name`, also found in the current directory; ConfigError naming `key` if absent."""
+    """Return the imported module `module_name`, also found in the current directory; ConfigError naming `key` if
+    absent."""
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)  # appended, so a user's file never shadows an installed package
@@ -38,7 +39,8 @@ def check_registered(key: str, value: str, registry: Registry) -> None:
         import_user_module(module_name, key)
         if name not in registry:
             raise ConfigError(
-                f"{key}: module {module_name!r} registered no {registry.kind} named {name!r}; registered: {', '.join(registry.names())}"
+                f"{key}: module {module_name!r} registered no {registry.kind} named {name!r}; "
+                f"registered: {', '.join(registry.names())}"
             )
     elif value not in registry:
         raise ConfigError(f"{key}: {value!r} is not one of {', '.join(registry.names())} (or module:name for your own)")

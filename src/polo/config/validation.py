@@ -123,7 +123,7 @@ def check_lora(lora: LoraSettings) -> None:
 
 
 def check_device(key: str, device: str) -> None:
-    """Raise `ConfigError` when `device` is not auto | cpu | cuda | cuda:N (whether it can be had is asked at set-up)."""
+    """Raise `ConfigError` when `device` is not auto | cpu | cuda | cuda:N (set-up asks whether it can be had)."""
     if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", str(device).strip().lower()):
         raise ConfigError(f"{key}: {device!r} is not one of auto, cpu, cuda, cuda:N (auto: CUDA when available)")
 
@@ -137,8 +137,8 @@ def validate(config: Config) -> None:
     check_lora(config.model.lora)
     if config.model.lora.r and estimator.needs_critic:
         raise ConfigError(
-            f"model.lora.r > 0 is not supported with PPO's critic (advantage_estimator {config.algorithm.advantage_estimator}) yet; "
-            "use full fine-tuning (model.lora.r=0)"
+            "model.lora.r > 0 is not supported with PPO's critic "
+            f"(advantage_estimator {config.algorithm.advantage_estimator}) yet; use full fine-tuning (model.lora.r=0)"
         )
     if config.model.lora.r and config.train.data_parallel == "fsdp":
         raise ConfigError(

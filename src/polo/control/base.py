@@ -139,7 +139,8 @@ class OnPolicyAlgorithm:
         return float(torch.stack(losses[-max(1, len(losses) // self.train.epochs) :]).mean())
 
     def policy_gradient_loss(self, batch: Batch, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (the mean REINFORCE loss −A·log π over the batch, the actor's outputs), advantages normalised if configured."""
+        """Return (the mean REINFORCE loss −A·log π over the batch, the actor's outputs), advantages normalised if
+        configured."""
         if self.algorithm.normalize_advantages:
             advantages = normalize(advantages)
         outputs = self.policy.actor(batch.observations)

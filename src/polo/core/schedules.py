@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 
 def lr_multiplier(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[int], float]:
-    """Return the learning-rate multiplier per optimizer step: linear warm-up, then constant, linear or cosine decay to 0.
+    """Return the learning-rate multiplier per optimizer step: linear warm-up, then constant, linear or cosine to 0.
 
         m(s) = (s + 1) / (w + 1)                       s < w (warm-up steps w)
         m(s) = 1 | 1 − p | ½ (1 + cos π p)             p = min((s − w) / (T − w), 1)

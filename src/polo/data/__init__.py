@@ -24,7 +24,7 @@ from polo.data.base import (
 from polo.data.code import code_task
 from polo.data.environments import make_environment
 from polo.data.gsm8k import gsm8k_task
-from polo.data.hf import hf_task
+from polo.data.hf import HfSource, hf_options, hf_task
 from polo.data.jsonl import jsonl_task
 from polo.rewards.answers import CHECKERS
 
@@ -52,6 +52,7 @@ def build_task(name: str, **options: object) -> Task:
 
 __all__ = [
     "DEFAULT_INSTRUCTION",
+    "HfSource",
     "OPERATIONS",
     "PLAIN_INSTRUCTION",
     "TASKS",
@@ -116,16 +117,20 @@ def make_task(config: Config, train_dataset: object = None, eval_dataset: object
     passed = {key: value for key, value in passed.items() if value is not None}
     if passed and task_config.name not in ("hf", TaskConfig.name):
         raise ConfigError(
-            f"task.name is {task_config.name!r} but {' and '.join(passed)} was passed; datasets make the hf task (task.name: hf)"
+            f"task.name is {task_config.name!r} but {' and '.join(passed)} was passed; datasets make the hf task "
+            "(task.name: hf)"
         )
     name = "hf" if passed else task_config.name
     if name in ("jsonl", "hf") and task_config.checker not in CHECKERS:
         raise ConfigError(
-            f"task.checker: {task_config.checker!r} is not one of {', '.join(CHECKERS)} (`polo train --help` says what each accepts)"
+            f"task.checker: {task_config.checker!r} is not one of {', '.join(CHECKERS)} "
+            "(`polo train --help` says what each accepts)"
         )
     keys = TASK_OPTIONS.get(name, ())
     options = {key: getattr(task_config, key) for key in keys if getattr(task_config, key) is not None}
     options.update(passed)
+    if name == "hf":  # the hf task takes where its rows come from as one HfSource
+        options = hf_options(options)
     few_shot = _few_shot_pairs(task_config)
     try:
         task = build_task(name, **options)

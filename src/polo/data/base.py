@@ -122,7 +122,8 @@ def _decoded(raw: bytes, path: Path, line_number: int) -> str:
         raise TaskDataError(
             path,
             line_number,
-            f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line); save the file as UTF-8",
+            f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line); "
+            "save the file as UTF-8",
         ) from None
 
 

@@ -27,6 +27,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,8 @@ def _load_local(path: Path, eval_path: str | None) -> Any:
 
     if eval_path is not None and not path.is_file():
         raise ConfigError(
-            f"task.eval_path: with task.name=hf it names the eval data file beside a task.path data file; task.path {path} is a directory"
+            "task.eval_path: with task.name=hf it names the eval data file beside a task.path data file; "
+            f"task.path {path} is a directory"
         )
     if path.is_dir() and any((path / name).is_file() for name in ("dataset_dict.json", "state.json")):
         return datasets.load_from_disk(str(path))
@@ -64,7 +66,8 @@ def _load_local(path: Path, eval_path: str | None) -> Any:
     builder = BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise ConfigError(
-            f"task.path: {path} is not a data file datasets reads; use one ending in {', '.join(BUILDERS)}, or a directory"
+            f"task.path: {path} is not a data file datasets reads; use one ending in {', '.join(BUILDERS)}, "
+            "or a directory"
         )
     return datasets.load_dataset(builder, data_files=files)
 
@@ -76,7 +79,8 @@ def load_splits(path: str, subset: str | None = None, eval_path: str | None = No
     local = Path(path).expanduser()
     if subset is not None and local.exists():
         raise ConfigError(
-            f"task.subset: {subset!r} names a configuration of a Hub dataset; task.path {path} is local (set task.subset: null)"
+            f"task.subset: {subset!r} names a configuration of a Hub dataset; task.path {path} is local "
+            "(set task.subset: null)"
         )
     if local.exists():
         try:
@@ -109,7 +113,8 @@ def pick_splits(splits: dict[str, Any], split: str, eval_split: str | None, sour
         return splits[split], splits.get(DEFAULT_EVAL_SPLIT) if split != DEFAULT_EVAL_SPLIT else None
     if eval_split not in splits:
         raise ConfigError(
-            f"task.eval_split: {eval_split!r} is not a split of {source}; its splits: {names} (null: {DEFAULT_EVAL_SPLIT!r} if present, else held-out train rows)"
+            f"task.eval_split: {eval_split!r} is not a split of {source}; its splits: {names} "
+            f"(null: {DEFAULT_EVAL_SPLIT!r} if present, else held-out train rows)"
         )
     if eval_split == split:
         raise ConfigError(f"task.eval_split: {eval_split!r} is also task.split; held-out rows must not be trained on")
@@ -121,14 +126,16 @@ def numbered_rows(data: Any, source: str) -> list[tuple[int, Any]]:
     if isinstance(data, Mapping):
         splits = f" (splits {sorted(data)})" if all(hasattr(value, "column_names") for value in data.values()) else ""
         raise ConfigError(
-            f"{source} is a mapping{splits}; pass one split, e.g. train_dataset=dataset['train'], eval_dataset=dataset['test']"
+            f"{source} is a mapping{splits}; pass one split, e.g. train_dataset=dataset['train'], "
+            "eval_dataset=dataset['test']"
         )
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
         return list(enumerate(data))
     if hasattr(data, "column_names") and hasattr(data, "__len__") and hasattr(data, "to_list"):
         return list(enumerate(data.to_list()))  # a datasets.Dataset: one dict per row, converted in one batch
     raise ConfigError(
-        f"{source} must be a datasets.Dataset or a list of dicts, got {type(data).__name__} (a streaming IterableDataset cannot be used)"
+        f"{source} must be a datasets.Dataset or a list of dicts, got {type(data).__name__} "
+        "(a streaming IterableDataset cannot be used)"
     )
 
 
@@ -150,7 +157,8 @@ def split_train_eval(
     source: str,
     eval_source: str,
 ) -> tuple[list[dict], list[dict]]:
-    """Return (train rows, eval rows): the eval split's first ``num_eval``, else the last ``num_eval`` train rows held out."""
+    """Return (train rows, eval rows): the eval split's first ``num_eval``, else the last ``num_eval`` train rows
+    held out."""
     if held_out is not None:
         held_out = first_rows(held_out, num_eval, f"hf eval {eval_source}", "task.num_eval", "the dataset")
     else:
@@ -159,60 +167,57 @@ def split_train_eval(
             raise ConfigError(f"hf {source}: task.num_eval must be null or an integer >= 0, got {num_eval!r}")
         if count and count >= len(train):
             raise ConfigError(
-                f"task.num_eval is {count} but {source} holds only {len(train)} rows and there is no eval split to hold "
-                f"them out of; set task.num_eval below {len(train)} (0 for no held-out rows), or give an eval split"
+                f"task.num_eval is {count} but {source} holds only {len(train)} rows and there is no eval split "
+                f"to hold them out of; set task.num_eval below {len(train)} (0 for no held-out rows), or give an "
+                "eval split"
             )
         train, held_out = train[: len(train) - count], train[len(train) - count :]
     return first_rows(train, num_train, f"hf train {source}", "task.num_train", "the dataset"), held_out
 
 
+@dataclass(frozen=True)
+class HfSource:
+    """Where the hf task's rows come from: ``path`` (with its ``subset``, ``split``, ``eval_split`` and
+    ``eval_path``), or datasets passed in (``train_dataset``, ``eval_dataset``); the module docstring says how."""
+
+    path: str | None = None
+    split: str = "train"
+    eval_split: str | None = None
+    eval_path: str | None = None
+    subset: str | None = None
+    train_dataset: Any = None
+    eval_dataset: Any = None
+
+
+# The hf task's options that say where its rows come from: `HfSource`'s fields.
+SOURCE_OPTIONS = ("path", "split", "eval_split", "eval_path", "subset", "train_dataset", "eval_dataset")
+
+
+def hf_options(options: dict) -> dict:
+    """Return `hf_task`'s keyword arguments from flat options (TaskConfig keys, datasets passed in): the
+    `SOURCE_OPTIONS` among them gathered into one ``source``."""
+    source = HfSource(**{key: value for key, value in options.items() if key in SOURCE_OPTIONS})
+    return {"source": source, **{key: value for key, value in options.items() if key not in SOURCE_OPTIONS}}
+
+
 def hf_task(
-    path: str | None = None,
-    split: str = "train",
-    eval_split: str | None = None,
-    eval_path: str | None = None,
-    subset: str | None = None,
+    source: HfSource = HfSource(),
     prompt_field: str = "question",
     answer_field: str = "answer",
     num_train: int | None = None,
     num_eval: int | None = None,
     answer_in_tags: bool = False,
     checker: str = "math_verify",
-    train_dataset: Any = None,
-    eval_dataset: Any = None,
 ) -> Task:
-    """Return a Task over a Hugging Face dataset (``path``) or Datasets / lists of dicts passed in, judged by ``checker``.
+    """Return a Task over a Hugging Face dataset (``source.path``) or Datasets / lists of dicts passed in (``source``'s
+    datasets), judged by ``checker``.
 
     The module docstring says where the rows come from and how the eval rows are chosen.
     """
     correctness = bind_checker(checker, answer_in_tags)  # validates the name before any I/O
     fields = (prompt_field, answer_field, checker)
-    if train_dataset is not None:
-        for key, value in (("task.path", path), ("task.eval_path", eval_path)):
-            if value is not None:
-                raise ConfigError(
-                    f"{key} is {value!r} and a train_dataset was passed too; pass one ({key}: null with train_dataset)"
-                )
-        train = dataset_rows(train_dataset, "train_dataset", *fields)
-        held_out = None if eval_dataset is None else dataset_rows(eval_dataset, "eval_dataset", *fields)
-        source, eval_source = "train_dataset", "eval_dataset"
-    elif eval_dataset is not None:
-        raise ConfigError("eval_dataset was passed without train_dataset; pass both, or neither and set task.path")
-    elif path is None:
-        raise ConfigError(
-            "task.path: the hf task needs a dataset: a save_to_disk directory, a data file or directory, or a Hub id, "
-            "or datasets passed to polo.train(config, train_dataset=...); a run recorded with task.path null was "
-            "trained on such datasets: pass the same ones again"
-        )
-    else:
-        train_split, eval_split_data = pick_splits(
-            load_splits(str(path), subset, eval_path), split, eval_split, str(path)
-        )
-        train = dataset_rows(train_split, f"{path} split {split!r}", *fields)
-        eval_source = f"{path} split {eval_split or DEFAULT_EVAL_SPLIT!r}"
-        held_out = None if eval_split_data is None else dataset_rows(eval_split_data, eval_source, *fields)
-        source = f"{path} split {split!r}"
-    train_rows, eval_rows = split_train_eval(train, held_out, num_train, num_eval, source, eval_source)
+    train, held_out, where, eval_where = _source_rows(source, fields)
+    train_rows, eval_rows = split_train_eval(train, held_out, num_train, num_eval, where, eval_where)
     return Task(
         name="hf",
         train_rows=train_rows,
@@ -222,7 +227,36 @@ def hf_task(
     )
 
 
-# ---------------------------------------------------------------- datasets passed from Python: the record in config.yaml
+def _source_rows(source: HfSource, fields: tuple[str, str, str]) -> tuple[list[dict], list[dict] | None, str, str]:
+    """Return (train rows, eval split rows or None, where each came from) of ``source``, through the row contract."""
+    path, split, eval_split = source.path, source.split, source.eval_split
+    if source.train_dataset is not None:
+        for key, value in (("task.path", path), ("task.eval_path", source.eval_path)):
+            if value is not None:
+                raise ConfigError(
+                    f"{key} is {value!r} and a train_dataset was passed too; pass one ({key}: null with train_dataset)"
+                )
+        train = dataset_rows(source.train_dataset, "train_dataset", *fields)
+        eval_dataset = source.eval_dataset
+        held_out = None if eval_dataset is None else dataset_rows(eval_dataset, "eval_dataset", *fields)
+        return train, held_out, "train_dataset", "eval_dataset"
+    if source.eval_dataset is not None:
+        raise ConfigError("eval_dataset was passed without train_dataset; pass both, or neither and set task.path")
+    if path is None:
+        raise ConfigError(
+            "task.path: the hf task needs a dataset: a save_to_disk directory, a data file or directory, or a Hub id, "
+            "or datasets passed to polo.train(config, train_dataset=...); a run recorded with task.path null was "
+            "trained on such datasets: pass the same ones again"
+        )
+    splits = load_splits(str(path), source.subset, source.eval_path)
+    train_split, eval_split_data = pick_splits(splits, split, eval_split, str(path))
+    train = dataset_rows(train_split, f"{path} split {split!r}", *fields)
+    eval_where = f"{path} split {eval_split or DEFAULT_EVAL_SPLIT!r}"
+    held_out = None if eval_split_data is None else dataset_rows(eval_split_data, eval_where, *fields)
+    return train, held_out, f"{path} split {split!r}", eval_where
+
+
+# ------------------------------------------------------------ datasets passed from Python: the record in config.yaml
 
 _FINGERPRINT = re.compile(r"rows sha256 ([0-9a-f]{64})")
 
@@ -254,9 +288,19 @@ def check_same_datasets(config_path: Path, task: Task) -> None:
         )
     if recorded.group(1) != rows_fingerprint(task):
         raise ConfigError(
-            f"output.resume: the run in {run_dir} was trained on other rows (sha256 {recorded.group(1)[:12]}, these are "
-            f"{rows_fingerprint(task)[:12]}); pass the same train_dataset and eval_dataset to resume it, or pick a new output.dir"
+            f"output.resume: the run in {run_dir} was trained on other rows (sha256 {recorded.group(1)[:12]}, "
+            f"these are {rows_fingerprint(task)[:12]}); pass the same train_dataset and eval_dataset to resume it, "
+            "or pick a new output.dir"
         )
 
 
-__all__ = ["BUILDERS", "check_same_datasets", "hf_task", "load_splits", "passed_datasets_note", "rows_fingerprint"]
+__all__ = [
+    "BUILDERS",
+    "HfSource",
+    "check_same_datasets",
+    "hf_options",
+    "hf_task",
+    "load_splits",
+    "passed_datasets_note",
+    "rows_fingerprint",
+]

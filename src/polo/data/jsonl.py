@@ -49,7 +49,8 @@ def task_rows(
     path: str | Path,
     unit: str = "line",
 ) -> list[dict]:
-    """Return the task rows of ``(line or row index, raw row)`` pairs, each through `task_row`, checked for the checker."""
+    """Return the task rows of ``(line or row index, raw row)`` pairs, each through `task_row`, checked for the
+    checker."""
     rows = [(line, task_row(row, prompt_field, answer_field, path, line, unit)) for line, row in numbered_rows]
     # Fail at load time, naming the line, rather than mid-training inside a reward.
     if checker_name == "exact_number":

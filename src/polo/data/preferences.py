@@ -75,7 +75,8 @@ def _messages(value: Any, field: str, path: str | Path, line: int) -> tuple[dict
         raise TaskDataError(
             path,
             line,
-            f"field {field!r} must be a string or a non-empty list of chat messages, got {type(value).__name__} {value!r}",
+            f"field {field!r} must be a string or a non-empty list of chat messages, "
+            f"got {type(value).__name__} {value!r}",
         )
     messages = []
     for index, message in enumerate(value):
@@ -112,7 +113,8 @@ def demonstration_from_row(row: dict, path: str | Path, line: int) -> Demonstrat
             raise TaskDataError(
                 path,
                 line,
-                "field 'messages' must end with an assistant message (the reply to learn) after at least one other message",
+                "field 'messages' must end with an assistant message (the reply to learn) after at least one "
+                "other message",
             )
         prompt = messages[:-1]
         response = messages[-1]["content"]
@@ -314,7 +316,8 @@ def write_jsonl(path: Path, rows: Sequence[dict]) -> Path:
 
 
 def write_arithmetic_preferences(output_dir: str | Path, task: Task | None = None, **options: Any) -> dict[str, Path]:
-    """Write the splits of `arithmetic_preference_data(task, **options)` to `<output_dir>/<split>.jsonl`; return their paths."""
+    """Return the paths of the splits of `arithmetic_preference_data(task, **options)`, written to
+    `<output_dir>/<split>.jsonl`."""
     output_dir = Path(output_dir)
     splits = arithmetic_preference_data(task, **options)
     return {name: write_jsonl(output_dir / f"{name}.jsonl", rows) for name, rows in splits.items()}

@@ -40,7 +40,8 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def plot_run(output_dir: str | Path) -> list[Path]:
-    """Write reward.png, accuracy.png and length.png (and r1.png with an r1_format reward) from `<output_dir>/metrics.jsonl`; return their paths."""
+    """Return the paths of reward.png, accuracy.png and length.png (and r1.png with an r1_format reward), written
+    from `<output_dir>/metrics.jsonl`."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -316,8 +316,10 @@ def eval_samples_html(evals: list[tuple[int, dict]], per_eval: int = 3) -> str:
     for step, result in chosen:
         for sample in (result.get("samples") or [])[:per_eval]:
             rows.append(
-                f"<tr><td>{step}</td><td>{escape(sample.get('question', ''))}</td><td>{escape(sample.get('answer', ''))}</td>"
-                f"<td><pre>{escape(sample.get('completion', ''))}</pre></td><td>{number(sample.get('score'), 0)}</td></tr>"
+                f"<tr><td>{step}</td><td>{escape(sample.get('question', ''))}</td>"
+                f"<td>{escape(sample.get('answer', ''))}</td>"
+                f"<td><pre>{escape(sample.get('completion', ''))}</pre></td>"
+                f"<td>{number(sample.get('score'), 0)}</td></tr>"
             )
     if not rows:
         return ""
@@ -327,11 +329,13 @@ def eval_samples_html(evals: list[tuple[int, dict]], per_eval: int = 3) -> str:
 
 def eval_table_html(evals: list[tuple[int, dict]]) -> str:
     rows = "".join(
-        f"<tr><td>{step}</td><td>{number(result.get('accuracy'))}</td><td>{number(result.get('completion_length'), 1)}</td>"
+        f"<tr><td>{step}</td><td>{number(result.get('accuracy'))}</td>"
+        f"<td>{number(result.get('completion_length'), 1)}</td>"
         f"<td>{number(result.get('truncated'))}</td></tr>"
         for step, result in evals
     )
-    return f"<table><tr><th>step</th><th>held-out greedy accuracy</th><th>mean length (tokens)</th><th>truncated</th></tr>{rows}</table>"
+    header = "<tr><th>step</th><th>held-out greedy accuracy</th><th>mean length (tokens)</th><th>truncated</th></tr>"
+    return f"<table>{header}{rows}</table>"
 
 
 # ---------------------------------------------------------------- the page

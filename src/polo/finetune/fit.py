@@ -37,7 +37,7 @@ import torch
 
 from polo import core
 from polo.config import config_to_dict
-from polo.kernels import supports_fused_logprobs, token_logprobs, use_fast_attention
+from polo.kernels import LogprobSettings, supports_fused_logprobs, token_logprobs, use_fast_attention
 from polo.models.family import cache_keyword
 from polo.models.hub import HeldOut, ModelCard, check_push, publish
 from polo.models.loading import enable_activation_checkpointing
@@ -65,7 +65,8 @@ class Example:
 
 
 def response_logprobs(model, batch: TokenBatch) -> torch.Tensor:
-    """Return log π(y_t | x, y_<t) for every response position, (batch, response_len); padding positions are not meaningful."""
+    """Return log π(y_t | x, y_<t) for every response position, (batch, response_len); padding positions are not
+    meaningful."""
     logprobs, _ = completion_logprobs(
         model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask
     )
@@ -99,7 +100,8 @@ class RankingBatch:
 
 
 def collate_rankings(examples: Sequence[Example], pad_id: int, device: torch.device = CPU.device) -> RankingBatch:
-    """Return the examples (rankings whose sequences share one prompt) as a `RankingBatch` on `device`, padded with `pad_id`."""
+    """Return the examples (rankings whose sequences share one prompt) as a `RankingBatch` on `device`, padded with
+    `pad_id`."""
     prompts, owner = [], []
     for index, example in enumerate(examples):
         if any(sequence.prompt_ids != example.sequences[0].prompt_ids for sequence in example.sequences):
@@ -133,7 +135,8 @@ def recomputes_activations(model) -> bool:
 
 
 def shared_prompt_hidden(trunk, batch: RankingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the trunk's last hidden states (prompt part (sequences, prompt_len, d), response part (sequences, response_len, d)).
+    """Return the trunk's last hidden states: the prompt part (sequences, prompt_len, d) and the response part
+    (sequences, response_len, d).
 
     The prompts run once, with a KV cache; the cache is then indexed by `owner` so every response
     attends to its own prompt's keys and values, and the responses run on top of it. Gradients
@@ -175,7 +178,9 @@ def ranking_logprobs(model, batch: RankingBatch) -> torch.Tensor:
         return sequence_logprobs(model, batch.expanded())
     prompt_hidden, response_hidden = shared_prompt_hidden(model.get_decoder(), batch)
     hidden = torch.cat([prompt_hidden[:, -1:], response_hidden[:, :-1]], dim=1)
-    logprobs, _ = token_logprobs(hidden, model.get_output_embeddings().weight, batch.response_ids, with_entropy=False)
+    logprobs, _ = token_logprobs(
+        hidden, model.get_output_embeddings().weight, batch.response_ids, LogprobSettings(with_entropy=False)
+    )
     return core.masked_sum(logprobs.float(), batch.response_mask, dim=1)
 
 
@@ -293,7 +298,8 @@ def score_sequences(
     micro_batch_size: int,
     compute: Compute,
 ) -> list[list[float]]:
-    """Return `score(model, ranking batch)` (`ranking_rewards`, `ranking_logprobs`) for every sequence, grouped per example, no gradients."""
+    """Return `score(model, ranking batch)` (`ranking_rewards`, `ranking_logprobs`) for every sequence, grouped per
+    example, no gradients."""
     was_training = model.training
     model.eval()
     scored: list[list[float]] = []
@@ -321,7 +327,7 @@ class FinetuneResult:
 
 
 def save_model(trainee: Trainee, tokenizer, target: Path) -> Path:
-    """Save the model (fp32 masters under bf16_master) and tokenizer to `target`, replaced only once the copy is whole."""
+    """Save the model (fp32 masters under bf16_master) and tokenizer to `target`, replaced once the copy is whole."""
     model, masters = trainee.model, trainee.masters
     with staged_directory(target, "the model", f"{target} is unchanged" if target.exists() else "") as staging:
         model.save_pretrained(
@@ -382,9 +388,8 @@ def fit(
                 logger.close()
                 raise RunStopped(stop.signum, step - 1, None, resumable=False)
             started = time.perf_counter()
-            units = max(sum(objective.units(example) for example in batch), 1)
             optimizer.zero_grad(set_to_none=True)
-            sums = _backpropagate(trainee, batch, objective, units, train.micro_batch_size, logger, name, step)
+            sums, units = _backpropagate(trainee, batch, objective, train.micro_batch_size, logger, name, step)
             grad_norm = torch.nn.utils.clip_grad_norm_(parameters, train.max_grad_norm)
             optimizer.step()
             scheduler.step()
@@ -428,15 +433,16 @@ def _backpropagate(
     trainee: Trainee,
     batch: Sequence[Example],
     objective: Objective,
-    units: int,
     micro_batch_size: int,
     logger: MetricsLogger,
     name: str,
     step: int,
-) -> dict[str, float]:
-    """Return the objective's statistics summed over `batch`, after accumulating its gradient micro-batch by micro-batch."""
+) -> tuple[dict[str, float], int]:
+    """Return the objective's statistics summed over `batch` and its units (at least 1), after accumulating the
+    gradient of the loss per unit micro-batch by micro-batch."""
     from polo.runtime.errors import NonFiniteLossError
 
+    units = max(sum(objective.units(example) for example in batch), 1)
     sums: dict[str, float] = {}
     for group in micro_batches(batch, micro_batch_size):
         with trainee.compute.autocast():
@@ -448,7 +454,7 @@ def _backpropagate(
         loss.backward()
         for key, value in stats.items():
             sums[key] = sums.get(key, 0.0) + value
-    return sums
+    return sums, units
 
 
 def _step_row(
@@ -486,7 +492,8 @@ FIT_STOP_PLAN = "stopping after this step (polo sft, rm and dpo keep no checkpoi
 
 @contextmanager
 def finetune_run(config: Any) -> Iterator[None]:
-    """Yield while holding `output.dir` (`polo.runtime.run_lock`) with stop signals turned into requests (`polo.runtime.interrupt`).
+    """Yield while holding `output.dir` (`polo.runtime.run_lock`), stop signals turned into requests
+    (`polo.runtime.interrupt`).
 
     Entered before anything looks at the directory; a signal that arrives before the first
     step stops the run there.

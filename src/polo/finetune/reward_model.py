@@ -84,7 +84,8 @@ class PairwiseObjective:
         return num_pairs(example)
 
     def loss(self, model, examples: Sequence[Example]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Return (Σ −log σ(r_w − r_l) over the pairs, summed statistics: loss, accuracy, margin, chosen and rejected rewards)."""
+        """Return (Σ −log σ(r_w − r_l) over the pairs, summed statistics: loss, accuracy, margin, chosen and
+        rejected rewards)."""
         rewards = ranking_rewards(model, collate_rankings(examples, self.pad_id, self.device))
         better, worse = pair_indices(examples, rewards.device)
         losses = core.pairwise_loss(rewards[better], rewards[worse])

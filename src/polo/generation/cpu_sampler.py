@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import torch
 
-from polo.generation.prompts import stop_token_ids, tokenize_prompts
-from polo.generation.rollouts import Rollouts
+from polo.generation.prompts import tokenize_prompts
+from polo.generation.rollouts import Decoding, Rollouts
 from polo.generation.sampling import sample_next_token
-from polo.generation.stopping import StopStrings
+from polo.generation.stopping import Stopping
 from polo.kernels import contiguous_head_input, prepacked_linears, sampling_cache
 from polo.models.family import cache_keyword
 from polo.models.scoring import position_ids_from_mask
@@ -86,28 +86,27 @@ def generate(
     model,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
+    decoding: Decoding,
+    stopping: Stopping,
     *,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    stop_ids: list[int],
-    pad_id: int,
     compute: Compute = CPU,
     samples_per_prompt: int = 1,
-    generator: torch.Generator | None = None,
-    stop_strings: StopStrings | None = None,  # a turn's closing text (a tool call's tag) ends a row like EOS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return `(completion_ids, completion_mask, truncated)` sampled with a KV cache.
 
     Shapes: prompt (prompts, prompt_len) -> completion (batch, max_completion_len), truncated
     (batch,), with batch = prompts x `samples_per_prompt` and each prompt's samples in
     consecutive rows. Each prompt is run through the model once and its cache and next-token
-    logits are repeated for its samples. Rows that have emitted a stop token decode padding until
+    logits are repeated for its samples. Rows that have emitted a stop token (or reached one of
+    `stopping.strings`, a turn's closing text such as a tool call's tag) decode padding until
     `COMPACT_SHARE` of the batch has, then leave the batch and the cache together. Every tensor lives on
-    the prompts' device; the draws come from `generator` (the device's default one when None).
+    the prompts' device; the draws come from `decoding.generator` (the device's default one when None).
     """
+    # Read once: the decode loop below runs per token.
+    max_new_tokens, temperature, top_p = decoding.max_new_tokens, decoding.temperature, decoding.top_p
+    generator, stop_strings = decoding.generator, stopping.strings
     batch, device = prompt_ids.shape[0] * samples_per_prompt, prompt_ids.device
-    stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    stop = torch.tensor(stopping.stop_ids, dtype=torch.long, device=device)
     attention_mask = prompt_mask.long()
     positions = position_ids_from_mask(attention_mask)
     next_position = positions[:, -1] + 1
@@ -115,7 +114,7 @@ def generate(
     with_cache = {cache_keyword(model): cache}  # the name this transformers takes it under (polo.models.family)
     was_training = model.training
     model.eval()
-    rows = DecodeRows(batch, max_new_tokens, pad_id, device)
+    rows = DecodeRows(batch, max_new_tokens, stopping.pad_id, device)
     with compute.autocast(), contiguous_head_input(model), prepacked_linears(model, batch, compute):
         logits = model(
             input_ids=prompt_ids,
@@ -163,12 +162,9 @@ def rollout(
     tokenizer,
     prompts: list[str],
     group_size: int,
+    decoding: Decoding,
     *,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float = 1.0,
     compute: Compute = CPU,
-    generator: torch.Generator | None = None,
     rows: Sequence[dict] | None = None,
 ) -> Rollouts:
     """Return `group_size` sampled completions for each prompt, groups contiguous, on `compute.device`.
@@ -181,14 +177,10 @@ def rollout(
         model,
         prompt_ids,
         prompt_mask,
-        samples_per_prompt=group_size,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        stop_ids=stop_token_ids(tokenizer, model),
-        pad_id=tokenizer.pad_token_id,
+        decoding,
+        Stopping.of(tokenizer, model),
         compute=compute,
-        generator=generator,
+        samples_per_prompt=group_size,
     )
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)

@@ -20,14 +20,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
 from polo.generation.prompts import render_messages, stop_token_ids
-from polo.generation.rollouts import EpisodeRecord, Rollouts
-from polo.generation.stopping import StopStrings
+from polo.generation.rollouts import Decoding, EpisodeRecord, Rollouts
+from polo.generation.stopping import Stopping, StopStrings
 from polo.models.family import encode_prompts
 from polo.runtime.device import CPU, Compute
 
@@ -156,11 +156,9 @@ class TurnSettings:
     """How one turn is sampled: the per-turn sampler's `generate` and the arguments every turn shares."""
 
     generate: Callable
-    max_new_tokens: int
-    temperature: float
-    top_p: float
+    decoding: Decoding  # its max_new_tokens is a turn's (an episode's token budget may cut it shorter)
+    stopping: Stopping
     compute: Compute
-    generator: torch.Generator | None = None
 
 
 class EpisodeSampler:
@@ -174,19 +172,16 @@ class EpisodeSampler:
         self.make_environment, self.generate, self.limits = make_environment, generate, limits
 
     @torch.no_grad()
-    def __call__(  # noqa: PLR0913  (the Sampler protocol's arguments, as every sampler takes them)
+    def __call__(
         self,
         model,
         tokenizer,
         prompts: list[str],
         group_size: int,
+        decoding: Decoding,
         *,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float = 1.0,
         compute: Compute = CPU,
         rows: Sequence[dict] | None = None,
-        generator: torch.Generator | None = None,
     ) -> Rollouts:
         """Return the episodes, `group_size` per row of `rows`, in the one-turn layout (`prompts` are not read).
 
@@ -200,15 +195,15 @@ class EpisodeSampler:
                 environment = self.make_environment()
                 rendered = render_messages(tokenizer, environment.reset(row))
                 episodes.append(Episode(environment, encode_prompts(tokenizer, [rendered])[0]))
-        turn = TurnSettings(self.generate, max_new_tokens, temperature, top_p, compute, generator)
         strings = episodes[0].environment.stop_strings if episodes else ()
         stops = StopStrings(tokenizer, strings) if strings else None
+        turn = TurnSettings(self.generate, decoding, Stopping.of(tokenizer, model, stops), compute)
         eos_ids = stop_token_ids(tokenizer, model)
         for turn_index in range(self.limits.max_turns):
             live = [episode for episode in episodes if episode.live]
             if not live:
                 break
-            self.run_turn(model, tokenizer, live, turn, stops, group_size if turn_index == 0 else 1)
+            self.run_turn(model, tokenizer, live, turn, group_size if turn_index == 0 else 1)
             answering = [episode for episode in live if episode.live]
             for episode, reply in zip(answering, environment_steps(answering)):
                 self.answer(tokenizer, episode, reply, eos_ids)
@@ -216,7 +211,7 @@ class EpisodeSampler:
             episode.truncated = episode.truncated or episode.live  # still going when the turns ran out
         return self.rollouts(tokenizer, episodes, group_size, compute.device)
 
-    def run_turn(self, model, tokenizer, live: list[Episode], turn: TurnSettings, stops, shared: int) -> None:
+    def run_turn(self, model, tokenizer, live: list[Episode], turn: TurnSettings, shared: int) -> None:
         """Sample one turn for every live episode in one batch and append it (cut at its first stop string).
 
         `shared` > 1 (the first turn) runs each group's common prompt once for its `shared` episodes.
@@ -224,21 +219,12 @@ class EpisodeSampler:
         contexts = [episode.prompt_ids + episode.ids for episode in live[::shared]]
         budget = max(self.limits.max_episode_tokens - len(episode.ids) for episode in live)
         ids, mask = left_padded(contexts, tokenizer.pad_token_id, turn.compute.device)
+        decoding = replace(turn.decoding, max_new_tokens=min(turn.decoding.max_new_tokens, budget))
         drawn, drawn_mask, _ = turn.generate(
-            model,
-            ids,
-            mask,
-            max_new_tokens=min(turn.max_new_tokens, budget),
-            temperature=turn.temperature,
-            top_p=turn.top_p,
-            stop_ids=stop_token_ids(tokenizer, model),
-            pad_id=tokenizer.pad_token_id,
-            compute=turn.compute,
-            samples_per_prompt=shared,
-            generator=turn.generator,
-            stop_strings=stops,
+            model, ids, mask, decoding, turn.stopping, compute=turn.compute, samples_per_prompt=shared
         )
-        eos_ids = set(stop_token_ids(tokenizer, model))
+        stops = turn.stopping.strings
+        eos_ids = set(turn.stopping.stop_ids)
         for episode, row_ids, row_mask in zip(live, drawn.tolist(), drawn_mask.tolist()):
             written = [token for token, keep in zip(row_ids, row_mask) if keep]
             cut = stops.cut_length(written) if stops is not None else None

@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 
 from polo.generation import cpu_sampler, static_sampler
-from polo.generation.rollouts import EpisodeRecord, Sampler
+from polo.generation.rollouts import Decoding, EpisodeRecord, Sampler
 from polo.models.family import encode_prompts
 from polo.runtime.device import CPU, Compute
 
@@ -36,6 +36,11 @@ class GroupSampling:
     sampler: Sampler | None = None  # None: pick_sampler("auto", compute)
     progress: bool = False  # a progress bar
     description: str = "polo sample"  # the progress bar's label
+
+    @property
+    def decoding(self) -> Decoding:
+        """Return how each completion is drawn: `max_new_tokens`, `temperature` and `top_p`."""
+        return Decoding(self.max_new_tokens, self.temperature, self.top_p)
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,7 @@ def sample_groups(
     """
     from tqdm.auto import tqdm
 
-    samples_per_prompt, compute = settings.samples, settings.compute
+    samples_per_prompt, compute, decoding = settings.samples, settings.compute, settings.decoding
     sampler = pick_sampler("auto", compute) if settings.sampler is None else settings.sampler
     lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts)]  # as the sampler tokenizes them (BOS included)
     results: list[list[Completion]] = [[] for _ in prompts]
@@ -121,9 +126,7 @@ def sample_groups(
                 tokenizer,
                 [prompts[index] for index in chunk],
                 samples_per_prompt,
-                max_new_tokens=settings.max_new_tokens,
-                temperature=settings.temperature,
-                top_p=settings.top_p,
+                decoding,
                 compute=compute,
                 rows=None if rows is None else [rows[index] for index in chunk],
             )

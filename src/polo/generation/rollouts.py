@@ -50,6 +50,17 @@ class EpisodeRecord:
         return "\n".join(parts)
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How a sampler draws each completion: at most `max_new_tokens` tokens, at `temperature` (0 is greedy) and
+    nucleus `top_p`, from `generator` (None: the device's default generator)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+
 @dataclass
 class Rollouts:
     """A batch of sampled completions; groups of `group_size` rows share a prompt and are contiguous."""
@@ -79,10 +90,7 @@ class Rollouts:
 
     def select(self, rows: torch.Tensor | slice) -> Rollouts:
         """Return the rows `rows` (whole groups are the caller's business)."""
-        if isinstance(rows, slice):
-            texts = self.texts[rows]
-        else:
-            texts = [self.texts[i] for i in rows.tolist()]
+        texts = self.texts[rows] if isinstance(rows, slice) else [self.texts[i] for i in rows.tolist()]
         return Rollouts(
             prompt_ids=self.prompt_ids[rows],
             prompt_mask=self.prompt_mask[rows],
@@ -112,16 +120,14 @@ class Sampler(Protocol):
     episode from its task row, so callers pass `rows` (the one-turn samplers do not read them).
     """
 
-    def __call__(  # noqa: PLR0913  (the seam every caller uses; a new sampler setting goes in its own object)
+    def __call__(
         self,
         model,
         tokenizer,
         prompts: list[str],
         group_size: int,
+        decoding: Decoding,
         *,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float = 1.0,
         compute: Compute = CPU,
         rows: Sequence[dict] | None = None,
     ) -> Rollouts: ...

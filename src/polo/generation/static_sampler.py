@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from polo.generation.prompts import stop_token_ids, tokenize_prompts
-from polo.generation.rollouts import Rollouts
+from polo.generation.prompts import tokenize_prompts
+from polo.generation.rollouts import Decoding, Rollouts
 from polo.generation.sampling import sample_on_device
-from polo.generation.stopping import StopStrings
+from polo.generation.stopping import Stopping, StopStrings
 from polo.models.family import cache_keyword
 from polo.models.scoring import position_ids_from_mask
 from polo.runtime.device import CPU, Compute
@@ -223,39 +223,34 @@ def generate(
     model,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
+    decoding: Decoding,
+    stopping: Stopping,
     *,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    stop_ids: list[int],
-    pad_id: int,
     compute: Compute = CPU,
     samples_per_prompt: int = 1,
-    generator: torch.Generator | None = None,
     capture: bool | None = None,
-    stop_strings: StopStrings | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return `(completion_ids, completion_mask, truncated)` as `cpu_sampler.generate` does, with fixed shapes.
 
     Shapes: prompt (prompts, prompt_len) -> completion (batch, longest completion), truncated (batch,),
     batch = prompts x `samples_per_prompt`, a prompt's samples in consecutive rows. `capture` (default:
-    on CUDA) compiles the decode step; `generator` is used only when it is not captured (a compiled
-    step draws from the device's default generator).
+    on CUDA) compiles the decode step; `decoding.generator` is used only when it is not captured (a
+    compiled step draws from the device's default generator).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if decoding.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {decoding.max_new_tokens}")
     capture = compute.is_cuda if capture is None else capture
     if capture:
         bucket = -(-prompt_ids.shape[1] // LENGTH_BUCKET) * LENGTH_BUCKET
-        prompt_ids, prompt_mask = left_pad(prompt_ids, prompt_mask, bucket, pad_id)
+        prompt_ids, prompt_mask = left_pad(prompt_ids, prompt_mask, bucket, stopping.pad_id)
     shape = DecodeShape(
         prompt_ids.shape[0] * samples_per_prompt,
         prompt_ids.shape[1],
-        max_new_tokens,
-        float(temperature),
-        float(top_p),
-        tuple(stop_ids),
-        pad_id,
+        decoding.max_new_tokens,
+        float(decoding.temperature),
+        float(decoding.top_p),
+        stopping.stop_ids,
+        stopping.pad_id,
         capture,
     )
     decoder = decoder_for(model, shape, compute)
@@ -263,8 +258,8 @@ def generate(
     model.eval()
     try:
         with compute.autocast():
-            decoder.start(prompt_ids, prompt_mask, samples_per_prompt, None if capture else generator)
-            decoder.decode(stop_strings)
+            decoder.start(prompt_ids, prompt_mask, samples_per_prompt, None if capture else decoding.generator)
+            decoder.decode(stopping.strings)
     finally:
         model.train(was_training)
     return decoder.finish()
@@ -275,12 +270,9 @@ def rollout(
     tokenizer,
     prompts: list[str],
     group_size: int,
+    decoding: Decoding,
     *,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float = 1.0,
     compute: Compute = CPU,
-    generator: torch.Generator | None = None,
     capture: bool | None = None,
     rows: Sequence[dict] | None = None,
 ) -> Rollouts:
@@ -294,14 +286,10 @@ def rollout(
         model,
         prompt_ids,
         prompt_mask,
-        samples_per_prompt=group_size,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        stop_ids=stop_token_ids(tokenizer, model),
-        pad_id=tokenizer.pad_token_id,
+        decoding,
+        Stopping.of(tokenizer, model),
         compute=compute,
-        generator=generator,
+        samples_per_prompt=group_size,
         capture=capture,
     )
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)

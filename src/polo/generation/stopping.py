@@ -3,14 +3,17 @@
 A stop string can span several tokens and a token can hold more than it, so it is looked for in
 the decoded text, never in the ids. The samplers use `StopStrings.reached` to end rows early;
 the episode sampler uses `StopStrings.cut` to keep each turn exactly up to its first stop string,
-whichever sampler drew it.
+whichever sampler drew it. `Stopping` tells a sampler's `generate` how rows end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+from polo.generation.prompts import stop_token_ids
 
 # Tokens decoded beyond a stop string's length: a token may decode to nothing (a special token) or
 # to half a UTF-8 character, so a few extra keep a stop string that ends in such a token findable.
@@ -62,3 +65,21 @@ class StopStrings:
             else:
                 low = middle + 1
         return low
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """How a sampled row ends and what it holds after: a token of `stop_ids` or one of `strings` (None: none) ends
+    it, and `pad_id` fills it from there."""
+
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    strings: StopStrings | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_ids", tuple(self.stop_ids))  # a list is taken too; decoders are keyed on it
+
+    @classmethod
+    def of(cls, tokenizer, model, strings: StopStrings | None = None) -> Stopping:
+        """Return how `model`'s rows end with `tokenizer`: its EOS ids, the tokenizer's pad id, and `strings`."""
+        return cls(tuple(stop_token_ids(tokenizer, model)), tokenizer.pad_token_id, strings)

@@ -12,7 +12,7 @@ its inputs), and never names a device itself:
     share_prompts, attends_blockwise       the shared-prompt layout and whether attention skips its blocks
     without_padding                        the layout's real tokens as one row, for attention that skips blocks
     split_common_prefix                    rows of different prompts as one group sharing their prompts' common prefix
-    supports_fused_logprobs, token_logprobs, completion_logprobs_fused
+    supports_fused_logprobs, token_logprobs, completion_logprobs_fused, LogprobSettings
                                            chunked lm_head log-probs (polo.kernels.logprobs): plain torch
                                            on the inputs' device, never full fp32 logits on any device
     sampling_cache(model, capacity)        the preallocated KV cache of the CPU sampler
@@ -38,10 +38,16 @@ from polo.kernels.cpu.shared_prompt import (
     split_common_prefix,
     without_padding,
 )
-from polo.kernels.logprobs import completion_logprobs_fused, supports_fused_logprobs, token_logprobs
+from polo.kernels.logprobs import (
+    LogprobSettings,
+    completion_logprobs_fused,
+    supports_fused_logprobs,
+    token_logprobs,
+)
 from polo.runtime.device import Compute
 
 __all__ = [
+    "LogprobSettings",
     "PrefixSplit",
     "SharedPromptBatch",
     "attends_blockwise",

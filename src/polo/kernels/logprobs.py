@@ -29,12 +29,14 @@ Plain torch on the tensors' own device (tiles, buffers and statistics are alloca
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, replace
 
 import torch
 from torch.autograd.function import once_differentiable
 
 __all__ = [
     "ChunkedTokenLogprobs",
+    "LogprobSettings",
     "head_reads_trunk",
     "completion_logprobs_fused",
     "supports_fused_logprobs",
@@ -63,8 +65,22 @@ def _accumulation_dtype(compute_dtype: torch.dtype) -> torch.dtype:
 VOCAB_BLOCK = 4096  # vocabulary columns per tile; with 1024-token chunks a float32 tile is 16 MiB
 
 
+@dataclass(frozen=True)
+class LogprobSettings:
+    """What the tiled lm_head pass computes and how: log-probs at `temperature`, the entropy too when
+    `with_entropy`, in tiles of `chunk_size` tokens x `vocab_block` words, the logits matmul in `compute_dtype`
+    (None: bf16 under bf16 autocast on the hidden states' device, else their own dtype)."""
+
+    temperature: float = 1.0
+    with_entropy: bool = False
+    chunk_size: int = 1024
+    vocab_block: int = VOCAB_BLOCK
+    compute_dtype: torch.dtype | None = None
+
+
 def _tile_buffers(rows: int, cols: int, compute_dtype: torch.dtype, acc_dtype: torch.dtype, device) -> tuple:
-    """Return flat scratch buffers for one (rows, cols) tile: logits in compute_dtype (None when it is acc_dtype) and two in acc_dtype.
+    """Return flat scratch buffers for one (rows, cols) tile: logits in compute_dtype (None when it is acc_dtype), and
+    two in acc_dtype.
 
     Reused for every tile of a call (as views of the front of each buffer), so the loop does not
     allocate: fresh large tensors on the CPU cost a page fault per 4 KiB, which had dominated
@@ -99,10 +115,10 @@ def _tiles(n: int, vocab: int, chunk_size: int, vocab_block: int):
 class ChunkedTokenLogprobs(torch.autograd.Function):
     """log π(target) (with gradient) and entropy (without) from hidden states and lm_head weight, in tiles.
 
-    forward(hidden (N, d), weight (V, d), targets (N,) long, temperature, chunk_size,
-    compute_dtype, with_entropy=True, vocab_block=VOCAB_BLOCK) -> (logprobs (N,), entropy (N,)),
-    both float32 (float64 when compute_dtype is float64). The logits are computed one tile of
-    (chunk_size tokens, vocab_block words) at a time and never held whole; the logits matmul runs
+    forward(hidden (N, d), weight (V, d), targets (N,) long, settings) -> (logprobs (N,), entropy (N,)),
+    both float32 (float64 when compute_dtype is float64); `settings` is a `LogprobSettings` with its
+    `compute_dtype` set. The logits are computed one tile of (chunk_size tokens, vocab_block words)
+    at a time and never held whole; the logits matmul runs
     in `compute_dtype` (bf16 for bf16 training) and each tile is upcast to float32 for the softmax
     statistics, which are merged across vocabulary blocks online (running max m, Σ e and
     Σ e·(z − m) per token, rescaled when m grows). Autocast is switched off inside both passes so
@@ -113,9 +129,15 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype, with_entropy=True, vocab_block=VOCAB_BLOCK
-    ):
+    def forward(ctx, hidden, weight, targets, settings: LogprobSettings):
+        temperature, with_entropy = float(settings.temperature), bool(settings.with_entropy)
+        chunk_size, vocab_block, compute_dtype = (
+            int(settings.chunk_size),
+            int(settings.vocab_block),
+            settings.compute_dtype,
+        )
+        if compute_dtype is None:
+            raise ValueError("ChunkedTokenLogprobs needs settings.compute_dtype (token_logprobs chooses one)")
         if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
             raise ValueError(
                 f"expected hidden (N, d) and weight (V, d), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -175,7 +197,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logprobs is None or not (need_hidden or need_weight):
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None
         compute_dtype = ctx.compute_dtype
         acc_dtype = lse.dtype
         inv_t = 1.0 / ctx.temperature
@@ -223,7 +245,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                         target.copy_(block.T @ h_all)
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None
 
 
 def _default_compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -238,25 +260,20 @@ def token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
+    settings: LogprobSettings = LogprobSettings(),
     *,
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-    compute_dtype: torch.dtype | None = None,
-    with_entropy: bool = True,
-    vocab_block: int = VOCAB_BLOCK,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Return (log π(targets), entropy) per token, each (batch, seq) float32, without full logits.
+    """Return (log π(targets), entropy or None) per token, each (batch, seq) float32, without full logits.
 
         z = hidden · weightᵀ                  (batch, seq, V), never held beyond `chunk_size` tokens
         logprobs = z[target]/T − logsumexp(z/T)          differentiable w.r.t. hidden and weight
         entropy  = logsumexp(z/T) − Σ_v softmax(z/T)_v · z_v/T     no gradient; None unless with_entropy
 
     Shapes: hidden (batch, seq, d), weight (V, d) (an lm_head / tied embedding matrix, no bias),
-    targets (batch, seq) integer ids. The matmul runs in `compute_dtype`; None means bf16 when
-    bf16 autocast is active on hidden's device, else hidden's dtype. Softmax statistics are
-    always taken in float32 (float64 for float64 inputs). Gradients come back in the dtypes of
-    `hidden` and `weight`.
+    targets (batch, seq) integer ids. T, the entropy, the tiles and the matmul's dtype are
+    `settings` (`LogprobSettings`). Softmax statistics are always taken in float32 (float64 for
+    float64 inputs). Gradients come back in the dtypes of `hidden` and `weight`.
 
     `mask` (batch, seq), 1 on the tokens that count: only those go through the head, and the other
     positions get 0 (log-prob and entropy). Completions padded to the longest in a batch are often a
@@ -267,23 +284,15 @@ def token_logprobs(
         raise ValueError(f"hidden must be (batch, seq, d), got shape {tuple(hidden.shape)}")
     if targets.shape != hidden.shape[:2]:
         raise ValueError(f"targets must have shape {tuple(hidden.shape[:2])}, got {tuple(targets.shape)}")
-    if compute_dtype is None:
-        compute_dtype = _default_compute_dtype(hidden)
+    if settings.compute_dtype is None:
+        settings = replace(settings, compute_dtype=_default_compute_dtype(hidden))
+    with_entropy = settings.with_entropy
     if mask is not None:
         if mask.shape != targets.shape:
             raise ValueError(f"mask must have shape {tuple(targets.shape)}, got {tuple(mask.shape)}")
         keep = mask.bool()
         if not bool(keep.all()):
-            kept_logprobs, kept_entropy = token_logprobs(
-                hidden[keep][None],
-                weight,
-                targets[keep][None],
-                temperature=temperature,
-                chunk_size=chunk_size,
-                compute_dtype=compute_dtype,
-                with_entropy=with_entropy,
-                vocab_block=vocab_block,
-            )
+            kept_logprobs, kept_entropy = token_logprobs(hidden[keep][None], weight, targets[keep][None], settings)
             logprobs = kept_logprobs.new_zeros(targets.shape).masked_scatter(keep, kept_logprobs[0])
             entropy = (
                 kept_entropy.new_zeros(targets.shape).masked_scatter(keep, kept_entropy[0]) if with_entropy else None
@@ -291,14 +300,7 @@ def token_logprobs(
             return logprobs, entropy
     batch, seq, d = hidden.shape
     logprobs, entropy = ChunkedTokenLogprobs.apply(
-        hidden.reshape(batch * seq, d),
-        weight,
-        targets.reshape(-1).long(),
-        float(temperature),
-        int(chunk_size),
-        compute_dtype,
-        bool(with_entropy),
-        int(vocab_block),
+        hidden.reshape(batch * seq, d), weight, targets.reshape(-1).long(), settings
     )
     logprobs = logprobs.view(batch, seq)
     return logprobs, (entropy.view(batch, seq) if with_entropy else None)
@@ -366,7 +368,7 @@ _TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> ((i
 
 
 def head_reads_trunk(model, decoder, head, length: int = 4) -> bool:
-    """Return whether, in one forward of `model` on a few tokens, `head` maps the trunk's last hidden state to the logits.
+    """Return whether `head` maps the trunk's last hidden state to the logits in one forward of `model` on a few tokens.
 
     Hooks record what `decoder` returns, what `head` is given and what it returns: the head's input
     must be the trunk's `last_hidden_state` (so the final norm, and nothing else, sits between the
@@ -410,41 +412,27 @@ def completion_logprobs_fused(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
-    completion_len: int,
     completion_ids: torch.Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
+    settings: LogprobSettings = LogprobSettings(),
     *,
-    chunk_size: int = 1024,
     completion_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return (log-probs, entropy or None) of the completion tokens, each (batch, completion_len) float32.
 
     Same values as the full-logits path `model(..., logits_to_keep=completion_len + 1).logits[:, :-1]`
     → log_softmax(·/T) → gather, but runs only the trunk and scores the completion positions with
-    `token_logprobs`, so no (batch, completion_len, V) logits tensor is built. `input_ids`,
-    `attention_mask`, `position_ids` are (batch, prompt_len + completion_len) with the completion
-    last; the hidden state at position i predicts token i + 1, hence positions
-    [-completion_len - 1, -1). Only valid when `supports_fused_logprobs(model)`. With `completion_mask`
-    (batch, completion_len) only its tokens are scored; padding positions get 0.
+    `token_logprobs` (as `settings` say), so no (batch, completion_len, V) logits tensor is built.
+    `input_ids`, `attention_mask`, `position_ids` are (batch, prompt_len + completion_len) with the
+    completion (`completion_ids`, (batch, completion_len)) last; the hidden state at position i predicts
+    token i + 1, hence positions [-completion_len - 1, -1). Only valid when `supports_fused_logprobs(model)`.
+    With `completion_mask` (batch, completion_len) only its tokens are scored; padding positions get 0.
     """
+    completion_len = completion_ids.shape[-1]
     if completion_len < 1:
-        raise ValueError(f"completion_len must be positive, got {completion_len}")
-    if completion_ids.shape[-1] != completion_len:
-        raise ValueError(
-            f"completion_ids has {completion_ids.shape[-1]} columns, expected completion_len={completion_len}"
-        )
+        raise ValueError(f"completion_ids must have a positive length, got shape {tuple(completion_ids.shape)}")
     hidden = model.get_decoder()(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     ).last_hidden_state
     hidden = hidden[:, -completion_len - 1 : -1]
     weight = model.get_output_embeddings().weight
-    return token_logprobs(
-        hidden,
-        weight,
-        completion_ids,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        with_entropy=with_entropy,
-        mask=completion_mask,
-    )
+    return token_logprobs(hidden, weight, completion_ids, settings, mask=completion_mask)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from polo.kernels import supports_fused_logprobs, token_logprobs
+from polo.kernels import LogprobSettings, supports_fused_logprobs, token_logprobs
 from polo.models.scoring import position_ids_from_mask
 
 
@@ -78,16 +78,16 @@ def logprobs_and_values(
     prompt_mask,
     completion_ids,
     completion_mask,
+    scoring: LogprobSettings,
     *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
     detach_trunk_for_values: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Return (log-probs, entropy or None, values), each (batch, completion_len), from one trunk forward.
 
     For the ``head`` critic: the policy's hidden states feed both its lm_head (through the
-    chunked log-prob path) and the value head. `detach_trunk_for_values` stops the value loss
-    from reaching the trunk (used while only the critic warms up).
+    chunked log-prob path, as `scoring` says: temperature, entropy) and the value head.
+    `detach_trunk_for_values` stops the value loss from reaching the trunk (used while only the
+    critic warms up).
     """
     if not supports_fused_logprobs(model):
         raise ValueError(
@@ -103,9 +103,7 @@ def logprobs_and_values(
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     ).last_hidden_state[:, -completion_len - 1 : -1]
-    logprobs, entropy = token_logprobs(
-        hidden, model.get_output_embeddings().weight, completion_ids, temperature=temperature, with_entropy=with_entropy
-    )
+    logprobs, entropy = token_logprobs(hidden, model.get_output_embeddings().weight, completion_ids, scoring)
     value_input = hidden.detach() if detach_trunk_for_values else hidden
     values = value_head(value_input.to(value_head.weight.dtype)).squeeze(-1).float()
     return logprobs, entropy, values

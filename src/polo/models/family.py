@@ -38,7 +38,8 @@ _PROBE_TEXT = "a"
 
 
 def cache_keyword(model: Any) -> str:
-    """Return the keyword `model`'s forward takes its KV cache under: "cache" (transformers >= 5.24) or "past_key_values"."""
+    """Return the keyword `model`'s forward takes its KV cache under: "cache" (transformers >= 5.24) or
+    "past_key_values"."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes kwargs through
     parameters = inspect.signature(type(base).forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
@@ -78,7 +79,7 @@ def encode_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
 
 
 def attention_window(model: Any) -> int | None:
-    """Return the smallest sliding attention window among `model`'s attention layers, None when every layer sees all positions.
+    """Return the smallest sliding attention window of `model`'s attention layers, None when all see every position.
 
     Read from the layers themselves (transformers' attention modules carry `sliding_window`, None on
     full-attention layers), so it holds for any family that has such layers.

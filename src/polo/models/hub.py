@@ -76,7 +76,8 @@ def has_weights(directory: Path) -> bool:
 
 
 def hub_snapshot(name: str) -> Path:
-    """Return the local snapshot directory of Hub id `name`: from the cache, else downloaded unless the Hub is offline."""
+    """Return the local snapshot directory of Hub id `name`: from the cache, else downloaded (unless the Hub is
+    offline)."""
     repo_id, revision = parse_hub_id(name) or (name, None)
     cache = hub_cache_dir()
     cached = _cached_snapshot(repo_id, revision, cache)
@@ -86,15 +87,16 @@ def hub_snapshot(name: str) -> Path:
     fetch = f"'hf download {repo_id}{f' --revision {revision}' if revision else ''}'"
     if offline:
         raise HubModelError(
-            f"model {name!r} is not a local directory, and as a Hugging Face Hub id it is not in the local cache ({cache}) "
-            f"while the Hub is offline ({offline}): fetch it on a machine with internet with {fetch} "
+            f"model {name!r} is not a local directory, and as a Hugging Face Hub id it is not in the local cache "
+            f"({cache}) while the Hub is offline ({offline}): fetch it on a machine with internet with {fetch} "
             "(or 'huggingface-cli download') and copy the cache here, or point the model at a local directory"
         )
     return _download(name, repo_id, revision, cache, fetch)
 
 
 def _cached_snapshot(repo_id: str, revision: str | None, cache: Path) -> Path | None:
-    """Return the cached snapshot of `repo_id` at `revision` when it is there with weights, without touching the network."""
+    """Return the cached snapshot of `repo_id` at `revision` when it is there with weights (None otherwise), without
+    touching the network."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -120,9 +122,10 @@ def _download(name: str, repo_id: str, revision: str | None, cache: Path, fetch:
     except Exception as error:
         reason = " ".join(str(error).split())[:300] or type(error).__name__
         raise HubModelError(
-            f"model {name!r} is not a local directory or in the local Hugging Face cache ({cache}), and downloading it "
-            f"from the Hub failed ({type(error).__name__}: {reason}); check the id and your connection (a gated or private "
-            f"model needs 'hf auth login'), fetch it elsewhere with {fetch} and copy the cache, or point the model at a local directory"
+            f"model {name!r} is not a local directory or in the local Hugging Face cache ({cache}), and downloading "
+            f"it from the Hub failed ({type(error).__name__}: {reason}); check the id and your connection (a gated or "
+            f"private model needs 'hf auth login'), fetch it elsewhere with {fetch} and copy the cache, or point the "
+            "model at a local directory"
         ) from error
     if not has_weights(path):
         raise HubModelError(f"Hub model {name!r} has no safetensors or pytorch_model*.bin weights ({path})")
@@ -133,7 +136,8 @@ def _download(name: str, repo_id: str, revision: str | None, cache: Path, fetch:
 
 
 def check_push(repo_id: str, key: str = "output.push_to_hub") -> None:
-    """Raise `ConfigError` before a run starts when its model could not be pushed to `repo_id` (setting `key`) at the end."""
+    """Raise `ConfigError` before a run starts when its model could not be pushed to `repo_id` (setting `key`) at
+    the end."""
     offline = offline_setting()
     if offline:
         raise ConfigError(
@@ -151,7 +155,8 @@ def check_push(repo_id: str, key: str = "output.push_to_hub") -> None:
 
 
 def push_folder(folder: Path, repo_id: str, private: bool, message: str) -> str:
-    """Create `repo_id` if needed (private when asked) and upload `folder` to it, checkpoint state left out; return its URL."""
+    """Return the URL of `repo_id` after uploading `folder` to it (checkpoint state left out), created if needed
+    (private when asked)."""
     from huggingface_hub import HfApi
 
     api = HfApi()

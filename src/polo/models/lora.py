@@ -73,7 +73,8 @@ def add_adapters(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Mod
             {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
         )
         raise ConfigError(
-            f"model.lora.target_modules={settings.target_modules}: {error}; this model's linear layers are {names} (or use [{ALL_LINEAR}])"
+            f"model.lora.target_modules={settings.target_modules}: {error}; this model's linear layers are {names} "
+            f"(or use [{ALL_LINEAR}])"
         ) from error
 
 
@@ -95,7 +96,8 @@ def has_adapters(model: torch.nn.Module) -> bool:
 
 
 def reference_scope(model: torch.nn.Module, reference: torch.nn.Module) -> AbstractContextManager:
-    """Return the context `reference` is scored in: the adapters switched off when the reference is the LoRA policy itself."""
+    """Return the context `reference` is scored in: the adapters switched off when the reference is the LoRA policy
+    itself."""
     if reference is model and has_adapters(model):
         return model.disable_adapter()
     return nullcontext()
@@ -141,7 +143,8 @@ def merged_for_sampling(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 def merge_into(layer, weight: torch.Tensor, adapters: list[str]) -> None:
-    """Add Σ scaling · B A over `adapters` of a peft LoRA layer into `weight` (its base weight) in place, in W's dtype."""
+    """Add Σ scaling · B A over `adapters` of a peft LoRA layer into `weight` (its base weight), in place, in its
+    dtype."""
     plain = not layer.fan_in_fan_out and not any(layer.use_dora.get(adapter, False) for adapter in adapters)
     if not plain:  # peft's own delta handles transposed and DoRA layers
         weight.copy_(weight.float() + sum(layer.get_delta_weight(adapter).float() for adapter in adapters))

@@ -79,7 +79,7 @@ class MasterWeights:
             parameter.copy_(master)
 
     def state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Return `model.state_dict()` with every trained weight replaced by its fp32 master (what a checkpoint saves)."""
+        """Return `model.state_dict()`, every trained weight replaced by its fp32 master (what a checkpoint saves)."""
         return {
             name: self._master_of.get(id(tensor), tensor).detach()
             for name, tensor in model.state_dict(keep_vars=True).items()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from polo.kernels import (
+    LogprobSettings,
     attends_blockwise,
     completion_logprobs_fused,
     contiguous_head_input,
@@ -78,10 +79,8 @@ def completion_logprobs(
             input_ids,
             attention_mask,
             position_ids_from_mask(attention_mask),
-            completion_len,
             completion_ids,
-            temperature=temperature,
-            with_entropy=with_entropy,
+            LogprobSettings(temperature=temperature, with_entropy=with_entropy),
             completion_mask=completion_mask,
         )
     # The head gets a contiguous input: for a frozen lm_head (a reference, a LoRA base) matmul would
@@ -112,7 +111,7 @@ def completion_logprobs(
 
 def _params_per_layer(model) -> tuple[int, float]:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    hidden = int(config.hidden_size)
     intermediate = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
     return hidden, 4.0 * hidden * hidden + 3.0 * hidden * intermediate  # attention + gated MLP, roughly
 
@@ -142,7 +141,7 @@ def shared_completion_logprobs(
     if not fits_attention_window(model, prompt_ids.shape[1] + completion_ids.shape[1]):
         return None
     blockwise = attends_blockwise(model)
-    scoring = (completion_ids, completion_mask, temperature, with_entropy)
+    scoring = (completion_ids, completion_mask, LogprobSettings(temperature=temperature, with_entropy=with_entropy))
     if group_size == 1:
         prefixed = prefix_shared_logprobs(model, prompt_ids, prompt_mask, *scoring, blockwise=blockwise)
         if prefixed is not None:
@@ -163,8 +162,7 @@ def prefix_shared_logprobs(
     prompt_mask,
     completion_ids,
     completion_mask,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
+    settings: LogprobSettings,
     *,
     blockwise: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -187,9 +185,7 @@ def prefix_shared_logprobs(
     # Completion token t of row i sits at position offset_i + t of the row's rest.
     columns = split.offset[:, None] + torch.arange(completion_ids.shape[1], device=completion_ids.device)[None]
     predictor_index = shared.predictor_index.gather(1, columns.clamp(max=width - 1))
-    return _score_shared(
-        model, shared, predictor_index, completion_ids, completion_mask, temperature, with_entropy, blockwise=blockwise
-    )
+    return _score_shared(model, shared, predictor_index, completion_ids, completion_mask, settings, blockwise=blockwise)
 
 
 def _sharing_pays(model, prompt_len: int, completion_len: int, group_size: int, blockwise: bool, inputs) -> bool:
@@ -206,8 +202,7 @@ def _score_shared(
     predictor_index: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
+    settings: LogprobSettings,
     *,
     blockwise: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -218,8 +213,8 @@ def _score_shared(
     if blockwise:  # the trunk runs real tokens only; attention gathers them into the blocks
         shared = without_padding(shared)
         predictor_index = shared.layout.token_index.reshape(-1)[predictor_index]  # padded -> real positions
-    # polo's attention (polo.kernels.cpu.attention, picked by polo.kernels) reads `shared_layout` and skips the all-masked blocks;
-    # any other attention implementation ignores it and applies the full mask.
+    # polo's attention (polo.kernels.cpu.attention, picked by polo.kernels) reads `shared_layout` and skips the
+    # all-masked blocks; any other attention implementation ignores it and applies the full mask.
     hidden = model.get_decoder()(
         input_ids=shared.input_ids,
         attention_mask=shared.attention_mask,
@@ -232,7 +227,6 @@ def _score_shared(
         predictors,
         model.get_output_embeddings().weight,
         completion_ids,
-        temperature=temperature,
-        with_entropy=with_entropy,
+        settings,
         mask=completion_mask,
     )

@@ -88,7 +88,7 @@ class TokenBatch:
 
 
 def collate(encoded: Sequence[Encoded], pad_id: int, device: torch.device = CPU.device) -> TokenBatch:
-    """Return the sequences as one `TokenBatch` on `device`, padded with `pad_id` (prompts on the left, responses on the right).
+    """Return the sequences as one `TokenBatch` on `device`, padded with `pad_id` (prompts left, responses right).
 
     Padded on the host as lists, so each of the four tensors reaches `device` in one copy.
     """

@@ -339,7 +339,8 @@ def build_stage(name: str, raw: Any, index: int, settings: PipelineSettings, tas
 
 
 def stage_body(where: str, raw: dict) -> tuple[dict, str | None]:
-    """Return (the stage's recipe: its `recipe` file with `overrides`, inline sections merged over it, the inline model.name)."""
+    """Return (the stage's recipe: its `recipe` file with `overrides`, inline sections merged over it; the inline
+    model.name)."""
     overrides = raw.get("overrides") or []
     if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
         raise ConfigError(f"{where}.overrides: expected a list of dotted.key=value strings, got {overrides!r}")
@@ -407,8 +408,8 @@ def check_stage_data(plan: Plan, stage: Stage) -> None:
     if stage.demos is not None:
         if not has_builtin_demonstrations(plan.task):
             raise ConfigError(
-                f"{where}: task {plan.task.name!r} has no built-in cold-start demonstrations (arithmetic and gsm8k have); "
-                "set data.train_path to a jsonl of {prompt, response} demonstrations"
+                f"{where}: task {plan.task.name!r} has no built-in cold-start demonstrations (arithmetic and gsm8k "
+                "have); set data.train_path to a jsonl of {prompt, response} demonstrations"
             )
         wanted = stage.demos.num_train + stage.demos.num_eval
         if wanted > train_rows:

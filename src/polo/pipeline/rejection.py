@@ -52,7 +52,7 @@ def select(
     max_per_prompt: int,
     well_formed: Callable[[str, dict], float] = r1_format,
 ) -> Selection:
-    """Return the completions of one prompt worth learning from: correct, well formed, distinct, at most `max_per_prompt`.
+    """Return one prompt's completions worth learning from: correct, well formed, distinct, at most `max_per_prompt`.
 
     `correctness(completion, row)` is the task's checker (> 0.5 counts as right); `well_formed`
     is `r1_format` (== 1 counts). Duplicates are compared after stripping surrounding whitespace;
@@ -114,7 +114,7 @@ class RejectionDraw:
 
 
 def rejection_sample(model, tokenizer, task: Task, draw: RejectionDraw, sampling: GroupSampling) -> RejectionResult:
-    """Sample `sampling.samples` completions for each of `draw.num_prompts` training prompts and keep what `select` keeps.
+    """Return what `select` keeps of `sampling.samples` completions for each of `draw.num_prompts` training prompts.
 
     Prompts are phrased exactly as the RL stage phrased them (`draw.instruction`,
     `draw.system_prompt`), so the rows teach the model its own best answers to the prompts it will

@@ -76,7 +76,8 @@ def table_html(base: dict | None, entries: list[dict]) -> str:
             + f"<td>{fmt(numbers['length'], 1)}</td>"
         )
         rows.append(
-            f"<tr><td>{escape(label)}</td><td>{escape(kind)}</td>{cells}<td>{'' if seconds is None else fmt(change)}</td>"
+            f"<tr><td>{escape(label)}</td><td>{escape(kind)}</td>{cells}"
+            f"<td>{'' if seconds is None else fmt(change)}</td>"
             f"<td>{'' if seconds is None else f'{seconds / 60:.1f} min'}</td>"
             f"<td>{'' if eval_seconds is None else f'{eval_seconds / 60:.1f} min'}</td><td>{escape(notes)}</td></tr>"
         )
@@ -90,7 +91,10 @@ def total_time(base: dict | None, entries: list[dict]) -> str:
         (evaluation or {}).get("seconds") or 0.0
         for evaluation in [base] + [entry.get("evaluation") for entry in entries]
     )
-    return f"Total: {(stages + evaluations) / 60:.1f} min ({stages / 60:.1f} min of stages, {evaluations / 60:.1f} min of evaluations)."
+    return (
+        f"Total: {(stages + evaluations) / 60:.1f} min ({stages / 60:.1f} min of stages, "
+        f"{evaluations / 60:.1f} min of evaluations)."
+    )
 
 
 def stage_notes(entry: dict) -> str:
@@ -159,7 +163,8 @@ def joined_figure(base: dict | None, entries: list[dict]) -> str | None:
 
 
 def draw_rl_curves(axes, rows: list[dict], offset: int, labelled: bool) -> None:
-    """Draw one RL stage's held-out accuracy, r1_format rate and mean length, shifted right by `offset` (legend labels when `labelled`)."""
+    """Draw one RL stage's held-out accuracy, r1_format rate and mean length, shifted right by `offset` (legend
+    labels when `labelled`)."""
 
     def series(key: str, train: bool) -> tuple[list[float], list[float]]:
         points = [
@@ -233,7 +238,8 @@ def examples_html(entries: list[dict], per_stage: int = 2) -> str:
 
 
 def build_pipeline_report(pipeline_dir: str | Path, labels: list[str], figure_path: Path | None = None) -> str:
-    """Return the pipeline's report page as one HTML string (figures embedded); also write the joined curves to `figure_path`."""
+    """Return the pipeline's report page as one HTML string (figures embedded); also write the joined curves to
+    `figure_path`."""
     pipeline_dir = Path(pipeline_dir)
     base = read_json(pipeline_dir / "base" / EVAL_FILE)
     entries = stage_entries(pipeline_dir, labels)
@@ -249,8 +255,9 @@ def build_pipeline_report(pipeline_dir: str | Path, labels: list[str], figure_pa
         f"<h1>polo pipeline report <small>{escape(pipeline_dir.resolve().name)}</small></h1>",
         f'<div class="meta">{escape(pipeline_dir.resolve())}</div>',
         "<h2>What each stage added</h2>",
-        f'<p class="note">Held-out evaluation after each stage on {escape(settings.get("num_problems", "?"))} problems of '
-        f"{escape(settings.get('task', '?'))}: greedy decoding, then {escape(settings.get('samples', 'K'))} samples per problem "
+        f'<p class="note">Held-out evaluation after each stage on {escape(settings.get("num_problems", "?"))} '
+        f"problems of {escape(settings.get('task', '?'))}: greedy decoding, then "
+        f"{escape(settings.get('samples', 'K'))} samples per problem "
         f"at T={escape(settings.get('temperature', '?'))}, top-p {escape(settings.get('top_p', '?'))} "
         f"(max {escape(settings.get('max_new_tokens', '?'))} new tokens). Stage time excludes the evaluation.</p>",
         table_html(base, entries),
@@ -275,7 +282,8 @@ def build_pipeline_report(pipeline_dir: str | Path, labels: list[str], figure_pa
 
 
 def write_pipeline_report(pipeline_dir: str | Path, labels: list[str]) -> Path:
-    """Write `<pipeline_dir>/report.html` (and the joined curves alone as `curves.png`) for the stages `labels`; return the page's path."""
+    """Return the path of `<pipeline_dir>/report.html`, written for the stages `labels` (and the joined curves alone
+    as `curves.png`)."""
     path = Path(pipeline_dir) / "report.html"
     path.write_text(build_pipeline_report(pipeline_dir, labels, Path(pipeline_dir) / "curves.png"), encoding="utf-8")
     return path

@@ -278,7 +278,8 @@ def run_sft(plan: Plan, stage: Stage, config: Any, model: str, resumable: bool) 
 
 
 def run_reject_sft(plan: Plan, stage: Stage, config: Any, model: str, resumable: bool) -> tuple[str, dict]:
-    """Sample the previous model, keep its correct well-formed answers, fine-tune on them; return (final model, details).
+    """Return (final model, details) after sampling the previous model and fine-tuning on its correct, well-formed
+    answers.
 
     With fewer than `rejection.min_kept` answers kept there is nothing to learn from: the stage
     passes `model` on unchanged, and says so.
@@ -323,12 +324,14 @@ def run_reject_sft(plan: Plan, stage: Stage, config: Any, model: str, resumable:
     totals = {key: value for key, value in summary.items() if key != "per_prompt"}
     print(
         f"polo pipeline: kept {summary['kept']} of {summary['sampled']} samples (accepted {summary['accepted']}: "
-        f"acceptance rate {summary['acceptance_rate']:.3f}; correct {summary['correct_rate']:.3f}, well formed {summary['format_rate']:.3f})",
+        f"acceptance rate {summary['acceptance_rate']:.3f}; correct {summary['correct_rate']:.3f}, "
+        f"well formed {summary['format_rate']:.3f})",
         flush=True,
     )
     if summary["kept"] < settings.min_kept:
         print(
-            f"polo pipeline: warning: fewer than rejection.min_kept={settings.min_kept} kept; stage {stage.label} passes {model} on unchanged",
+            f"polo pipeline: warning: fewer than rejection.min_kept={settings.min_kept} kept; "
+            f"stage {stage.label} passes {model} on unchanged",
             flush=True,
         )
         return model, {"rejection": totals, "sft": None}

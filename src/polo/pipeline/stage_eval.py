@@ -62,7 +62,7 @@ def eval_rows(plan: Plan) -> list[dict]:
 
 
 def evaluate_model(plan: Plan, model: str, directory: Path) -> dict | None:
-    """Return the evaluation of `model` ({"settings", "greedy", "sampled", "seconds"}), from `directory`'s file when current.
+    """Return the evaluation of `model` ({"settings", "greedy", "sampled", "seconds"}), `directory`'s when current.
 
     None when evaluation is off or the task has no held-out rows.
     """

@@ -315,7 +315,8 @@ class RewardSet:
         return total, columns
 
     def failure_counts(self) -> dict[str, dict[str, int]]:
-        """Return, per reward that reports them (like ``code``, and ``correct``), its failure counts by kind since the last call."""
+        """Return, per reward that reports them (like ``code``, and ``correct``), its failure counts by kind since
+        the last call."""
         counts = {
             name: function.pop_failure_counts()
             for name, function in self._functions.items()

@@ -359,7 +359,7 @@ DEFAULT_CHECKER = "math_verify"  # the jsonl and hf tasks' default (TaskConfig.c
 
 
 def checker_help(indent: str = "  ", width: int = 100) -> str:
-    """Return "name: what it accepts" per checker, the default marked, wrapped to ``width`` (for `polo train --help`)."""
+    """Return "name: what it accepts" per checker, the default marked, wrapped to ``width`` (`polo train --help`)."""
     return "\n".join(
         textwrap.fill(
             f"{name}{' (default)' if name == DEFAULT_CHECKER else ''}: {accepts}",

@@ -297,7 +297,7 @@ def _lift_keyword(item: object, leaves: list[str]) -> object:
 def read_value(text: object) -> object:
     """Return the literal ``text`` denotes; LeafError when it is not a small, shallow Python literal."""
     if not isinstance(text, str) or len(text) > MAX_VALUE_CHARS:
-        raise UnreadableValue("value is not a string of at most %d characters" % MAX_VALUE_CHARS)
+        raise UnreadableValue(f"value is not a string of at most {MAX_VALUE_CHARS} characters")
     try:
         tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError, MemoryError, RecursionError, OverflowError) as exc:
@@ -328,16 +328,20 @@ def _checked_size(value: object) -> object:
 
 def _binary(op: ast.operator, left: object, right: object) -> object:
     """Return ``left op right``, refusing operations whose result could be huge."""
-    if isinstance(op, ast.Pow) and isinstance(right, int) and isinstance(left, int):
-        if abs(right) > 4096 or left.bit_length() * abs(right) > _MAX_INT_BITS:
-            raise OverflowError("power too large to judge")
+    if (
+        isinstance(op, ast.Pow)
+        and isinstance(right, int)
+        and isinstance(left, int)
+        and (abs(right) > 4096 or left.bit_length() * abs(right) > _MAX_INT_BITS)
+    ):
+        raise OverflowError("power too large to judge")
     if isinstance(op, ast.LShift) and isinstance(right, int) and right > _MAX_INT_BITS:
         raise OverflowError("shift too large to judge")
     if isinstance(op, ast.Mult):
         for count, other in ((left, right), (right, left)):
-            if isinstance(count, int) and isinstance(other, (str, bytes, list, tuple)):
-                if count * max(len(other), 1) > _MAX_SEQUENCE:
-                    raise OverflowError("repetition too large to judge")
+            sized = isinstance(count, int) and isinstance(other, (str, bytes, list, tuple))
+            if sized and count * max(len(other), 1) > _MAX_SEQUENCE:
+                raise OverflowError("repetition too large to judge")
     if type(op) not in _BINARY:
         raise TypeError(f"operator {type(op).__name__} is not judged")
     return _checked_size(_BINARY[type(op)](left, right))
@@ -478,7 +482,7 @@ def _solution_outcomes(reports: list[dict], count: int) -> dict[int, TestOutcome
 
 
 def _leaf_values(report: dict, test: ParsedTest) -> list[object] | None:
-    """Return the values a test report gives for the test's leaves (a LeafError per failed leaf), or None if malformed."""
+    """Return the values a test report gives for the test's leaves (a LeafError per failed leaf); None if malformed."""
     leaves = report.get("leaves")
     if not isinstance(leaves, list) or len(leaves) != len(test.leaves):
         return None

@@ -36,14 +36,15 @@ def load_reward_model(path: str | Path):
     config_path = path / "config.json"
     if not config_path.exists():
         raise ModelLoadError(
-            f"reward model {str(path)!r} has no config.json: train one with `polo rm RECIPE.yaml` (it saves to <output.dir>/final)"
+            f"reward model {str(path)!r} has no config.json: train one with `polo rm RECIPE.yaml` "
+            "(it saves to <output.dir>/final)"
         )
     config = json.loads(config_path.read_text())
     architectures = config.get("architectures") or []
     if not any(arch.endswith("ForSequenceClassification") for arch in architectures):
         raise ModelLoadError(
-            f"{path} holds {architectures}, not a reward model (expected an architecture ending in ForSequenceClassification, "
-            "as `polo rm` saves)"
+            f"{path} holds {architectures}, not a reward model (expected an architecture ending in "
+            "ForSequenceClassification, as `polo rm` saves)"
         )
     model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=torch.float32)
     if model.config.num_labels != 1:
@@ -139,7 +140,8 @@ class RewardModelReward:
             user = fill_instruction(self.instruction or PLAIN_INSTRUCTION, row["question"])
         else:
             raise KeyError(
-                f"the row has no 'prompt_text', 'prompt' or 'question' to score the completion against; fields: {sorted(row)}"
+                "the row has no 'prompt_text', 'prompt' or 'question' to score the completion against; "
+                f"fields: {sorted(row)}"
             )
         return render_prompt(self.tokenizer, [{"role": "user", "content": user}], self.system_prompt)
 

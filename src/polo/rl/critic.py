@@ -19,6 +19,7 @@ import torch
 from polo import core
 from polo.config import Config
 from polo.generation.rollouts import Rollouts
+from polo.kernels import LogprobSettings
 from polo.models.critic import ValueModel, completion_values, logprobs_and_values, new_value_head
 from polo.models.loading import enable_activation_checkpointing
 from polo.rl.batching import UpdateBatch, micro_batches, trim_padding
@@ -101,7 +102,7 @@ class Critic:
             with compute.autocast():
                 if self.layout == "head":
                     part_logprobs, _, part_values = logprobs_and_values(
-                        model, self.module, *inputs, temperature=temperature
+                        model, self.module, *inputs, LogprobSettings(temperature=temperature)
                     )
                     logprobs[rows, :width] = part_logprobs.float()
                 else:

@@ -75,7 +75,8 @@ def check_guard_settings(config: Config) -> None:
     factor = config.train.divergence_factor
     if not (math.isfinite(factor) and (factor == 0 or factor > 1)):
         raise ConfigError(
-            f"train.divergence_factor must be 0 (only non-finite weights stop the run) or a finite number above 1, got {factor}"
+            "train.divergence_factor must be 0 (only non-finite weights stop the run) or a finite number above 1, "
+            f"got {factor}"
         )
     unknown = [name for name in config.train.divergence_checks if name not in CHECKS]
     if unknown:
@@ -104,7 +105,7 @@ class DivergenceGuard:
         self.history: dict[str, list[float]] = {"loss": [], "grad_norm": []}
 
     def judge(self, step: int, metrics: dict) -> str | None:
-        """Add `weight_norm` to the step's metrics; return the one-line reason it diverged, or None when it is accepted."""
+        """Return the one-line reason the step diverged (None: accepted), after adding `weight_norm` to `metrics`."""
         values = {"weight_norm": weight_norm(self.model)}
         metrics["weight_norm"] = values["weight_norm"]
         values.update({key: abs(metrics[key]) for key in self.history if isinstance(metrics.get(key), (int, float))})
@@ -133,7 +134,10 @@ class DivergenceGuard:
                 return None
             reference, against = statistics.median(accepted), f"the median of {len(accepted)} accepted steps'"
         if reference > 0 and value > self.factor * reference:
-            return f"{name} {value:.4g} is {value / reference:.3g}x {against} {reference:.4g} (train.divergence_factor={self.factor:g})"
+            return (
+                f"{name} {value:.4g} is {value / reference:.3g}x {against} {reference:.4g} "
+                f"(train.divergence_factor={self.factor:g})"
+            )
         return None
 
     def rollback_or_stop(self, step: int, reason: str, run_state: RollbackState, config: Config) -> RollbackState:
@@ -153,9 +157,9 @@ class DivergenceGuard:
             rollbacks=run_state.rollbacks + 1,
             eval_before=run_state.eval_before,
             message=(
-                f"polo: warning: {reason}; rolling back to {latest or 'the starting model ' + self.model_name} and skipping "
-                f"the {step - checkpoint_step} batch(es) drawn since (rollback {run_state.rollbacks + 1} of at most "
-                f"{config.train.max_rollbacks}, train.max_rollbacks)"
+                f"polo: warning: {reason}; rolling back to {latest or 'the starting model ' + self.model_name} and "
+                f"skipping the {step - checkpoint_step} batch(es) drawn since (rollback {run_state.rollbacks + 1} "
+                f"of at most {config.train.max_rollbacks}, train.max_rollbacks)"
             ),
         )
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from polo.kernels import LogprobSettings
 from polo.models.critic import logprobs_and_values
 from polo.models.scoring import completion_logprobs
 from polo.runtime.parallel import data_parallel, is_distributed, is_sharded, world_size
@@ -39,7 +40,8 @@ class TrainingForward(nn.Module):
         detach_trunk_for_values: bool = False,
         group_size: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Return (log-probs, entropy, values or None), each (batch, completion_len); `group_size` as in `completion_logprobs`."""
+        """Return (log-probs, entropy, values or None), each (batch, completion_len); `group_size` as in
+        `completion_logprobs`."""
         if self.value_head is not None:
             return logprobs_and_values(
                 self.model,
@@ -48,8 +50,7 @@ class TrainingForward(nn.Module):
                 prompt_mask,
                 completion_ids,
                 completion_mask,
-                temperature=temperature,
-                with_entropy=True,
+                LogprobSettings(temperature=temperature, with_entropy=True),
                 detach_trunk_for_values=detach_trunk_for_values,
             )
         logprobs, entropy = completion_logprobs(

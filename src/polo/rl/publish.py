@@ -14,7 +14,6 @@ import yaml
 from polo.config import config_to_dict
 from polo.models.hub import HeldOut, ModelCard, publish
 from polo.models.lora import is_adapter_dir
-from polo.runtime.checkpoint import SaveError
 from polo.runtime.parallel import is_main_process
 
 if TYPE_CHECKING:

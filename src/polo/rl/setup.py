@@ -90,15 +90,17 @@ def optimizer_steps(config: Config) -> int:
 
 
 def checked_config(config, overrides: list[str] | None) -> Config:
-    """Return the run's `Config` from a Config, recipe path or mapping plus overrides, checked against the process count."""
+    """Return the run's `Config` from a Config, recipe path or mapping plus overrides, checked against the process
+    count."""
     if not isinstance(config, Config):
         config = load_config(config, overrides)
     elif overrides:
         config = load_config(config_to_dict(config), overrides)
     if config.train.prompts_per_step % parallel.world_size():
         raise ConfigError(
-            f"train.prompts_per_step={config.train.prompts_per_step} is not divisible by the {parallel.world_size()} processes; "
-            f"pick a multiple of {parallel.world_size()} (each process samples whole groups)"
+            f"train.prompts_per_step={config.train.prompts_per_step} is not divisible by the "
+            f"{parallel.world_size()} processes; pick a multiple of {parallel.world_size()} "
+            "(each process samples whole groups)"
         )
     if config.output.push_to_hub:
         check_push(
@@ -118,7 +120,8 @@ def find_resume_point(config: Config, checkpointer: Checkpointer) -> Path | None
 
 
 def load_models(config: Config, compute: Compute, resume_from: Path | None) -> tuple:
-    """Return (policy, tokenizer, reference or None) on `compute.device`: LoRA adapters attached, FSDP-sharded under torchrun."""
+    """Return (policy, tokenizer, reference or None) on `compute.device`: LoRA adapters attached, FSDP-sharded under
+    torchrun."""
     lora, beta = config.model.lora, config.algorithm.beta
     if parallel.rank() == 0:
         resolve_model_path(config.model.name)  # one process fetches/converts a built-in model, the others wait

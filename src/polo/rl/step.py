@@ -17,7 +17,7 @@ import torch
 from polo import core
 from polo.config import Config
 from polo.generation.episodes import episode_metrics
-from polo.generation.rollouts import Rollouts
+from polo.generation.rollouts import Decoding, Rollouts
 from polo.models.lora import merged_for_sampling, reference_scope
 from polo.models.scoring import completion_logprobs
 from polo.rl.batching import (
@@ -132,9 +132,7 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> Sc
             run.tokenizer,
             prompts,
             alg.group_size,
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
+            Decoding(sampling.max_new_tokens, sampling.temperature, sampling.top_p),
             compute=run.compute,
             rows=row_batch,
         )

@@ -69,7 +69,8 @@ def train(
         )
     joined = parallel.init_from_environment(resolve_device(config.train.device))
     try:
-        # The lock comes before anything looks at output.dir; a stop signal during set-up is held until the loop can stop cleanly.
+        # The lock comes before anything looks at output.dir; a stop signal during set-up is held until the loop
+        # can stop cleanly.
         with owned_run_dir(config.output.dir), StopRequest(say_on_main):
             rollback = None
             while True:  # once, unless the divergence guard rolls the run back (polo.rl.guard)
@@ -167,8 +168,8 @@ def banner(run: Run) -> str:
     adapters = f" | LoRA r={lora.r}: {trainable_summary(run.model)}" if lora.r else ""
     return (
         f"polo: {alg.name} on {run.task.name} | model {config.model.name} | {run.compute} | "
-        f"{config.train.prompts_per_step} prompts x {alg.group_size} completions | steps {run.start_step}->{config.train.steps}"
-        + adapters
+        f"{config.train.prompts_per_step} prompts x {alg.group_size} completions | "
+        f"steps {run.start_step}->{config.train.steps}" + adapters
     )
 
 
@@ -203,7 +204,8 @@ def skip_or_stop(run: Run, logger: MetricsLogger, step: int, streak: int, error:
     return streak
 
 
-# Held-out tool use of an environment's episodes (`polo.generation.episodes.episode_metrics`), logged as eval/tool/<key>.
+# Held-out tool use of an environment's episodes (`polo.generation.episodes.episode_metrics`), logged as
+# eval/tool/<key>.
 TOOL_EVAL_KEYS = ("calls_per_episode", "call_success_rate", "turns", "episodes_with_calls", "used_by_correct")
 
 
@@ -222,7 +224,7 @@ class HeldOutEvaluation:
         )
 
     def __call__(self, step: int) -> dict:
-        """Return the held-out result at `step` (combined over ranks) after logging it and writing eval_stepNNNNNN.json."""
+        """Return the held-out result at `step` (combined over ranks), logged and written to eval_stepNNNNNN.json."""
         run = self.run
         with sampling_weights(run.model) as sampler:
             result = (

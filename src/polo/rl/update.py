@@ -43,8 +43,8 @@ def backward_checked(loss: torch.Tensor, optimizer, scheduler, loss_scale: float
     if parallel.any_rank(not bool(torch.isfinite(loss))):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteLossError(
-            f"loss is {loss.item()} on rank {parallel.rank()} (optimizer step {scheduler.last_epoch + 1}); a rank had a "
-            "non-finite loss, the update was not applied and the last checkpoint is intact. "
+            f"loss is {loss.item()} on rank {parallel.rank()} (optimizer step {scheduler.last_epoch + 1}); "
+            "a rank had a non-finite loss, the update was not applied and the last checkpoint is intact. "
             "Try a lower train.learning_rate or check the reward functions."
         )
     if loss.requires_grad:

@@ -134,7 +134,7 @@ class Checkpointer:
         return target
 
     def _rotate(self, newest: Path) -> None:
-        """Remove all but the `keep` newest checkpoints; `newest` (possibly the final model) stays whatever `keep` says."""
+        """Remove all but the `keep` newest checkpoints; `newest` (maybe the final model) stays whatever `keep` says."""
         checkpoints = sorted(self.root.glob("step-*"), key=lambda path: int(path.name.split("-")[1]))
         # keep < 1 is refused by validation; this is the second line of defence, for callers that skip it.
         for old in checkpoints[: max(len(checkpoints) - max(self.keep, 1), 0)]:
@@ -154,7 +154,8 @@ def load_trainer_state(checkpoint: Path) -> dict:
 
 
 def mark_float32(config_path: Path) -> None:
-    """Set `dtype` to float32 in a saved model's config.json (its weights are the fp32 masters, not the bf16 working copy)."""
+    """Set `dtype` to float32 in a saved model's config.json (its weights are the fp32 masters, not the bf16 working
+    copy)."""
     config = json.loads(Path(config_path).read_text())
     config["dtype"] = "float32"
     Path(config_path).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -206,13 +207,14 @@ def claim_output_dir(output_dir: Path, overwrite: bool, resume: bool | None = No
     if not overwrite:
         if resume:
             raise OutputDirInUseError(
-                f"output.resume=true but output.dir {output_dir} has no complete checkpoint, only an earlier run's files ({names}): "
-                "replace them with output.overwrite=true, or pick a new output.dir"
+                f"output.resume=true but output.dir {output_dir} has no complete checkpoint, only an earlier run's "
+                f"files ({names}): replace them with output.overwrite=true, or pick a new output.dir"
             )
         resumable = resume is not None and any(Path(output_dir).glob("checkpoints/step-*/trainer_state.pt"))
         resume_way = "continue it with output.resume=true, or " if resumable else ""
         raise OutputDirInUseError(
-            f"output.dir {output_dir} already holds a run ({names}): {resume_way}replace it with output.overwrite=true, or pick a new output.dir"
+            f"output.dir {output_dir} already holds a run ({names}): {resume_way}replace it with "
+            "output.overwrite=true, or pick a new output.dir"
         )
     if is_main_process():
         for path in found:

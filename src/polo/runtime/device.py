@@ -70,7 +70,8 @@ class Compute:
 
     @property
     def frozen_dtype(self) -> torch.dtype | None:
-        """Return the dtype of a frozen copy that is never trained (the KL reference): bf16 under any bf16 precision, else None (as loaded)."""
+        """Return the dtype of a frozen copy that is never trained (the KL reference): bf16 under any bf16 precision,
+        else None (as loaded)."""
         if self.autocast_dtype is not None:
             return self.autocast_dtype
         return self.param_dtype if self.param_dtype != torch.float32 else None
@@ -141,7 +142,8 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
 def cpu_supports_bf16() -> bool:
     """Return True when this CPU has native bf16 matmuls (AVX-512 BF16 or AMX)."""
     try:
-        flags = open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = cpuinfo.read()
     except OSError:
         return False
     return " avx512_bf16" in flags or " amx_bf16" in flags
@@ -169,7 +171,7 @@ def bf16_pays(device: torch.device) -> bool:
 
 
 def auto_precision(device: torch.device, bf16_name: str, fp32_name: str = "fp32") -> tuple[str, str]:
-    """Return (the precision name `auto` resolves to on `device`, why): `bf16_name` where bf16 pays, else `fp32_name`."""
+    """Return (the precision `auto` resolves to on `device`, why): `bf16_name` where bf16 pays, else `fp32_name`."""
     pays, why = bf16_choice(device)
     return (bf16_name if pays else fp32_name), f"auto: {why}"
 

@@ -83,7 +83,8 @@ def _caller() -> tuple[str, int]:
 
 
 def _tensor_devices(values, devices: set) -> None:
-    """Add the devices of the tensors among `values` (and inside lists, tuples and dicts) to `devices`, 0-dim CPU tensors aside."""
+    """Add the devices of the tensors among `values` (and inside lists, tuples and dicts) to `devices`, 0-dim CPU
+    tensors aside."""
     for value in values:
         if isinstance(value, torch.Tensor):
             if value.dim() or value.device.type != "cpu":
@@ -95,7 +96,8 @@ def _tensor_devices(values, devices: set) -> None:
 
 
 class DeviceGuardMode(TorchFunctionMode):
-    """The function mode of `implicit_device_guard`: fails on implicit factories in `watched` files and on device mixes."""
+    """The function mode of `implicit_device_guard`: fails on implicit factories in `watched` files, and on device
+    mixes."""
 
     def __init__(self, watched: tuple[Path, ...] = (POLO_ROOT,)):
         super().__init__()
@@ -110,8 +112,9 @@ class DeviceGuardMode(TorchFunctionMode):
             filename, line = _caller()
             if filename.startswith(self.watched):
                 raise ImplicitDeviceError(
-                    f"{_function_name(func)}() without device= at {_relative(filename)}:{line}: the tensor would land on "
-                    "whatever the default device is; pass device= (the run's Compute.device, or an input tensor's .device)"
+                    f"{_function_name(func)}() without device= at {_relative(filename)}:{line}: the tensor would "
+                    "land on whatever the default device is; pass device= (the run's Compute.device, or an input "
+                    "tensor's .device)"
                 )
         if func not in self.movers:
             devices: set = set()
@@ -120,7 +123,8 @@ class DeviceGuardMode(TorchFunctionMode):
             if len(devices) > 1:
                 filename, line = _caller()
                 raise DeviceMixError(
-                    f"{_function_name(func)}() mixes tensors on {', '.join(sorted(map(str, devices)))} at {_relative(filename)}:{line}: "
+                    f"{_function_name(func)}() mixes tensors on {', '.join(sorted(map(str, devices)))} "
+                    f"at {_relative(filename)}:{line}: "
                     "a tensor was created on an implicit device, or one input was never moved to the run's device"
                 )
         return func(*args, **kwargs)

@@ -24,7 +24,8 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 
 @dataclass
 class _Received:
-    """The stop signal this process received inside the outermost `StopRequest` (None: none yet), and the nesting depth."""
+    """The stop signal this process received inside the outermost `StopRequest` (None: none yet), and the nesting
+    depth."""
 
     signum: int | None = None
     depth: int = 0
@@ -48,7 +49,8 @@ class StopNow(KeyboardInterrupt):
 
     def __init__(self, signum: int):
         super().__init__(
-            f"a second {signal_name(signum)}: stopped at once; the step in progress is not saved, the last checkpoint is intact"
+            f"a second {signal_name(signum)}: stopped at once; the step in progress is not saved, the last "
+            "checkpoint is intact"
         )
         self.signum = signum
 
@@ -91,7 +93,8 @@ class RunStopped(KeyboardInterrupt):
 
 
 class StopRequest:
-    """Turns the first stop signal (SIGINT, SIGTERM, SIGHUP) into a request to stop after the current step (and checkpoint).
+    """Turns the first stop signal (SIGINT, SIGTERM, SIGHUP) into a request to stop after the current step (and
+    checkpoint).
 
     A second one raises `StopNow` at once. Outside the main thread signals cannot be caught and
     they act as usual; SIGHUP stays ignored in a process started ignoring it (nohup).

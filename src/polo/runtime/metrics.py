@@ -111,7 +111,8 @@ class MetricsLogger:
             except Exception as error:
                 sink.tables = False
                 self.write(
-                    f"polo: warning: {type(sink).__name__} could not log the completions table, no more tables go to it: {error}"
+                    f"polo: warning: {type(sink).__name__} could not log the completions table, no more tables go "
+                    f"to it: {error}"
                 )
 
     def log_samples(self, rows: list[dict]) -> None:

@@ -91,7 +91,8 @@ def check_host_collectives() -> None:
     if backend != "gloo" and "cpu:" not in backend and backend not in ("mpi", "ucc"):
         raise ValueError(
             f"the process group's backend is {backend!r}, which cannot reduce the CPU tensors polo's collectives use; "
-            f"initialise it with backend {GPU_BACKEND!r} (or let polo do it: polo.runtime.parallel.init_from_environment)"
+            f"initialise it with backend {GPU_BACKEND!r} "
+            "(or let polo do it: polo.runtime.parallel.init_from_environment)"
         )
 
 

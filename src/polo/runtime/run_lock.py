@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -69,10 +69,8 @@ def _read_holder(path: Path) -> LockHolder:
     """Return the holder written in `path`, waiting a moment for a holder that has locked but not yet written it."""
     holder = LockHolder()
     for _ in range(20):
-        try:
+        with suppress(OSError):
             holder = LockHolder.parse(path.read_text())
-        except OSError:
-            pass
         if holder.pid != "unknown":
             break
         time.sleep(0.05)
@@ -80,10 +78,12 @@ def _read_holder(path: Path) -> LockHolder:
 
 
 def refusal(directory: Path, what: str, holder: LockHolder, instead: str = "") -> str:
-    """Return the one-line refusal for a run directory that `holder` holds; `instead` is the other way out (default: another `what`)."""
+    """Return the one-line refusal for a run directory that `holder` holds; `instead` is the other way out
+    (default: another `what`)."""
     command = f", {holder.command!r}" if holder.command else ""
     return (
-        f"{what} {directory} is in use by another polo run (pid {holder.pid} on {holder.host}{command}, started {holder.started}): "
+        f"{what} {directory} is in use by another polo run "
+        f"(pid {holder.pid} on {holder.host}{command}, started {holder.started}): "
         f"wait for it to finish, or {instead or f'pick another {what}'}"
     )
 
@@ -95,7 +95,8 @@ def is_run_dir(directory: Path | str) -> bool:
 
 
 class RunDirLock:
-    """An exclusive lock on `<directory>/.polo.lock`, held by this process from `acquire` until `release` or its death."""
+    """An exclusive lock on `<directory>/.polo.lock`, held by this process from `acquire` until `release` or its
+    death."""
 
     def __init__(self, directory: Path | str, what: str = "output.dir", instead: str = ""):
         self.directory = Path(directory)
@@ -126,7 +127,8 @@ class RunDirLock:
             except OSError as error:  # a file system without locks (some network or FUSE mounts): run, but say so
                 os.close(fd)
                 print(
-                    f"polo: warning: cannot lock {self.path} ({error.strerror}); a second run on {self.directory} would not be stopped",
+                    f"polo: warning: cannot lock {self.path} ({error.strerror}); a second run on {self.directory} "
+                    "would not be stopped",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -148,7 +150,8 @@ class RunDirLock:
         return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
     def release(self) -> None:
-        """Remove the lock file and let go of the lock; remove the directory too when this lock made it and it stayed empty."""
+        """Remove the lock file and let go of the lock; remove the directory too when this lock made it and it stayed
+        empty."""
         if self.fd is None:
             return
         try:
@@ -157,10 +160,8 @@ class RunDirLock:
             os.close(self.fd)
             self.fd = None
         if self.created_directory:
-            try:
+            with suppress(OSError):
                 self.directory.rmdir()  # a refused config or model leaves no empty directory behind
-            except OSError:
-                pass
 
 
 @contextmanager

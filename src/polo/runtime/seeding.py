@@ -9,7 +9,7 @@ import torch
 
 
 def rng_state() -> dict:
-    """Return this process's random-number-generator states (torch CPU, each CUDA device's when CUDA is in use, numpy, python).
+    """Return this process's random-number-generator states: torch CPU, each CUDA device's (CUDA in use), numpy, python.
 
     The CUDA states are read only once CUDA is initialised: asking earlier would start a CUDA
     context in a run that never used the GPU. Every state is a CPU tensor or plain data, so a

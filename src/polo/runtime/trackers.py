@@ -108,7 +108,8 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """Weights & Biases, offline under `<output.dir>/wandb/` unless WANDB_MODE says otherwise; tables as `wandb.Table`."""
+    """Weights & Biases, offline under `<output.dir>/wandb/` unless WANDB_MODE says otherwise; tables as
+    `wandb.Table`."""
 
     tables = True
 
@@ -204,8 +205,9 @@ class TrackioSink:
         import trackio
 
         self.trackio = trackio
-        self.run = trackio.init(project=trackers.project_name(), name=trackers.name(output_dir), config=trackers.config)
-        self.where = f"trackio run {self.run.name} in project {trackers.project_name()} (trackio show --project {trackers.project_name()})"
+        project = trackers.project_name()
+        self.run = trackio.init(project=project, name=trackers.name(output_dir), config=trackers.config)
+        self.where = f"trackio run {self.run.name} in project {project} (trackio show --project {project})"
 
     def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(dict(scalars), step=step)

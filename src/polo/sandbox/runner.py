@@ -15,6 +15,7 @@ stdout and stderr at ``max_output_bytes``. docs/sandbox.md says what is and is n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -188,10 +189,8 @@ def _kill(process: subprocess.Popen) -> None:
     bwrap runs with ``--die-with-parent`` and is the parent of the namespace's init, so the kernel
     kills the whole PID namespace (the program's daemonised children too) when bwrap dies.
     """
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class _Reader:

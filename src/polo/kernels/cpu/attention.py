@@ -29,7 +29,7 @@ POLO_ATTENTION = "polo_sdpa"
 
 
 def polo_attention(module, query, key, value, attention_mask, *args, shared_layout=None, **kwargs):
-    """transformers attention-interface function: (module, q, k, v, mask, ...) -> (output (batch, len, heads, d), None)."""
+    """Return (output (batch, len, heads, d), None): transformers' attention interface, (module, q, k, v, mask, ...)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dtype = query.dtype
@@ -80,7 +80,7 @@ _PLAIN_KWARGS = {
 
 
 def gqa_without_copies(module, query: torch.Tensor, key: torch.Tensor, mask, args: tuple, kwargs: dict) -> bool:
-    """Return whether this attention call can go to SDPA with `enable_gqa` (same result as repeating the key/value heads).
+    """Return whether this attention call can go to SDPA with `enable_gqa` (as if the key/value heads were repeated).
 
     Only for a plain call: CPU, a boolean mask (so transformers would not use is_causal), more query
     than key/value heads, and no extra terms (softcapping, position bias, attention sinks, ...).
@@ -101,7 +101,7 @@ def gqa_without_copies(module, query: torch.Tensor, key: torch.Tensor, mask, arg
 
 
 def one_query_over_groups(module, query: torch.Tensor, key: torch.Tensor, mask, args: tuple, kwargs: dict) -> bool:
-    """Return whether this is a decode step (one query token) of grouped-query attention that `decode_attention` can take.
+    """Return whether this is a decode step (one query token) of grouped-query attention for `decode_attention`.
 
     Only for a plain call on the CPU with a mask shared by every head (or none), and no extra terms.
     """
@@ -120,7 +120,7 @@ def one_query_over_groups(module, query: torch.Tensor, key: torch.Tensor, mask, 
 
 
 def decode_attention(query, key, value, mask, scaling: float | None) -> torch.Tensor:
-    """Return attention for one query token per row, (batch, 1, heads, d), with each key/value head's query heads as its rows.
+    """Return attention for one query token per row, (batch, 1, heads, d), each key/value head's queries as its rows.
 
     query (batch, heads, 1, d); key, value (batch, kv_heads, len, d); mask None or (batch, 1, 1, len).
     The G query heads that share a key/value head become G query rows of that head, so SDPA runs

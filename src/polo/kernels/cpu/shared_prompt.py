@@ -267,7 +267,7 @@ def without_padding(shared: SharedPromptBatch) -> SharedPromptBatch:
 def shared_attention(
     attend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SharedAttentionLayout
 ) -> torch.Tensor:
-    """Attention over the shared layout computed block by block; returns (groups, L, heads, d) like transformers' attention.
+    """Return attention over the shared layout, computed block by block: (groups, L, heads, d) like transformers'.
 
     `attend(q, k, v, mask)` is an attention function taking (batch, heads, len, d) inputs and a
     (batch, 1, q_len, k_len) bool mask and returning (batch, q_len, heads, d). query is
