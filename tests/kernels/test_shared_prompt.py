@@ -8,6 +8,7 @@ import torch
 from polo.kernels.cpu import shared_prompt
 from polo.kernels.cpu.attention import use_polo_attention
 from polo.kernels.cpu.shared_prompt import share_prompts, sharing_pays, without_padding
+from polo.models import scoring
 from polo.models.loading import load_policy
 from polo.models.scoring import completion_logprobs, shared_completion_logprobs
 
@@ -190,3 +191,71 @@ def test_without_padding_runs_exactly_the_real_tokens():
             for row in range(first, first + group_size):
                 expected += completion_ids[row][completion_mask[row].bool()].tolist()
         assert unpadded.input_ids[0].tolist() == expected
+
+
+def prefixed_batch(vocab: int, prefix: int = 6, rests=(0, 3, 1, 2), completion_lengths=(4, 1, 3, 2), seed: int = 1):
+    """Rows whose left-padded prompts open with the same `prefix` tokens, then differ (`rests` more tokens each)."""
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, vocab, (prefix,), generator=generator)
+    width = prefix + max(rests)
+    prompt_ids = torch.zeros(len(rests), width, dtype=torch.long)
+    prompt_mask = torch.zeros(len(rests), width, dtype=torch.long)
+    for row, rest in enumerate(rests):
+        own = torch.randint(3, vocab, (rest,), generator=generator)  # row 0 has no rest: the prefix is all 6
+        prompt_ids[row, width - prefix - rest :] = torch.cat([shared, own])
+        prompt_mask[row, width - prefix - rest :] = 1
+    completion_width = max(completion_lengths)
+    completion_ids = torch.randint(3, vocab, (len(rests), completion_width), generator=generator)
+    completion_mask = (torch.arange(completion_width)[None, :] < torch.tensor(completion_lengths)[:, None]).long()
+    return prompt_ids, prompt_mask, completion_ids.masked_fill(completion_mask == 0, 0), completion_mask
+
+
+def test_rows_are_split_at_their_prompts_common_prefix():
+    from polo.kernels.cpu.shared_prompt import split_common_prefix
+
+    prompt_ids, prompt_mask, completion_ids, completion_mask = prefixed_batch(50)
+    split = split_common_prefix(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    assert split.prompt_ids.shape == (4, 6) and split.offset.tolist() == [0, 3, 1, 2]
+    for row in range(4):  # [prefix | rest] holds exactly the row's real tokens, in order
+        real = (
+            prompt_ids[row][prompt_mask[row].bool()].tolist()
+            + completion_ids[row][completion_mask[row].bool()].tolist()
+        )
+        rest = split.completion_ids[row][split.completion_mask[row].bool()].tolist()
+        assert split.prompt_ids[row].tolist() + rest == real
+    assert split.completion_ids.shape[1] == max(3 + 1, 1 + 3, 2 + 2, 0 + 4)
+    assert split_common_prefix(*grouped_batch(50, group_size=1, completion_lengths=(4, 1))) is None  # nothing shared
+    assert split_common_prefix(prompt_ids[:1], prompt_mask[:1], completion_ids[:1], completion_mask[:1]) is None
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "polo"])
+def test_rows_sharing_a_prompt_prefix_run_it_once_with_the_same_logprobs_and_gradients(
+    tiny_model_dir, attention, monkeypatch
+):
+    model, _ = load_policy(str(tiny_model_dir))
+    if attention == "polo":
+        assert use_polo_attention(model)
+    batch = prefixed_batch(model.config.vocab_size)
+    completion_mask = batch[3]
+    ran = []
+    real_without_padding = scoring.without_padding
+    monkeypatch.setattr(scoring, "without_padding", lambda s: ran.append(real_without_padding(s)) or ran[-1])
+    results = []
+    for fused in (False, True):  # False: plain logits over each row whole
+        monkeypatch.setattr(scoring, "FUSED_LOGPROBS", fused)
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = completion_logprobs(model, *batch, temperature=0.7, with_entropy=True)
+        (logprobs * completion_mask).sum().backward()
+        results.append((logprobs.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain, plain_entropy, plain_grads), (prefixed, prefixed_entropy, prefixed_grads) = results
+    real = completion_mask.bool()
+    torch.testing.assert_close(prefixed[real], plain[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prefixed_entropy[real], plain_entropy[real], rtol=1e-5, atol=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(prefixed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert (prefixed[~real] == 0).all()
+    if attention == "polo":  # the trunk ran the 6 prefix tokens once, then each row's rest and completion
+        (unpadded,) = ran
+        assert unpadded.input_ids.shape == (1, 6 + (3 + 1 + 2) + int(completion_mask.sum()))
+    else:
+        assert not ran

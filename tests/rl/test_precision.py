@@ -16,7 +16,7 @@ from polo.models.precision import MasterWeights
 from polo.rl.train import train
 from polo.runtime import device as trainer_module
 from polo.runtime import rates as rates_module
-from polo.runtime.device import autocast_compute, inference_compute, train_compute
+from polo.runtime.device import finetune_compute, inference_compute, train_compute
 from polo.runtime.rates import MatmulRates
 
 
@@ -110,13 +110,34 @@ def test_auto_precision_follows_the_measured_rates_not_the_flags(monkeypatch):
     ):
         compute = train_compute(load_config(section))
         assert compute.precision == "fp32" and "fp32 320 / bf16 167" in compute.basis
-    assert autocast_compute("auto", "cpu").precision == "fp32"  # polo sft / rm / dpo
+    assert finetune_compute("auto", "cpu").precision == "fp32"  # polo sft / rm / dpo
     assert inference_compute("auto", "cpu").precision == "fp32"  # polo eval, the pipeline's sampling
     explicit = train_compute(load_config({"train": {"precision": "bf16_master", "device": "cpu"}}))
     assert (explicit.precision, explicit.basis) == ("bf16_master", "explicit")  # an explicit precision always wins
     measured(300.0, 2200.0, monkeypatch)  # an Intel with AMX
-    assert autocast_compute("auto", "cpu").precision == "bf16"
+    assert finetune_compute("auto", "cpu").precision == "bf16_master"
     assert inference_compute("auto", "cpu").precision == "bf16_weights"
+
+
+@pytest.mark.parametrize(("fp32", "bf16", "expected"), [(300.0, 860.0, "bf16_master"), (320.0, 167.0, "fp32")])
+def test_fine_tuning_takes_polo_trains_precision_decision(monkeypatch, fp32, bf16, expected):
+    """`polo sft / rm / dpo` and `polo train` resolve `auto` by one function, from the same measured rates."""
+    measured(fp32, bf16, monkeypatch)
+    rl = train_compute(load_config({"train": {"precision": "auto", "device": "cpu"}}))
+    finetune = finetune_compute("auto", "cpu")
+    assert finetune == rl and finetune.precision == expected
+    assert str(finetune) == str(rl) == f"{expected} on cpu (auto: fp32 {fp32:.0f} / bf16 {bf16:.0f} GFLOP/s (cached))"
+    for explicit in ("fp32", "bf16", "bf16_master"):  # an explicit precision wins either way
+        assert (finetune_compute(explicit, "cpu").precision, finetune_compute(explicit, "cpu").basis) == (
+            explicit,
+            "explicit",
+        )
+    monkeypatch.setattr(trainer_module.parallel, "world_size", lambda: 2)  # masters need one process, as in RL
+    assert finetune_compute("auto", "cpu").precision == ("bf16" if expected == "bf16_master" else "fp32")
+    with pytest.raises(ConfigError, match="bf16_master: it trains in one process only"):
+        finetune_compute("bf16_master", "cpu")
+    with pytest.raises(ConfigError, match="train.precision 'bf16_weights' is not one of auto, fp32, bf16, bf16_master"):
+        finetune_compute("bf16_weights", "cpu")
 
 
 def test_matmul_rates_are_cached_per_machine_key(tmp_path, monkeypatch):

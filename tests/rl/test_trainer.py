@@ -25,7 +25,7 @@ from polo.runtime.device import CPU
 from polo.runtime.errors import NonFiniteLossError
 from polo.runtime.optimizer import build_optimizer, build_schedule
 
-TIME_KEYS = ("time/", "tokens_per_second", "timestamp")
+TIME_KEYS = ("time/", "tokens_per_second", "update_tokens_per_second", "timestamp")
 
 
 def tiny_config(model_dir, output_dir, **sections):
@@ -113,8 +113,12 @@ def test_train_writes_metrics_checkpoints_and_plots(tiny_model_dir, tmp_path):
         "time/reward",
         "time/update",
         "tokens_per_second",
+        "update_tokens_per_second",
     }
     assert expected <= set(rows[0]), expected - set(rows[0])
+    for row in rows:  # the step's real tokens, once per update epoch (2), over the update's time alone
+        tokens = row["tokens_per_second"] * row["time/step"]
+        assert tokens > 0 and row["update_tokens_per_second"] * row["time/update"] == pytest.approx(2 * tokens)
     assert all(row["kl"] >= 0 for row in rows)
     assert rows[-1]["kl"] > 0  # the policy has moved away from the reference
     assert (

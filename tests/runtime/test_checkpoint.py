@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from polo.runtime.checkpoint import load_trainer_state
 from polo.runtime.seeding import restore_rng, rng_state, seed_everything
 
-TIME_KEYS = ("time/", "tokens_per_second", "timestamp")
+TIME_KEYS = ("time/", "tokens_per_second", "update_tokens_per_second", "timestamp")
 
 
 def fake_cuda_states(devices: int = 2) -> list[torch.Tensor]:

@@ -73,7 +73,7 @@ def test_a_ppo_step_with_its_critic_names_the_device_of_every_tensor(tiny_model_
 
 def test_an_sft_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path):
     from polo.data.preferences import Demonstration
-    from polo.finetune.fit import fit
+    from polo.finetune.fit import fit, prepare_model
     from polo.finetune.sft import SFTObjective, encode_demonstrations, load_sft_config
     from polo.models.loading import load_policy
 
@@ -90,14 +90,15 @@ def test_an_sft_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path):
     examples = encode_demonstrations(tokenizer, demos, None, 64)
     before = model.lm_head.weight.detach().clone()
     with implicit_device_guard():
-        rows, _, _ = fit(model, examples, SFTObjective(tokenizer.pad_token_id, CPU.device), config, compute=CPU)
+        trainee = prepare_model(model, CPU)  # polo's attention: the batch runs without its padding
+        rows, _, _ = fit(trainee, examples, SFTObjective(tokenizer.pad_token_id, CPU.device), config)
     assert rows[0]["loss"] > 0 and not torch.equal(before, model.lm_head.weight.detach())
 
 
 def test_a_dpo_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path):
     from polo.data.preferences import Ranking
     from polo.finetune.dpo import DPOObjective, load_dpo_config, with_reference_logps
-    from polo.finetune.fit import fit
+    from polo.finetune.fit import fit, prepare_model
     from polo.finetune.reward_model import encode_rankings
     from polo.models.loading import load_policy
 
@@ -120,10 +121,9 @@ def test_a_dpo_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path):
     prompt = ({"role": "user", "content": "Say 1."},)
     examples = encode_rankings(tokenizer, [Ranking(prompt, ("1", "2", "3")), Ranking(prompt, ("one", "two"))], None, 64)
     with implicit_device_guard():
+        trainee = prepare_model(model, CPU)
         examples = with_reference_logps(model, examples, tokenizer.pad_token_id, 2, CPU)  # the frozen reference's pass
-        rows, _, _ = fit(
-            model, examples, DPOObjective(tokenizer.pad_token_id, 0.1, device=CPU.device), config, compute=CPU
-        )
+        rows, _, _ = fit(trainee, examples, DPOObjective(tokenizer.pad_token_id, 0.1, device=CPU.device), config)
     assert rows[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # log 2: the policy starts as its reference
 
 

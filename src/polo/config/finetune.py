@@ -14,6 +14,7 @@ from polo.config.errors import ConfigError
 from polo.config.fields import override, setting
 from polo.config.loading import build_dataclass, config_to_dict, read_recipe
 from polo.config.schema import (
+    PRECISIONS,
     ModelConfig,
     OptimizerConfig,
     device_setting,
@@ -63,7 +64,10 @@ class FinetuneTrainConfig(OptimizerConfig):
     )
     seed: int = setting(0, help="seeds the data order and every random stream")
     precision: str = setting(
-        "auto", help="auto | fp32 | bf16 (autocast with fp32 master weights)", choices=("auto", "fp32", "bf16")
+        "auto",
+        help="auto | fp32 | bf16 (autocast) | bf16_master (bf16 weights, fp32 masters); auto decides as polo train "
+        "does: bf16_master where bf16 was measured faster (bf16 under torchrun), else fp32 (polo.runtime.device)",
+        choices=PRECISIONS,
     )
     device: str = device_setting()
     threads: int | None = threads_setting()

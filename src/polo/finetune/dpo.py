@@ -41,6 +41,7 @@ from polo.finetune.fit import (
     finish_run,
     fit,
     pair_indices,
+    prepare_model,
     prepare_run,
     ranking_logprobs,
     save_model,
@@ -48,7 +49,6 @@ from polo.finetune.fit import (
 )
 from polo.finetune.reward_model import encode_rankings, num_pairs
 from polo.models.hub import HeldOut
-from polo.models.loading import enable_activation_checkpointing
 from polo.runtime.device import CPU, Compute
 
 
@@ -111,7 +111,10 @@ def dpo(config: DPOConfig | str | Path | dict | None = None, overrides: list[str
         started = time.perf_counter()
         compute = prepare_run(config, config_to_dict(config))
         model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
-        model = model.to(compute.device)
+        # The reference is scored in the weights the policy trains in (bf16 under bf16_master), so the
+        # log-ratios start at exactly 0; activations are recomputed only in training (`recomputes_activations`).
+        trainee = prepare_model(model, compute, config.train.gradient_checkpointing)
+        model = trainee.model
         data, micro, pad_id = config.data, config.train.micro_batch_size, tokenizer.pad_token_id
         train_examples = encode_rankings(
             tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length
@@ -126,24 +129,21 @@ def dpo(config: DPOConfig | str | Path | dict | None = None, overrides: list[str
         # The reference is the starting model: score every response with it before the first update.
         train_examples = with_reference_logps(model, train_examples, pad_id, micro, compute)
         eval_examples = with_reference_logps(model, eval_examples, pad_id, micro, compute) if eval_examples else []
-        if config.train.gradient_checkpointing:
-            enable_activation_checkpointing(model)
         objective = DPOObjective(pad_id, config.dpo.beta, config.dpo.nll_weight, compute.device)
         evaluate = (
             (lambda: evaluate_objective(model, eval_examples, objective, micro, compute)) if eval_examples else None
         )
         rows, before, after = fit(
-            model,
+            trainee,
             train_examples,
             objective,
             config,
-            compute=compute,
             evaluate=evaluate,
             name="polo dpo",
             headline=("loss", "rewards/accuracies", "rewards/margins"),
         )
         output_dir = Path(config.output.dir)
-        model_dir = save_model(model, tokenizer, output_dir / "final")
+        model_dir = save_model(trainee, tokenizer, output_dir / "final")
         held_out = HeldOut(
             f"Implicit-reward preference accuracy and margin on {len(eval_examples)} held-out rankings",
             ("rewards/accuracies", "rewards/margins"),

@@ -37,16 +37,18 @@ import torch
 
 from polo import core
 from polo.config import config_to_dict
-from polo.kernels import LogprobSettings, supports_fused_logprobs, token_logprobs
+from polo.kernels import LogprobSettings, supports_fused_logprobs, token_logprobs, use_fast_attention
 from polo.models.family import cache_keyword
 from polo.models.hub import HeldOut, ModelCard, check_push, publish
+from polo.models.loading import enable_activation_checkpointing
+from polo.models.precision import MasterWeights, master_weights, trainer_optimizer
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
 from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
-from polo.runtime.checkpoint import claim_output_dir, staged_directory
-from polo.runtime.device import CPU, Compute, autocast_compute
+from polo.runtime.checkpoint import claim_output_dir, mark_float32, staged_directory
+from polo.runtime.device import CPU, Compute, finetune_compute
 from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
-from polo.runtime.optimizer import build_optimizer, build_schedule
+from polo.runtime.optimizer import build_schedule
 from polo.runtime.parallel import is_main_process
 from polo.runtime.run_lock import owned_run_dir
 from polo.runtime.trackers import Trackers
@@ -117,9 +119,19 @@ def collate_rankings(examples: Sequence[Example], pad_id: int, device: torch.dev
     )
 
 
-def uses_gradient_checkpointing(model) -> bool:
-    """Return True when any module of `model` recomputes its activations in backward (no KV cache then)."""
-    return any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+def recomputes_activations(model) -> bool:
+    """Return True when `model`'s forward now records layers to recompute in backward, which then take no KV cache.
+
+    transformers checkpoints a layer only in training mode with gradients on, and there it drops
+    the cache (`use_cache=False`, the cache argument None), so the shared prompt's keys and values
+    of `shared_prompt_hidden` would never reach the responses. Scoring without gradients (held-out
+    evaluation, DPO's reference) keeps the cache and the shared prompt.
+    """
+    return (
+        model.training
+        and torch.is_grad_enabled()
+        and any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+    )
 
 
 def shared_prompt_hidden(trunk, batch: RankingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +174,7 @@ def ranking_logprobs(model, batch: RankingBatch) -> torch.Tensor:
     `sequence_logprobs` on the expanded batch when the lm_head cannot be applied directly (see
     `polo.kernels.supports_fused_logprobs`) or activations are recomputed.
     """
-    if not supports_fused_logprobs(model) or uses_gradient_checkpointing(model):
+    if not supports_fused_logprobs(model) or recomputes_activations(model):
         return sequence_logprobs(model, batch.expanded())
     prompt_hidden, response_hidden = shared_prompt_hidden(model.get_decoder(), batch)
     hidden = torch.cat([prompt_hidden[:, -1:], response_hidden[:, :-1]], dim=1)
@@ -180,7 +192,7 @@ def ranking_rewards(reward_model, batch: RankingBatch) -> torch.Tensor:
     heads other than a plain `score` layer, or when activations are recomputed.
     """
     score = getattr(reward_model, "score", None)
-    if not isinstance(score, torch.nn.Linear) or uses_gradient_checkpointing(reward_model):
+    if not isinstance(score, torch.nn.Linear) or recomputes_activations(reward_model):
         return sequence_rewards(reward_model, batch.expanded())
     prompt_hidden, response_hidden = shared_prompt_hidden(reward_model.base_model, batch)
     hidden = torch.cat([prompt_hidden, response_hidden], dim=1)
@@ -225,6 +237,30 @@ def micro_batches(examples: Sequence[Example], max_sequences: int) -> list[list[
 
 
 # ---------------------------------------------------------------- the loop
+
+
+@dataclass
+class Trainee:
+    """The model a fine-tuning run trains, the Compute it trains on, and its fp32 masters under bf16_master."""
+
+    model: torch.nn.Module
+    compute: Compute
+    masters: MasterWeights | None = None
+
+
+def prepare_model(model: torch.nn.Module, compute: Compute, gradient_checkpointing: bool = False) -> Trainee:
+    """Return `model` ready to train on `compute`, as `polo train` readies its policy (`polo.rl.setup`).
+
+    On the run's device, on the device's fast attention (`polo.kernels.use_fast_attention`: polo's
+    on the CPU, whose unpadded layout SFT batches then take), cast to bf16 with fp32 masters under
+    bf16_master (`polo.models.precision`), recomputing activations in backward when asked.
+    """
+    model = model.to(compute.device)
+    use_fast_attention(model, compute)
+    masters = master_weights(model, compute)
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    return Trainee(model, compute, masters)
 
 
 class Objective(Protocol):
@@ -290,26 +326,30 @@ class FinetuneResult:
     seconds: float = 0.0
 
 
-def save_model(model, tokenizer, target: Path) -> Path:
-    """Save model and tokenizer with `save_pretrained` to `target`, replacing it only once the copy is whole."""
+def save_model(trainee: Trainee, tokenizer, target: Path) -> Path:
+    """Save the model (fp32 masters under bf16_master) and tokenizer to `target`, replaced once the copy is whole."""
+    model, masters = trainee.model, trainee.masters
     with staged_directory(target, "the model", f"{target} is unchanged" if target.exists() else "") as staging:
-        model.save_pretrained(str(staging), safe_serialization=True)
+        model.save_pretrained(
+            str(staging), safe_serialization=True, state_dict=masters.state_dict(model) if masters else None
+        )
+        if masters is not None:  # transformers writes the in-memory (bf16) dtype; the saved weights are fp32
+            mark_float32(staging / "config.json")
         tokenizer.save_pretrained(str(staging))
     return target
 
 
 def fit(
-    model,
+    trainee: Trainee,
     train_examples: Sequence[Example],
     objective: Objective,
     config: Any,
     *,
-    compute: Compute,
     evaluate: Callable[[], dict[str, float]] | None = None,
     name: str = "polo",
     headline: tuple[str, ...] = ("loss",),
 ) -> tuple[list[dict], dict | None, dict | None]:
-    """Train `model` in place on `train_examples`; return (metrics rows, held-out metrics before, after).
+    """Train `trainee.model` in place on `train_examples`; return (metrics rows, held-out metrics before, after).
 
     `config` is a recipe config with `train` (`polo.config.finetune.FinetuneTrainConfig`) and
     `output` (`FinetuneOutputConfig`) sections. Each optimizer step takes `train.batch_size` examples of a
@@ -327,8 +367,11 @@ def fit(
         if train.max_steps is None
         else min(train.max_steps, steps_per_epoch * train.epochs)
     )
-    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    optimizer = build_optimizer(parameters, train)
+    model, compute = trainee.model, trainee.compute
+    optimizer = trainer_optimizer(
+        [parameter for parameter in model.parameters() if parameter.requires_grad], train, trainee.masters
+    )
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]  # the masters'
     scheduler = build_schedule(optimizer, train, total_steps)
     if is_main_process():
         (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run must not mix with an old run's rows
@@ -346,7 +389,7 @@ def fit(
                 raise RunStopped(stop.signum, step - 1, None, resumable=False)
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            sums, units = _backpropagate(model, batch, objective, train.micro_batch_size, compute, logger, name, step)
+            sums, units = _backpropagate(trainee, batch, objective, train.micro_batch_size, logger, name, step)
             grad_norm = torch.nn.utils.clip_grad_norm_(parameters, train.max_grad_norm)
             optimizer.step()
             scheduler.step()
@@ -387,11 +430,10 @@ def _optimizer_batches(
 
 
 def _backpropagate(
-    model,
+    trainee: Trainee,
     batch: Sequence[Example],
     objective: Objective,
     micro_batch_size: int,
-    compute: Compute,
     logger: MetricsLogger,
     name: str,
     step: int,
@@ -403,8 +445,8 @@ def _backpropagate(
     units = max(sum(objective.units(example) for example in batch), 1)
     sums: dict[str, float] = {}
     for group in micro_batches(batch, micro_batch_size):
-        with compute.autocast():
-            loss_sum, stats = objective.loss(model, group)
+        with trainee.compute.autocast():
+            loss_sum, stats = objective.loss(trainee.model, group)
         loss = loss_sum / units
         if not torch.isfinite(loss):
             logger.close()
@@ -425,9 +467,14 @@ def _step_row(
     learning_rate: float,
     started: float,
 ) -> dict:
-    """Return the metrics row of one optimizer step, every statistic a mean per unit."""
+    """Return the metrics row of one optimizer step, every statistic a mean per unit.
+
+    `tokens_per_second` counts the real (unpadded) prompt and response tokens of every sequence of
+    the step over its wall time, as `update_tokens_per_second` does for an RL update (`polo.rl.step`).
+    """
     seconds = time.perf_counter() - started
     sequences = sum(len(example.sequences) for example in batch)
+    tokens = sum(len(item.prompt_ids) + len(item.response_ids) for example in batch for item in example.sequences)
     return {
         "step": step,
         "epoch": (step - 1) // steps_per_epoch + 1,
@@ -436,6 +483,7 @@ def _step_row(
         "learning_rate": learning_rate,
         "time/step": seconds,
         "sequences_per_second": sequences / max(seconds, 1e-9),
+        "tokens_per_second": tokens / max(seconds, 1e-9),
     }
 
 
@@ -457,13 +505,15 @@ def finetune_run(config: Any) -> Iterator[None]:
 def prepare_run(config: Any, config_dict: dict) -> Compute:
     """Set threads and seeds, write `<output.dir>/config.yaml`; return the Compute of train.device and train.precision.
 
+    The precision is decided as `polo train` decides it (`polo.runtime.device.finetune_compute`).
+
     Whether `output.push_to_hub` can be pushed to is asked here, before any model loads.
     """
     import yaml
 
     from polo.runtime.seeding import seed_everything
 
-    compute = autocast_compute(config.train.precision, config.train.device)  # first: a missing device costs nothing
+    compute = finetune_compute(config.train.precision, config.train.device)  # first: a missing device costs nothing
     if config.output.push_to_hub:
         check_push(config.output.push_to_hub)  # before the model loads: a model that could not be pushed never trains
 

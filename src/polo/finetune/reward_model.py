@@ -38,6 +38,7 @@ from polo.finetune.fit import (
     finish_run,
     fit,
     pair_indices,
+    prepare_model,
     prepare_run,
     ranking_rewards,
     save_model,
@@ -45,7 +46,6 @@ from polo.finetune.fit import (
 )
 from polo.generation.prompts import render_prompt
 from polo.models.hub import HeldOut
-from polo.models.loading import enable_activation_checkpointing
 from polo.rewards.reward_model import STATS_FILE
 from polo.runtime.device import CPU
 
@@ -161,9 +161,9 @@ def train_reward_model(
         started = time.perf_counter()
         compute = prepare_run(config, config_to_dict(config))
         tokenizer = load_tokenizer(config.model.name)
-        model = new_reward_model(config.model.name, tokenizer, config.model.attn_implementation).to(compute.device)
-        if config.train.gradient_checkpointing:
-            enable_activation_checkpointing(model)
+        model = new_reward_model(config.model.name, tokenizer, config.model.attn_implementation)
+        trainee = prepare_model(model, compute, config.train.gradient_checkpointing)
+        model = trainee.model
         data = config.data
         train_examples = encode_rankings(
             tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length
@@ -184,11 +184,10 @@ def train_reward_model(
             return ranking_metrics(last_scores)
 
         rows, before, after = fit(
-            model,
+            trainee,
             train_examples,
             PairwiseObjective(pad_id, compute.device),
             config,
-            compute=compute,
             evaluate=evaluate if eval_examples else None,
             name="polo rm",
             headline=("loss", "accuracy"),
@@ -199,7 +198,7 @@ def train_reward_model(
         else:  # normalisation statistics from the training responses instead
             last_scores = score_sequences(ranking_rewards, model, train_examples, pad_id, micro, compute)
         stats = ranking_metrics(last_scores)
-        model_dir = save_model(model, tokenizer, output_dir / "final")
+        model_dir = save_model(trainee, tokenizer, output_dir / "final")
         (model_dir / STATS_FILE).write_text(
             json.dumps(
                 {

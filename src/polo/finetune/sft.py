@@ -30,13 +30,13 @@ from polo.finetune.fit import (
     finetune_run,
     finish_run,
     fit,
+    prepare_model,
     prepare_run,
     response_logprobs,
     save_model,
 )
 from polo.generation.prompts import render_prompt
 from polo.models.hub import HeldOut
-from polo.models.loading import enable_activation_checkpointing
 from polo.runtime.device import CPU
 
 
@@ -75,9 +75,8 @@ def sft(config: SFTConfig | str | Path | dict | None = None, overrides: list[str
         started = time.perf_counter()
         compute = prepare_run(config, config_to_dict(config))
         model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
-        model = model.to(compute.device)
-        if config.train.gradient_checkpointing:
-            enable_activation_checkpointing(model)
+        trainee = prepare_model(model, compute, config.train.gradient_checkpointing)
+        model = trainee.model
         data = config.data
         train_examples = encode_demonstrations(
             tokenizer, read_demonstrations(data.train_path, data.num_train), data.system_prompt, data.max_length
@@ -95,10 +94,8 @@ def sft(config: SFTConfig | str | Path | dict | None = None, overrides: list[str
             if eval_examples
             else None
         )
-        rows, before, after = fit(
-            model, train_examples, objective, config, compute=compute, evaluate=evaluate, name="polo sft"
-        )
+        rows, before, after = fit(trainee, train_examples, objective, config, evaluate=evaluate, name="polo sft")
         output_dir = Path(config.output.dir)
-        model_dir = save_model(model, tokenizer, output_dir / "final")
+        model_dir = save_model(trainee, tokenizer, output_dir / "final")
         description = f"Negative log-likelihood per response token on {len(eval_examples)} held-out demonstrations"
         return finish_run(config, model_dir, rows, "sft", HeldOut(description, ("loss",), before, after), started)

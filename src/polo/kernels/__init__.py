@@ -11,6 +11,7 @@ its inputs), and never names a device itself:
     sharing_pays(..., device)              CPU: the shared-prompt cost model; CUDA: plain rows
     share_prompts, attends_blockwise       the shared-prompt layout and whether attention skips its blocks
     without_padding                        the layout's real tokens as one row, for attention that skips blocks
+    split_common_prefix                    rows of different prompts as one group sharing their prompts' common prefix
     supports_fused_logprobs, token_logprobs, completion_logprobs_fused, LogprobSettings
                                            chunked lm_head log-probs (polo.kernels.logprobs): plain torch
                                            on the inputs' device, never full fp32 logits on any device
@@ -30,7 +31,13 @@ from polo.kernels.cpu import linear as _cpu_linear
 from polo.kernels.cpu import shared_prompt as _cpu_shared_prompt
 from polo.kernels.cpu.kv_cache import sampling_cache
 from polo.kernels.cpu.linear import contiguous_head_input
-from polo.kernels.cpu.shared_prompt import SharedPromptBatch, share_prompts, without_padding
+from polo.kernels.cpu.shared_prompt import (
+    PrefixSplit,
+    SharedPromptBatch,
+    share_prompts,
+    split_common_prefix,
+    without_padding,
+)
 from polo.kernels.logprobs import (
     LogprobSettings,
     completion_logprobs_fused,
@@ -41,6 +48,7 @@ from polo.runtime.device import Compute
 
 __all__ = [
     "LogprobSettings",
+    "PrefixSplit",
     "SharedPromptBatch",
     "attends_blockwise",
     "completion_logprobs_fused",
@@ -49,6 +57,7 @@ __all__ = [
     "sampling_cache",
     "share_prompts",
     "sharing_pays",
+    "split_common_prefix",
     "supports_fused_logprobs",
     "token_logprobs",
     "use_fast_attention",

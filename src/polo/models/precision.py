@@ -18,9 +18,15 @@ GRPO update of SmolLM2-135M about 30% faster than autocast (see benchmarks/grpo_
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
-__all__ = ["MasterWeights"]
+from polo.config.schema import OptimizerConfig
+from polo.runtime.device import Compute
+from polo.runtime.optimizer import build_optimizer
+
+__all__ = ["MasterWeights", "master_weights", "trainer_optimizer"]
 
 
 class MasterWeights:
@@ -78,3 +84,25 @@ class MasterWeights:
             name: self._master_of.get(id(tensor), tensor).detach()
             for name, tensor in model.state_dict(keep_vars=True).items()
         }
+
+
+def master_weights(model: torch.nn.Module, compute: Compute) -> MasterWeights | None:
+    """Return fp32 masters of `model`'s trainable weights under bf16_master, casting the model to `compute.param_dtype`.
+
+    None for every other precision: the model keeps its weights as they are. `polo train` and
+    `polo sft` / `rm` / `dpo` all take their masters here, after any frozen copy has been made.
+    """
+    return MasterWeights(model, compute.param_dtype) if compute.master_weights else None
+
+
+def trainer_optimizer(
+    parameters: Iterable[torch.nn.Parameter], settings: OptimizerConfig, masters: MasterWeights | None
+) -> torch.optim.Optimizer:
+    """Return the run's optimizer (`polo.runtime.optimizer`) over `parameters`, or over the fp32 `masters` when given.
+
+    With masters, the optimizer steps them and copies them back into the model after each step.
+    """
+    optimizer = build_optimizer(masters.parameters if masters is not None else parameters, settings)
+    if masters is not None:
+        masters.attach(optimizer)
+    return optimizer

@@ -17,6 +17,7 @@ from polo.kernels import (
     contiguous_head_input,
     share_prompts,
     sharing_pays,
+    split_common_prefix,
     supports_fused_logprobs,
     token_logprobs,
     without_padding,
@@ -131,34 +132,87 @@ def shared_completion_logprobs(
     Applies when the model supports the chunked lm_head path (polo.kernels.logprobs), the batch is
     whole groups with identical prompts, `sharing_pays` on the inputs' device, and a row fits in
     every sliding attention window of the model (the shared layout's mask has no window; `polo.models.family`).
-    With `group_size` 1 (every row its own group: SFT, or RL rows not worth sharing) it applies only
-    where attention reads the layout's blocks and the batch has padding to leave out.
+    With `group_size` 1 (every row its own group: SFT, or RL rows not worth sharing) the rows share
+    their prompts' common prefix where that pays (`prefix_shared_logprobs`); else they run as their
+    own groups only where attention reads the layout's blocks and the batch has padding to leave out.
     """
     if not supports_fused_logprobs(model):
         return None
     if not fits_attention_window(model, prompt_ids.shape[1] + completion_ids.shape[1]):
         return None
     blockwise = attends_blockwise(model)
+    scoring = (completion_ids, completion_mask, LogprobSettings(temperature=temperature, with_entropy=with_entropy))
     if group_size == 1:
+        prefixed = prefix_shared_logprobs(model, prompt_ids, prompt_mask, *scoring, blockwise=blockwise)
+        if prefixed is not None:
+            return prefixed
         if not blockwise or (bool(prompt_mask.all()) and bool(completion_mask.all())):
             return None
-    else:
-        hidden_size, per_layer = _params_per_layer(model)
-        if not sharing_pays(
-            prompt_ids.shape[1],
-            completion_ids.shape[1],
-            group_size,
-            hidden_size,
-            per_layer,
-            blockwise=blockwise,
-            device=prompt_ids.device,
-        ):
-            return None
+    elif not _sharing_pays(model, prompt_ids.shape[1], completion_ids.shape[1], group_size, blockwise, prompt_ids):
+        return None
     shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
     if shared is None:
         return None
+    return _score_shared(model, shared, shared.predictor_index, *scoring, blockwise=blockwise)
+
+
+def prefix_shared_logprobs(
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    completion_mask,
+    settings: LogprobSettings,
+    *,
+    blockwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Return (log-probs, entropy or None), each (batch, C), the common prefix of the prompts run once; None: no gain.
+
+    Rows with different prompts that open alike (a system prompt, a worked example) become one
+    group of the shared layout (`polo.kernels.split_common_prefix`): the prefix, then each row's
+    remaining prompt tokens and its completion. Only the completion's positions go through the
+    head. The values are those of the rows run one by one.
+    """
+    split = split_common_prefix(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    if split is None:
+        return None
+    batch, prefix, width = split.completion_ids.shape[0], split.prompt_ids.shape[1], split.completion_ids.shape[1]
+    if not _sharing_pays(model, prefix, width, batch, blockwise, prompt_ids):
+        return None
+    shared = share_prompts(split.prompt_ids, split.prompt_mask, split.completion_ids, split.completion_mask, batch)
+    if shared is None:
+        return None
+    # Completion token t of row i sits at position offset_i + t of the row's rest.
+    columns = split.offset[:, None] + torch.arange(completion_ids.shape[1], device=completion_ids.device)[None]
+    predictor_index = shared.predictor_index.gather(1, columns.clamp(max=width - 1))
+    return _score_shared(model, shared, predictor_index, completion_ids, completion_mask, settings, blockwise=blockwise)
+
+
+def _sharing_pays(model, prompt_len: int, completion_len: int, group_size: int, blockwise: bool, inputs) -> bool:
+    """Return `polo.kernels.sharing_pays` for `model`'s sizes, on the device of `inputs`."""
+    hidden_size, per_layer = _params_per_layer(model)
+    return sharing_pays(
+        prompt_len, completion_len, group_size, hidden_size, per_layer, blockwise=blockwise, device=inputs.device
+    )
+
+
+def _score_shared(
+    model,
+    shared,
+    predictor_index: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    settings: LogprobSettings,
+    *,
+    blockwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return (log-probs, entropy or None) of `completion_ids`, each (batch, C), from the trunk run on `shared`.
+
+    `predictor_index` (batch, C) is the flat position of the shared layout whose hidden state predicts each token.
+    """
     if blockwise:  # the trunk runs real tokens only; attention gathers them into the blocks
         shared = without_padding(shared)
+        predictor_index = shared.layout.token_index.reshape(-1)[predictor_index]  # padded -> real positions
     # polo's attention (polo.kernels.cpu.attention, picked by polo.kernels) reads `shared_layout` and skips the
     # all-masked blocks; any other attention implementation ignores it and applies the full mask.
     hidden = model.get_decoder()(
@@ -168,11 +222,11 @@ def shared_completion_logprobs(
         use_cache=False,
         shared_layout=shared.layout,
     ).last_hidden_state
-    predictors = hidden.reshape(-1, hidden.shape[-1])[shared.predictor_index]  # (batch, C, d)
+    predictors = hidden.reshape(-1, hidden.shape[-1])[predictor_index]  # (batch, C, d)
     return token_logprobs(
         predictors,
         model.get_output_embeddings().weight,
         completion_ids,
-        LogprobSettings(temperature=temperature, with_entropy=with_entropy),
+        settings,
         mask=completion_mask,
     )

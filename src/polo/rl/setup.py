@@ -25,7 +25,7 @@ from polo.kernels import use_fast_attention
 from polo.models.hub import check_push
 from polo.models.loading import enable_activation_checkpointing, frozen_copy, load_policy, resolve_model_path
 from polo.models.lora import add_adapters, freeze_base_dtype, load_adapters
-from polo.models.precision import MasterWeights
+from polo.models.precision import MasterWeights, master_weights, trainer_optimizer
 from polo.rewards import RewardSet
 from polo.rl.critic import Critic, build_critic
 from polo.rl.guard import RollbackState, check_guard_settings
@@ -35,7 +35,7 @@ from polo.runtime import parallel
 from polo.runtime.checkpoint import Checkpointer, claim_output_dir, load_trainer_state
 from polo.runtime.device import Compute, train_compute
 from polo.runtime.metrics import truncate_metrics
-from polo.runtime.optimizer import build_optimizer, build_schedule
+from polo.runtime.optimizer import build_schedule
 from polo.runtime.parallel import is_main_process
 from polo.runtime.seeding import restore_rng, seed_everything
 
@@ -158,14 +158,6 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
     return model, tokenizer, reference
 
 
-def policy_optimizer(config: Config, model, masters: MasterWeights | None) -> torch.optim.Optimizer:
-    """Return AdamW over the policy's parameters (the fp32 masters under bf16_master; `polo.runtime.optimizer`)."""
-    optimizer = build_optimizer(masters.parameters if masters is not None else model.parameters(), config.train)
-    if masters is not None:
-        masters.attach(optimizer)
-    return optimizer
-
-
 def resume(run: Run, checkpoint: Path) -> None:
     """Restore optimizer, schedule, random streams, critic and step from `checkpoint` into `run`."""
     state = load_trainer_state(checkpoint)  # onto the CPU: the optimizer and critic place it on the run's device
@@ -224,8 +216,8 @@ def set_up(
     # Ranks sample different completions (seed + rank); they all start from the same weights.
     seed_everything(config.train.seed + parallel.rank())
     model, tokenizer, reference = load_models(config, compute, resume_from)
-    masters = MasterWeights(model, compute.param_dtype) if compute.master_weights else None  # after the reference copy
-    optimizer = policy_optimizer(config, model, masters)
+    masters = master_weights(model, compute)  # after the reference copy, which stays as it was made
+    optimizer = trainer_optimizer(model.parameters(), config.train, masters)
     critic = build_critic(config, model, optimizer, optimizer_steps(config))  # before the scheduler: a head joins it
     run = Run(
         config=config,

@@ -407,6 +407,9 @@ def rl_step(run: Run, step: int) -> StepResult:
     timings["update"] = time.perf_counter() - started
 
     total_time = sum(timings.values())
+    # Real prompt + completion tokens of every row (no padding), once per pass over the batch: what
+    # an SFT step's tokens_per_second counts (polo.finetune.fit), so the two rates compare.
+    real_tokens = float(rollouts.completion_mask.sum() + rollouts.prompt_mask.sum())
     metrics = {
         **sampled.metrics,
         "advantage/abs_mean": core.masked_mean(advantages.abs(), rollouts.model_token_mask).item(),
@@ -414,7 +417,8 @@ def rl_step(run: Run, step: int) -> StepResult:
         **update_metrics,
         **{f"time/{name}": seconds for name, seconds in timings.items()},
         "time/step": total_time,
-        "tokens_per_second": float(rollouts.completion_mask.sum() + rollouts.prompt_mask.sum()) / max(total_time, 1e-9),
+        "tokens_per_second": real_tokens / max(total_time, 1e-9),
+        "update_tokens_per_second": real_tokens * alg.update_epochs / max(timings["update"], 1e-9),
         **memory_metrics(run.compute),  # the device's peak since the last step (CUDA only)
     }
     if update_batch.returns is not None:

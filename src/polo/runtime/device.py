@@ -32,7 +32,7 @@ PRECISIONS = ("fp32", "bf16", "bf16_master", "bf16_weights")
 
 @dataclass(frozen=True)
 class Compute:
-    """Where a run computes and in what precision; resolved once per run (`train_compute`, `inference_compute`).
+    """Where a run computes and in what precision; resolved once per run (`trainer_compute`, `inference_compute`).
 
     `param_dtype` is the dtype the model's weights are held in, `autocast_dtype` the dtype of
     the autocast region around forward passes (None: no autocast), and `master_weights` whether
@@ -192,41 +192,69 @@ def inference_compute(name: str = "auto", device: str | torch.device = "auto") -
 
 
 def autocast_compute(name: str = "auto", device: str | torch.device = "auto") -> Compute:
-    """Return the Compute of a supervised job (SFT, reward model, DPO): fp32 weights, bf16 autocast if `name` says so.
+    """Return the Compute of scoring in fp32 weights (a reward model as a reward function): bf16 autocast where chosen.
 
     `name` is auto | fp32 | bf16; auto is bf16 where bf16 pays on the device (`bf16_pays`).
+    Training jobs resolve theirs with `trainer_compute`.
     """
     torch_device = resolve_device(device)
     if name not in ("auto", "fp32", "bf16"):
-        raise ConfigError(f"train.precision {name!r} is not one of auto, fp32, bf16")
+        raise ConfigError(f"precision {name!r} is not one of auto, fp32, bf16")
     basis = "explicit"
     if name == "auto":
         name, basis = auto_precision(torch_device, "bf16")
     return replace(Compute.named(name, torch_device), basis=basis)
 
 
-def master_weights_unsupported(config: Config) -> str | None:
-    """Return why `train.precision=bf16_master` cannot train this run (None when it can)."""
+def one_process_only() -> str | None:
+    """Return why master weights cannot train in this process group (None in one process: they can)."""
     if parallel.world_size() > 1:
         return f"it trains in one process only (this run has {parallel.world_size()})"
+    return None
+
+
+def master_weights_unsupported(config: Config) -> str | None:
+    """Return why `train.precision=bf16_master` cannot train this RL run (None when it can)."""
+    if reason := one_process_only():
+        return reason
     if core.ADVANTAGE_ESTIMATORS.entry(config.algorithm.advantage_estimator).needs_critic:
         return "PPO's critic is trained in fp32 weights (use train.precision=bf16)"
     return None
 
 
-def train_compute(config: Config) -> Compute:
-    """Return the RL policy trainer's Compute from `train.device` and `train.precision`.
+def trainer_compute(name: str, device: str | torch.device, master_weights_blocked: str | None) -> Compute:
+    """Return the Compute of a trainer (`polo train`, `sft`, `rm`, `dpo`) from its `train.precision` and `train.device`.
 
-    "auto" precision picks bf16_master where bf16 pays on the device and the run allows it (one
-    process, no critic), else bf16 autocast where bf16 pays, else fp32. An explicit precision wins.
+    `name` "auto" picks bf16_master where bf16 pays on the device (`bf16_choice`) and nothing
+    blocks master weights (`master_weights_blocked` is the reason when something does), else bf16
+    autocast where bf16 pays, else fp32. An explicit precision wins; bf16_master where it is
+    blocked is a ConfigError that says why.
     """
-    device = resolve_device(config.train.device)
-    precision, basis = config.train.precision, "explicit"
-    if precision == "auto":
-        precision, basis = auto_precision(device, "bf16" if master_weights_unsupported(config) else "bf16_master")
-    elif precision == "bf16_master" and (reason := master_weights_unsupported(config)):
-        raise ConfigError(f"train.precision=bf16_master: {reason}")
-    return replace(Compute.named(precision, device), basis=basis)
+    torch_device = resolve_device(device)
+    if name not in ("auto", "fp32", "bf16", "bf16_master"):
+        raise ConfigError(f"train.precision {name!r} is not one of auto, fp32, bf16, bf16_master")
+    basis = "explicit"
+    if name == "auto":
+        name, basis = auto_precision(torch_device, "bf16" if master_weights_blocked else "bf16_master")
+    elif name == "bf16_master" and master_weights_blocked:
+        raise ConfigError(f"train.precision=bf16_master: {master_weights_blocked}")
+    return replace(Compute.named(name, torch_device), basis=basis)
+
+
+def train_compute(config: Config) -> Compute:
+    """Return the RL policy trainer's Compute from `train.device` and `train.precision` (`trainer_compute`).
+
+    Master weights need one process and no critic (`master_weights_unsupported`).
+    """
+    return trainer_compute(config.train.precision, config.train.device, master_weights_unsupported(config))
+
+
+def finetune_compute(name: str = "auto", device: str | torch.device = "auto") -> Compute:
+    """Return the Compute of `polo sft`, `rm` and `dpo` for `name`: `polo train`'s decision (`trainer_compute`).
+
+    Master weights need one process (`one_process_only`); there is no critic to block them.
+    """
+    return trainer_compute(name, device, one_process_only())
 
 
 def memory_metrics(compute: Compute) -> dict[str, float]:

@@ -163,7 +163,7 @@ def combine_metrics(per_rank: list[dict]) -> dict:
             combined[key] = per_rank[0][key]
         elif key.startswith("time/"):
             combined[key] = max(values)
-        elif key == "tokens_per_second":
+        elif key.endswith("tokens_per_second"):
             combined[key] = sum(values)
         else:
             combined[key] = sum(values) / len(values)

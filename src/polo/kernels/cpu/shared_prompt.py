@@ -24,11 +24,13 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "PrefixSplit",
     "SharedAttentionLayout",
     "SharedPromptBatch",
     "share_prompts",
     "shared_attention",
     "sharing_pays",
+    "split_common_prefix",
     "without_padding",
 ]
 
@@ -168,6 +170,64 @@ def share_prompts(
     completion_block = torch.cat([to_prompt, own], dim=3).reshape(batch, c, p + c)
     layout = SharedAttentionLayout(p, g, c, prompt_block[:, None], completion_block[:, None])
     return SharedPromptBatch(input_ids, mask[:, None], position_ids, predictor_index, layout, key_is_real)
+
+
+@dataclass
+class PrefixSplit:
+    """Rows of different prompts as one group of `share_prompts`: the prompts' common prefix, then each row's rest.
+
+    Row i's `[prompt_i | completion_i]` becomes `[prefix | rest_i]`, rest_i = the prompt's tokens after
+    the prefix followed by the completion's, so the prefix runs once for the batch. Positions, masks
+    and hidden states are those of the original rows (`share_prompts` numbers rest_i from the
+    prefix's length on, as the original row does).
+    """
+
+    prompt_ids: torch.Tensor  # (batch, K) the common prefix, the same in every row
+    prompt_mask: torch.Tensor  # (batch, K) all ones
+    completion_ids: torch.Tensor  # (batch, C') each row's prompt after the prefix, then its completion, right-padded
+    completion_mask: torch.Tensor  # (batch, C')
+    offset: torch.Tensor  # (batch,) long: where each row's completion starts in `completion_ids`
+
+
+def split_common_prefix(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor
+) -> PrefixSplit | None:
+    """Return the batch split at the longest prefix of real tokens all its prompts share; None when they share none.
+
+    Shapes as in `share_prompts`: prompts (batch, P) left-padded, completions (batch, C)
+    right-padded. None too when a mask is not one contiguous run of real tokens on its side
+    (there is then no common layout to cut). SFT demonstrations that open with the same system
+    prompt and worked example (the R1 cold start's 102-token prompts share 89) run that part once.
+    """
+    batch, prompt_len = prompt_ids.shape
+    completion_len = completion_ids.shape[1]
+    device = prompt_ids.device
+    real_prompt, real_completion = prompt_mask.long().sum(1), completion_mask.long().sum(1)  # (batch,)
+    columns, completion_columns = torch.arange(prompt_len, device=device), torch.arange(completion_len, device=device)
+    if batch < 2 or not (
+        torch.equal(prompt_mask.bool(), columns[None] >= (prompt_len - real_prompt)[:, None])
+        and torch.equal(completion_mask.bool(), completion_columns[None] < real_completion[:, None])
+    ):
+        return None
+    shortest = int(real_prompt.min())
+    first = prompt_ids.gather(1, (prompt_len - real_prompt)[:, None] + columns[None, :shortest])  # (batch, shortest)
+    differs = (first != first[:1]).any(0).nonzero()
+    prefix = int(differs[0]) if len(differs) else shortest
+    if prefix == 0:
+        return None
+    offset = real_prompt - prefix  # (batch,) each row's prompt tokens after the prefix
+    width = int((offset + real_completion).max())
+    j = torch.arange(width, device=device)[None]  # (1, C')
+    in_prompt, k = j < offset[:, None], j - offset[:, None]  # k: the completion column of position j
+    from_prompt = prompt_ids.gather(1, (prompt_len - offset[:, None] + j).clamp(max=prompt_len - 1))
+    from_completion = completion_ids.gather(1, k.clamp(0, completion_len - 1))
+    return PrefixSplit(
+        prompt_ids=first[:1, :prefix].expand(batch, prefix),
+        prompt_mask=torch.ones(batch, prefix, dtype=prompt_mask.dtype, device=device),
+        completion_ids=torch.where(in_prompt, from_prompt, from_completion),
+        completion_mask=(in_prompt | ((k >= 0) & (k < real_completion[:, None]))).to(completion_mask.dtype),
+        offset=offset,
+    )
 
 
 def without_padding(shared: SharedPromptBatch) -> SharedPromptBatch:
