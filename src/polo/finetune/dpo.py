@@ -36,6 +36,7 @@ from polo.finetune.fit import (
     Example,
     FinetuneResult,
     collate_rankings,
+    encode_splits,
     evaluate_objective,
     finetune_run,
     finish_run,
@@ -116,16 +117,7 @@ def dpo(config: DPOConfig | str | Path | dict | None = None, overrides: list[str
         trainee = prepare_model(model, compute, config.train.gradient_checkpointing)
         model = trainee.model
         data, micro, pad_id = config.data, config.train.micro_batch_size, tokenizer.pad_token_id
-        train_examples = encode_rankings(
-            tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length
-        )
-        eval_examples = (
-            encode_rankings(
-                tokenizer, read_rankings(data.eval_path, data.num_eval), data.system_prompt, data.max_length
-            )
-            if data.eval_path
-            else []
-        )
+        train_examples, eval_examples = encode_splits(tokenizer, data, read_rankings, encode_rankings)
         # The reference is the starting model: score every response with it before the first update.
         train_examples = with_reference_logps(model, train_examples, pad_id, micro, compute)
         eval_examples = with_reference_logps(model, eval_examples, pad_id, micro, compute) if eval_examples else []

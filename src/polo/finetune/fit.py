@@ -528,6 +528,19 @@ def prepare_run(config: Any, config_dict: dict) -> Compute:
     return compute
 
 
+def encode_splits(tokenizer, data: Any, read: Callable, to_examples: Callable) -> tuple[list, list]:
+    """Return (training examples, held-out examples) of a `data` section: `to_examples(tokenizer, read(path, n), ...)`.
+
+    `read` reads `data.train_path` (and `data.eval_path` when set) cut to `data.num_train`/`num_eval`
+    rows; `to_examples` turns them into examples with `data.system_prompt` and `data.max_length`.
+    """
+
+    def split(path: str, count: int | None) -> list:
+        return to_examples(tokenizer, read(path, count), data.system_prompt, data.max_length)
+
+    return split(data.train_path, data.num_train), split(data.eval_path, data.num_eval) if data.eval_path else []
+
+
 def write_summary(output_dir: Path, **fields: Any) -> None:
     """Write `<output_dir>/summary.json` (the held-out figures before and after, the run time)."""
     if is_main_process():

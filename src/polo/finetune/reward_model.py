@@ -34,6 +34,7 @@ from polo.finetune.fit import (
     FinetuneResult,
     collate_rankings,
     encode,
+    encode_splits,
     finetune_run,
     finish_run,
     fit,
@@ -165,16 +166,7 @@ def train_reward_model(
         trainee = prepare_model(model, compute, config.train.gradient_checkpointing)
         model = trainee.model
         data = config.data
-        train_examples = encode_rankings(
-            tokenizer, read_rankings(data.train_path, data.num_train), data.system_prompt, data.max_length
-        )
-        eval_examples = (
-            encode_rankings(
-                tokenizer, read_rankings(data.eval_path, data.num_eval), data.system_prompt, data.max_length
-            )
-            if data.eval_path
-            else []
-        )
+        train_examples, eval_examples = encode_splits(tokenizer, data, read_rankings, encode_rankings)
         pad_id = tokenizer.pad_token_id
         micro = config.train.micro_batch_size
         last_scores: list[list[float]] = []

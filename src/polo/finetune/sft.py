@@ -26,6 +26,7 @@ from polo.finetune.fit import (
     FinetuneResult,
     collate,
     encode,
+    encode_splits,
     evaluate_objective,
     finetune_run,
     finish_run,
@@ -78,16 +79,7 @@ def sft(config: SFTConfig | str | Path | dict | None = None, overrides: list[str
         trainee = prepare_model(model, compute, config.train.gradient_checkpointing)
         model = trainee.model
         data = config.data
-        train_examples = encode_demonstrations(
-            tokenizer, read_demonstrations(data.train_path, data.num_train), data.system_prompt, data.max_length
-        )
-        eval_examples = (
-            encode_demonstrations(
-                tokenizer, read_demonstrations(data.eval_path, data.num_eval), data.system_prompt, data.max_length
-            )
-            if data.eval_path
-            else []
-        )
+        train_examples, eval_examples = encode_splits(tokenizer, data, read_demonstrations, encode_demonstrations)
         objective = SFTObjective(tokenizer.pad_token_id, compute.device)
         evaluate = (
             (lambda: evaluate_objective(model, eval_examples, objective, config.train.micro_batch_size, compute))
