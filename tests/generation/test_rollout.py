@@ -143,3 +143,62 @@ def test_prepacked_linears_give_the_plain_layers_outputs_and_are_removed(tiny_mo
     assert len(patched) == (len(linears) if _can_prepack() else 0)
     assert torch.equal(packed, plain)
     assert not any("forward" in vars(m) for m in linears)  # the class forward is back
+
+
+def test_a_shared_prompt_cache_samples_what_repeated_prompts_sample(tiny_model_dir, monkeypatch):
+    """With polo's attention a group reads one copy of its prompt until rows first leave the batch, then plain rows:
+    the same tokens as a cache holding the prompt once per row, finished rows and all."""
+    from polo.generation import cpu_sampler
+    from polo.kernels.cpu import attention, kv_cache
+
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    assert attention.use_polo_attention(model)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, ["1+1=", "a longer prompt: 12+30=", "7*8="])
+    # one token in 25 ends a row, so rows finish at different steps and leave the batch
+    stopping = Stopping(stop_ids=tuple(range(0, model.config.vocab_size, 25)), pad_id=tokenizer.pad_token_id)
+    calls = {"shared": 0, "unshared": 0}
+    decode, plain_rows = attention.shared_prompt_decode, kv_cache.SharedPrompt.plain_rows
+
+    def counted_decode(*args):
+        calls["shared"] += 1
+        return decode(*args)
+
+    def counted_plain_rows(self, indices):
+        calls["unshared"] += 1
+        return plain_rows(self, indices)
+
+    monkeypatch.setattr(attention, "shared_prompt_decode", counted_decode)
+    monkeypatch.setattr(kv_cache.SharedPrompt, "plain_rows", counted_plain_rows)
+    results = []
+    for share in (True, False):
+        monkeypatch.setattr(cpu_sampler, "shares_prompts", lambda model, cache, share=share: share)
+        torch.manual_seed(11)
+        results.append(generate(model, prompt_ids, prompt_mask, Decoding(16), stopping, samples_per_prompt=4))
+    assert calls["shared"] > 0 and calls["unshared"] == model.config.num_hidden_layers  # shared, then plain rows
+    lengths = results[0][1].sum(-1)
+    assert lengths.min() < lengths.max()  # rows did finish apart
+    for ours, theirs in zip(*results):
+        assert torch.equal(ours, theirs)
+
+
+def test_shared_prompt_rows_become_plain_rows_with_their_prompt_in_front():
+    from polo.kernels.cpu.kv_cache import SharedPrompt
+
+    torch.manual_seed(0)
+    prompts, heads, length, group, dim = 2, 3, 5, 4, 8
+    keys, values = torch.randn(2, prompts, heads, length, dim)
+    mask = torch.ones(prompts, length, dtype=torch.long)
+    mask[1, :2] = 0
+    shared = SharedPrompt(keys, values, mask, group, capacity=6)
+    own_keys, own_values = torch.randn(2, prompts * group, heads, 3, dim)
+    shared.append(own_keys[:, :, :2], own_values[:, :, :2])
+    got_keys, got_values = shared.append(own_keys[:, :, 2:], own_values[:, :, 2:])
+    assert got_keys.shape == (prompts, heads, group, 3, dim)
+    torch.testing.assert_close(got_keys[1, :, 2], own_keys[group + 2])  # prompt 1's third row
+    assert torch.isinf(shared.prompt_bias.view(prompts, heads, length)[1, :, :2]).all()
+    keep = torch.tensor([0, 3, 5, 6])
+    plain_keys, plain_values, filled = shared.plain_rows(keep)
+    assert filled == length + 3 and plain_keys.shape == (4, heads, length + 6, dim)
+    for expected, plain, prompt in ((own_keys, plain_keys, keys), (own_values, plain_values, values)):
+        full = torch.cat([prompt.repeat_interleave(group, 0), expected], dim=2)[keep]
+        torch.testing.assert_close(plain[:, :, :filled], full)

@@ -1,4 +1,5 @@
-"""polo's attention: same results as transformers' SDPA, fp32 while training in bf16, block-wise over shared prompts."""
+"""polo's attention: same results as transformers' SDPA; bf16 training off the bf16 flash kernel; block-wise over shared
+prompts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from polo.models.family import cache_keyword
 from polo.models.loading import load_policy
 
 
-def test_bf16_training_attention_computes_in_fp32_and_matches_sdpa(tiny_model_dir):
+def test_bf16_training_attention_matches_sdpa(tiny_model_dir):
     reference, _ = load_policy(str(tiny_model_dir))
     model, _ = load_policy(str(tiny_model_dir))
     for m in (reference, model):
@@ -32,6 +33,55 @@ def test_bf16_training_attention_computes_in_fp32_and_matches_sdpa(tiny_model_di
     for ours, theirs in zip(outputs[1][1], outputs[0][1]):
         assert torch.isfinite(ours).all()
         assert (ours - theirs).norm() <= 0.05 * theirs.norm() + 1e-6
+
+
+def test_eager_attention_matches_fp32_sdpa_with_grouped_heads_and_an_empty_row():
+    """bf16 eager attention: fp32 SDPA's output and gradients within bf16 rounding, zeros for a query with no key."""
+    from polo.kernels.cpu.attention import eager_attention
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, q_len, k_len, dim = 3, 6, 2, 5, 9, 16
+    query = torch.randn(batch, heads, q_len, dim)
+    key, value = torch.randn(2, batch, kv_heads, k_len, dim)
+    mask = torch.ones(batch, 1, q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    mask[1, ..., :3] = False  # left padding of row 1
+    mask[2, :, 0] = False  # query 0 of row 2 may attend to nothing
+    grad_out = torch.randn(batch, q_len, heads, dim)
+
+    def run(fn, dtype):
+        inputs = [x.to(dtype).detach().requires_grad_() for x in (query, key, value)]
+        out = fn(*inputs)
+        out.backward(grad_out.to(dtype))
+        return out.float(), [x.grad.float() for x in inputs]
+
+    def reference(q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), attn_mask=mask, scale=0.2
+        )
+        return out.transpose(1, 2) * mask.any(-1).transpose(1, 2)[..., None]
+
+    expected, expected_grads = run(reference, torch.float32)
+    got, grads = run(lambda q, k, v: eager_attention(q, k, v, mask, 0.2), torch.bfloat16)
+    assert got.shape == (batch, q_len, heads, dim)
+    assert torch.equal(got[2, 0], torch.zeros(heads, dim))
+    torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02)
+    for ours, theirs in zip(grads, expected_grads):
+        assert torch.isfinite(ours).all()
+        assert (ours - theirs).norm() <= 0.01 * theirs.norm()
+    fp32, _ = run(lambda q, k, v: eager_attention(q, k, v, mask, 0.2), torch.float32)
+    torch.testing.assert_close(fp32, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_training_takes_eager_attention_only_where_its_scores_fit(monkeypatch):
+    from polo.kernels.cpu import attention
+
+    query, key = torch.zeros(2, 4, 8, 16), torch.zeros(2, 2, 8, 16)
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool)
+    assert attention.eager_fits(query, key, mask)
+    assert not attention.eager_fits(query, key, None)  # no mask: SDPA's causal path
+    assert not attention.eager_fits(query, key, mask.float())
+    monkeypatch.setattr(attention, "EAGER_SCORE_LIMIT", 2 * 4 * 8 * 8 - 1)
+    assert not attention.eager_fits(query, key, mask)
 
 
 def test_only_sdpa_models_are_switched(tiny_model_dir):

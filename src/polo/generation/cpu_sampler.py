@@ -2,6 +2,8 @@
 
 This is polo's first `Sampler` (see `polo.generation.rollouts`); rows that finish leave the batch
 and the cache, a quarter of the batch at a time, so little work is spent on finished sequences.
+Until then, with polo's attention, a prompt's G samples read its keys and values once per decode
+step (`polo.kernels.share_prompt`), not once per row.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from polo.generation.rollouts import Decoding, Rollouts, one_turn_rollouts
 from polo.generation.sampling import sample_next_token
 from polo.generation.stopping import Stopping
-from polo.kernels import contiguous_head_input, prepacked_linears, sampling_cache
+from polo.kernels import contiguous_head_input, prepacked_linears, sampling_cache, share_prompt, shares_prompts
 from polo.models.family import cache_keyword
 from polo.models.scoring import position_ids_from_mask
 from polo.runtime.device import CPU, Compute
@@ -95,10 +97,12 @@ def generate(
 
     Shapes: prompt (prompts, prompt_len) -> completion (batch, max_completion_len), truncated
     (batch,), with batch = prompts x `samples_per_prompt` and each prompt's samples in
-    consecutive rows. Each prompt is run through the model once and its cache and next-token
-    logits are repeated for its samples. Rows that have emitted a stop token (or reached one of
-    `stopping.strings`, a turn's closing text such as a tool call's tag) decode padding until
-    `COMPACT_SHARE` of the batch has, then leave the batch and the cache together. Every tensor lives on
+    consecutive rows. Each prompt is run through the model once and its next-token logits are
+    repeated for its samples; so is its cache, except that a model on polo's attention reads one
+    copy for the whole group until rows first leave the batch (`polo.kernels.share_prompt`). Rows
+    that have emitted a stop token (or reached one of `stopping.strings`, a turn's closing text such
+    as a tool call's tag) decode padding until `COMPACT_SHARE` of the batch has, then leave the
+    batch and the cache together. Every tensor lives on
     the prompts' device; the draws come from `decoding.generator` (the device's default one when None).
     """
     # Read once: the decode loop below runs per token.
@@ -110,6 +114,7 @@ def generate(
     positions = position_ids_from_mask(attention_mask)
     next_position = positions[:, -1] + 1
     cache = sampling_cache(model, prompt_ids.shape[1] + max_new_tokens)
+    shared = samples_per_prompt > 1 and shares_prompts(model, cache)
     with_cache = {cache_keyword(model): cache}  # the name this transformers takes it under (polo.models.family)
     was_training = model.training
     model.eval()
@@ -123,8 +128,8 @@ def generate(
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        if samples_per_prompt > 1:  # one prefill per prompt; its samples part ways from the first draw
-            cache.batch_repeat_interleave(samples_per_prompt)
+        spread_prompts(cache, with_cache, attention_mask, samples_per_prompt, shared)
+        if samples_per_prompt > 1:
             logits = logits.repeat_interleave(samples_per_prompt, dim=0)
             attention_mask = attention_mask.repeat_interleave(samples_per_prompt, dim=0)
             next_position = next_position.repeat_interleave(samples_per_prompt, dim=0)
@@ -141,12 +146,14 @@ def generate(
             inputs = rows.next_inputs(index, tokens, finished)
             keep = rows.compact()
             if keep is not None:
-                cache.batch_select_indices(keep)
+                cache.batch_select_indices(keep)  # a shared cache turns back into plain rows here
+                with_cache.pop("prompt_cache", None)
+                shared = False
                 inputs, attention_mask, next_position = inputs[keep], attention_mask[keep], next_position[keep]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(inputs), 1)], dim=1)
             logits = model(
                 input_ids=inputs[:, None],
-                attention_mask=attention_mask,
+                attention_mask=None if shared else attention_mask,  # shared: the prompts' padding is in the cache
                 position_ids=next_position[:, None],
                 **with_cache,
                 use_cache=True,
@@ -154,6 +161,16 @@ def generate(
             next_position = next_position + 1
     model.train(was_training)
     return rows.result()
+
+
+def spread_prompts(cache, with_cache: dict, prompt_mask: torch.Tensor, samples_per_prompt: int, shared: bool) -> None:
+    """Make a cache prefilled with each prompt once serve its `samples_per_prompt` rows: held once and read per group
+    (`shared`, the model's call then takes the cache as `prompt_cache` too) or repeated per row."""
+    if shared:
+        share_prompt(cache, prompt_mask, samples_per_prompt)
+        with_cache["prompt_cache"] = cache
+    elif samples_per_prompt > 1:  # one prefill per prompt; its samples part ways from the first draw
+        cache.batch_repeat_interleave(samples_per_prompt)
 
 
 def rollout(

@@ -16,6 +16,8 @@ its inputs), and never names a device itself:
                                            chunked lm_head log-probs (polo.kernels.logprobs): plain torch
                                            on the inputs' device, never full fp32 logits on any device
     sampling_cache(model, capacity)        the preallocated KV cache of the CPU sampler
+    shares_prompts, share_prompt           whether that cache can hold each prompt once for its group of
+                                           samples (polo's attention reads it once a decode step), and doing so
 
 Every choice changes speed only; the maths is the same on every path (tests/kernels).
 """
@@ -29,7 +31,7 @@ import torch
 from polo.kernels.cpu import attention as _cpu_attention
 from polo.kernels.cpu import linear as _cpu_linear
 from polo.kernels.cpu import shared_prompt as _cpu_shared_prompt
-from polo.kernels.cpu.kv_cache import sampling_cache
+from polo.kernels.cpu.kv_cache import can_share_prompt, sampling_cache, share_prompt
 from polo.kernels.cpu.linear import contiguous_head_input
 from polo.kernels.cpu.shared_prompt import (
     PrefixSplit,
@@ -55,7 +57,9 @@ __all__ = [
     "contiguous_head_input",
     "prepacked_linears",
     "sampling_cache",
+    "share_prompt",
     "share_prompts",
+    "shares_prompts",
     "sharing_pays",
     "split_common_prefix",
     "supports_fused_logprobs",
@@ -96,6 +100,12 @@ def prepacked_linears(model: torch.nn.Module, batch_hint: int, compute: Compute)
     if compute.device_type == "cpu":
         return _cpu_linear.prepacked_linears(model, batch_hint)
     return contextlib.nullcontext()
+
+
+def shares_prompts(model: torch.nn.Module, cache) -> bool:
+    """Return whether sampling `model` with `cache` (`sampling_cache`) can hold each prompt once for its group of
+    samples (`share_prompt`): polo's attention, which adds the prompt's part, and a cache whose every layer can."""
+    return attends_blockwise(model) and can_share_prompt(cache)
 
 
 def sharing_pays(
