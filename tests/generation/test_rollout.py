@@ -202,3 +202,56 @@ def test_shared_prompt_rows_become_plain_rows_with_their_prompt_in_front():
     for expected, plain, prompt in ((own_keys, plain_keys, keys), (own_values, plain_values, values)):
         full = torch.cat([prompt.repeat_interleave(group, 0), expected], dim=2)[keep]
         torch.testing.assert_close(plain[:, :, :filled], full)
+
+
+def test_prompts_with_a_common_prefix_run_it_once_and_decode_as_transformers_does(tiny_model_dir, monkeypatch):
+    """Greedy decoding of prompts behind one long system text: the same tokens as transformers' generate, with that
+    text run through the model once (one row) and then only each prompt's own tokens."""
+    from polo.generation import cpu_sampler
+
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    system = "You are a careful calculator. Think step by step, then give only the final number. " * 2
+    prompts = [system + question for question in ("1+2=", "What is seventeen times three? ", "9-4=")]
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
+    prefix = cpu_sampler.common_prefix_length(prompt_ids, prompt_mask)
+    assert prefix >= cpu_sampler.MIN_COMMON_PREFIX
+    batches = []
+    real_forward = model.forward
+
+    def recorded_forward(*args, **kwargs):
+        batches.append(tuple(kwargs["input_ids"].shape))
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", recorded_forward)
+    ours, mask, _ = generate(
+        model, prompt_ids, prompt_mask, Decoding(10, temperature=0.0), Stopping.of(tokenizer, model)
+    )
+    assert batches[:2] == [(1, prefix), (3, prompt_ids.shape[1] - prefix)]  # the prefix once, then the rest
+    monkeypatch.setattr(model, "forward", real_forward)
+    theirs = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )[:, prompt_ids.shape[1] :]
+    for row in range(len(prompts)):
+        length = int(mask[row].sum())
+        assert length > 0
+        assert ours[row, :length].tolist() == theirs[row, :length].tolist()
+
+
+def test_common_prefix_layout_moves_padding_behind_the_prefix():
+    from polo.generation.cpu_sampler import common_prefix_length, prefix_first
+
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 9, 9], [0, 5, 6, 7, 1, 2]])
+    mask = (ids != 0).long()
+    assert common_prefix_length(ids, mask) == 3
+    moved_ids, moved_mask = prefix_first(ids, mask, 3)
+    assert moved_ids.tolist() == [[5, 6, 7, 0, 0, 8], [5, 6, 7, 9, 9, 9], [5, 6, 7, 0, 1, 2]]
+    assert moved_mask.tolist() == [[1, 1, 1, 0, 0, 1], [1] * 6, [1, 1, 1, 0, 1, 1]]
+    assert common_prefix_length(ids[:, :3], mask[:, :3]) == 0  # row 0 has one real token: nothing to share
+    assert (
+        common_prefix_length(ids, torch.ones_like(mask).index_fill_(1, torch.tensor([3]), 0)) == 0
+    )  # not left padding
+    assert common_prefix_length(ids[1:2], mask[1:2]) == 5  # a single row keeps its last token

@@ -111,8 +111,7 @@ def generate(
     batch, device = prompt_ids.shape[0] * samples_per_prompt, prompt_ids.device
     stop = torch.tensor(stopping.stop_ids, dtype=torch.long, device=device)
     attention_mask = prompt_mask.long()
-    positions = position_ids_from_mask(attention_mask)
-    next_position = positions[:, -1] + 1
+    next_position = position_ids_from_mask(attention_mask)[:, -1] + 1
     cache = sampling_cache(model, prompt_ids.shape[1] + max_new_tokens)
     shared = samples_per_prompt > 1 and shares_prompts(model, cache)
     with_cache = {cache_keyword(model): cache}  # the name this transformers takes it under (polo.models.family)
@@ -120,14 +119,7 @@ def generate(
     model.eval()
     rows = DecodeRows(batch, max_new_tokens, stopping.pad_id, device)
     with compute.autocast(), contiguous_head_input(model), prepacked_linears(model, batch, compute):
-        logits = model(
-            input_ids=prompt_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            **with_cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
+        logits, attention_mask = prefill(model, prompt_ids, attention_mask, cache)
         spread_prompts(cache, with_cache, attention_mask, samples_per_prompt, shared)
         if samples_per_prompt > 1:
             logits = logits.repeat_interleave(samples_per_prompt, dim=0)
@@ -161,6 +153,65 @@ def generate(
             next_position = next_position + 1
     model.train(was_training)
     return rows.result()
+
+
+# Prompts that start with at least this many common tokens (a system prompt, few-shot turns) run
+# those tokens once: `prefill`.
+MIN_COMMON_PREFIX = 16
+
+
+def common_prefix_length(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """Return how many leading real tokens every left-padded prompt shares, (prompts, len) -> int, leaving each prompt
+    at least one token of its own (0 when the mask is not plain left padding)."""
+    lengths = prompt_mask.sum(-1)
+    columns = torch.arange(prompt_ids.shape[1], device=prompt_ids.device)
+    starts = prompt_ids.shape[1] - lengths
+    if not torch.equal(prompt_mask.bool(), columns[None] >= starts[:, None]) or int(lengths.min()) < 2:
+        return 0
+    tokens = prompt_ids.gather(1, starts[:, None] + columns[None, : int(lengths.min()) - 1])
+    return int((tokens == tokens[:1]).all(0).long().cumprod(0).sum())
+
+
+def prefix_first(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return left-padded prompts laid out as [common prefix][padding][own tokens], (prompts, len) each.
+
+    Every row's first `prefix` real tokens (the same in all rows) move to the front and its padding
+    goes after them, so the prefix sits at the same positions in every row; position ids counted
+    over the mask, and so the model's output, do not change.
+    """
+    columns = torch.arange(prompt_ids.shape[1], device=prompt_ids.device)[None]
+    padding = (prompt_mask == 0).sum(-1, keepdim=True)
+    source = torch.where(
+        columns < prefix, columns + padding, torch.where(columns < prefix + padding, columns - prefix, columns)
+    )
+    return prompt_ids.gather(1, source), prompt_mask.gather(1, source)
+
+
+def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the prompts (prompts, len) into the cache; return the next-token logits (prompts, vocab) and the mask of
+    the layout the cache now holds.
+
+    Prompts that share a prefix of at least `MIN_COMMON_PREFIX` tokens, on a cache whose layers are
+    all plain full attention, run it once (`prefix_first` layout, the one row's cache repeated for
+    every prompt) and then only their own tokens. Held-out problems behind one system prompt and
+    worked example (r1_zero_arith: 90 of 104 tokens) cost a tenth of the prefill.
+    """
+    from polo.kernels import can_share_prompt
+
+    with_cache = {cache_keyword(model): cache, "use_cache": True, "logits_to_keep": 1}
+    prefix = common_prefix_length(prompt_ids, prompt_mask) if prompt_ids.shape[0] > 1 else 0
+    if prefix < MIN_COMMON_PREFIX or not can_share_prompt(cache):
+        prefix = 0
+    else:
+        prompt_ids, prompt_mask = prefix_first(prompt_ids, prompt_mask, prefix)
+    positions = position_ids_from_mask(prompt_mask)
+    if prefix:
+        head = slice(0, 1), slice(0, prefix)
+        model(input_ids=prompt_ids[head], attention_mask=prompt_mask[head], position_ids=positions[head], **with_cache)
+        cache.batch_repeat_interleave(prompt_ids.shape[0])
+    own = {"input_ids": prompt_ids[:, prefix:], "position_ids": positions[:, prefix:]}
+    logits = model(**own, attention_mask=prompt_mask, **with_cache).logits[:, -1]
+    return logits, prompt_mask
 
 
 def spread_prompts(cache, with_cache: dict, prompt_mask: torch.Tensor, samples_per_prompt: int, shared: bool) -> None:
