@@ -19,15 +19,21 @@ def test_greedy_sampler_matches_transformers_generate(tiny_model_dir):
     ours, mask, _ = generate(
         model, prompt_ids, prompt_mask, Decoding(12, temperature=0.0), Stopping.of(tokenizer, model)
     )
+    assert_greedy_as_transformers(model, tokenizer, prompt_ids, prompt_mask, ours, mask)
+
+
+def assert_greedy_as_transformers(model, tokenizer, prompt_ids, prompt_mask, ours, mask) -> None:
+    """Assert each row of `ours` (its `mask` part, at least one token) is what transformers' greedy generate writes."""
     theirs = model.generate(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
-        max_new_tokens=12,
+        max_new_tokens=ours.shape[1],
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
     )[:, prompt_ids.shape[1] :]
-    for row in range(len(prompts)):
+    for row in range(prompt_ids.shape[0]):
         length = int(mask[row].sum())
+        assert length > 0
         assert ours[row, :length].tolist() == theirs[row, :length].tolist()
 
 
@@ -228,17 +234,7 @@ def test_prompts_with_a_common_prefix_run_it_once_and_decode_as_transformers_doe
     )
     assert batches[:2] == [(1, prefix), (3, prompt_ids.shape[1] - prefix)]  # the prefix once, then the rest
     monkeypatch.setattr(model, "forward", real_forward)
-    theirs = model.generate(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        max_new_tokens=10,
-        do_sample=False,
-        pad_token_id=tokenizer.pad_token_id,
-    )[:, prompt_ids.shape[1] :]
-    for row in range(len(prompts)):
-        length = int(mask[row].sum())
-        assert length > 0
-        assert ours[row, :length].tolist() == theirs[row, :length].tolist()
+    assert_greedy_as_transformers(model, tokenizer, prompt_ids, prompt_mask, ours, mask)
 
 
 def test_common_prefix_layout_moves_padding_behind_the_prefix():
