@@ -9,6 +9,17 @@ import time
 
 import torch
 
+# The overrides that make `polo train` a timed run and nothing else: no evaluation, checkpoints, plots,
+# trackers or progress bar.
+TIMED_RUN_OVERRIDES = [
+    "eval.before=false",
+    "eval.after=false",
+    "output.save_every=0",
+    "output.plots=false",
+    "output.report_to=[]",
+    "output.progress=false",
+]
+
 
 def matmul_rate(dtype: torch.dtype, size: int = 2048, reps: int = 20, warmup: int = 5) -> float:
     """Return the best measured rate (FLOP/s) of one `size`x`size` @ `size`x`size` matmul in `dtype` on the CPU."""

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import TIMED_RUN_OVERRIDES
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -40,12 +43,7 @@ def run(processes: int, steps: int, output_dir: Path, recipe: str, extra: list[s
         recipe,
         f"train.steps={steps}",
         f"train.threads={threads}",
-        "eval.before=false",
-        "eval.after=false",
-        "output.save_every=0",
-        "output.plots=false",
-        "output.report_to=[]",
-        "output.progress=false",
+        *TIMED_RUN_OVERRIDES,
         f"output.dir={output_dir}",
         *extra,
     ]

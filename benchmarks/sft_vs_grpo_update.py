@@ -19,11 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import TIMED_RUN_OVERRIDES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,12 +88,7 @@ def grpo_rates(steps: int, work: Path) -> list[float]:
         str(ROOT / "recipes" / "grpo_arith.yaml"),
         [
             f"train.steps={steps}",
-            "eval.before=false",
-            "eval.after=false",
-            "output.save_every=0",
-            "output.plots=false",
-            "output.report_to=[]",
-            "output.progress=false",
+            *TIMED_RUN_OVERRIDES,
             f"output.dir={work / 'grpo'}",
         ],
     )

@@ -214,12 +214,13 @@ def test_prompts_with_a_common_prefix_run_it_once_and_decode_as_transformers_doe
     """Greedy decoding of prompts behind one long system text: the same tokens as transformers' generate, with that
     text run through the model once (one row) and then only each prompt's own tokens."""
     from polo.generation import cpu_sampler
+    from polo.kernels import common_prefix_length
 
     model, tokenizer = load_policy(str(tiny_model_dir))
     system = "You are a careful calculator. Think step by step, then give only the final number. " * 2
     prompts = [system + question for question in ("1+2=", "What is seventeen times three? ", "9-4=")]
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
-    prefix = cpu_sampler.common_prefix_length(prompt_ids, prompt_mask)
+    prefix = common_prefix_length(prompt_ids, prompt_mask)
     assert prefix >= cpu_sampler.MIN_COMMON_PREFIX
     batches = []
     real_forward = model.forward
@@ -238,7 +239,8 @@ def test_prompts_with_a_common_prefix_run_it_once_and_decode_as_transformers_doe
 
 
 def test_common_prefix_layout_moves_padding_behind_the_prefix():
-    from polo.generation.cpu_sampler import common_prefix_length, prefix_first
+    from polo.generation.cpu_sampler import prefix_first
+    from polo.kernels import common_prefix_length
 
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 9, 9], [0, 5, 6, 7, 1, 2]])
     mask = (ids != 0).long()
@@ -246,8 +248,8 @@ def test_common_prefix_layout_moves_padding_behind_the_prefix():
     moved_ids, moved_mask = prefix_first(ids, mask, 3)
     assert moved_ids.tolist() == [[5, 6, 7, 0, 0, 8], [5, 6, 7, 9, 9, 9], [5, 6, 7, 0, 1, 2]]
     assert moved_mask.tolist() == [[1, 1, 1, 0, 0, 1], [1] * 6, [1, 1, 1, 0, 1, 1]]
-    assert common_prefix_length(ids[:, :3], mask[:, :3]) == 0  # row 0 has one real token: nothing to share
+    assert common_prefix_length(ids[:, :3], mask[:, :3]) == 1  # at most the shortest prompt (row 0: one token)
     assert (
         common_prefix_length(ids, torch.ones_like(mask).index_fill_(1, torch.tensor([3]), 0)) == 0
     )  # not left padding
-    assert common_prefix_length(ids[1:2], mask[1:2]) == 5  # a single row keeps its last token
+    assert common_prefix_length(ids[1:2], mask[1:2]) == 6  # a single row shares all of itself

@@ -161,10 +161,7 @@ def test_rows_on_their_own_run_without_padding_and_give_the_same_logprobs_and_gr
     for polo in (False, True):
         if polo:
             assert use_polo_attention(model)
-        model.zero_grad(set_to_none=True)
-        logprobs, entropy = completion_logprobs(model, *batch, with_entropy=True)
-        (logprobs * completion_mask).sum().backward()
-        results.append((logprobs.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        results.append(logprobs_entropy_grads(model, batch))
     (plain, plain_entropy, plain_grads), (unpadded, unpadded_entropy, unpadded_grads) = results
     real = completion_mask.bool()
     torch.testing.assert_close(unpadded[real], plain[real], rtol=1e-5, atol=1e-5)
@@ -243,10 +240,7 @@ def test_rows_sharing_a_prompt_prefix_run_it_once_with_the_same_logprobs_and_gra
     results = []
     for fused in (False, True):  # False: plain logits over each row whole
         monkeypatch.setattr(scoring, "FUSED_LOGPROBS", fused)
-        model.zero_grad(set_to_none=True)
-        logprobs, entropy = completion_logprobs(model, *batch, temperature=0.7, with_entropy=True)
-        (logprobs * completion_mask).sum().backward()
-        results.append((logprobs.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        results.append(logprobs_entropy_grads(model, batch, temperature=0.7))
     (plain, plain_entropy, plain_grads), (prefixed, prefixed_entropy, prefixed_grads) = results
     real = completion_mask.bool()
     torch.testing.assert_close(prefixed[real], plain[real], rtol=1e-5, atol=1e-5)
@@ -259,3 +253,12 @@ def test_rows_sharing_a_prompt_prefix_run_it_once_with_the_same_logprobs_and_gra
         assert unpadded.input_ids.shape == (1, 6 + (3 + 1 + 2) + int(completion_mask.sum()))
     else:
         assert not ran
+
+
+def logprobs_entropy_grads(model, batch, **options) -> tuple:
+    """Return (log-probs, entropy, {parameter name: gradient}) of `completion_logprobs` on `batch` (prompt ids and
+    mask, completion ids and mask), after backpropagating the summed log-probs of real completion tokens."""
+    model.zero_grad(set_to_none=True)
+    logprobs, entropy = completion_logprobs(model, *batch, with_entropy=True, **options)
+    (logprobs * batch[3]).sum().backward()
+    return logprobs.detach(), entropy, {name: p.grad.clone() for name, p in model.named_parameters()}

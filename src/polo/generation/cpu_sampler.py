@@ -160,18 +160,6 @@ def generate(
 MIN_COMMON_PREFIX = 16
 
 
-def common_prefix_length(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
-    """Return how many leading real tokens every left-padded prompt shares, (prompts, len) -> int, leaving each prompt
-    at least one token of its own (0 when the mask is not plain left padding)."""
-    lengths = prompt_mask.sum(-1)
-    columns = torch.arange(prompt_ids.shape[1], device=prompt_ids.device)
-    starts = prompt_ids.shape[1] - lengths
-    if not torch.equal(prompt_mask.bool(), columns[None] >= starts[:, None]) or int(lengths.min()) < 2:
-        return 0
-    tokens = prompt_ids.gather(1, starts[:, None] + columns[None, : int(lengths.min()) - 1])
-    return int((tokens == tokens[:1]).all(0).long().cumprod(0).sum())
-
-
 def prefix_first(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Return left-padded prompts laid out as [common prefix][padding][own tokens], (prompts, len) each.
 
@@ -196,10 +184,12 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache) -
     every prompt) and then only their own tokens. Held-out problems behind one system prompt and
     worked example (r1_zero_arith: 90 of 104 tokens) cost a tenth of the prefill.
     """
-    from polo.kernels import can_share_prompt
+    from polo.kernels import can_share_prompt, common_prefix_length
 
     with_cache = {cache_keyword(model): cache, "use_cache": True, "logits_to_keep": 1}
-    prefix = common_prefix_length(prompt_ids, prompt_mask) if prompt_ids.shape[0] > 1 else 0
+    prefix = 0
+    if prompt_ids.shape[0] > 1:  # each prompt keeps at least its last token to run itself (its next-token logits)
+        prefix = min(common_prefix_length(prompt_ids, prompt_mask), int(prompt_mask.sum(-1).min()) - 1)
     if prefix < MIN_COMMON_PREFIX or not can_share_prompt(cache):
         prefix = 0
     else:

@@ -12,6 +12,7 @@ its inputs), and never names a device itself:
     share_prompts, attends_blockwise       the shared-prompt layout and whether attention skips its blocks
     without_padding                        the layout's real tokens as one row, for attention that skips blocks
     split_common_prefix                    rows of different prompts as one group sharing their prompts' common prefix
+    common_prefix_length                   how many leading tokens left-padded prompts share (that split; prefill)
     supports_fused_logprobs, token_logprobs, completion_logprobs_fused, LogprobSettings
                                            chunked lm_head log-probs (polo.kernels.logprobs): plain torch
                                            on the inputs' device, never full fp32 logits on any device
@@ -36,6 +37,7 @@ from polo.kernels.cpu.linear import contiguous_head_input
 from polo.kernels.cpu.shared_prompt import (
     PrefixSplit,
     SharedPromptBatch,
+    common_prefix_length,
     share_prompts,
     split_common_prefix,
     without_padding,
@@ -54,6 +56,7 @@ __all__ = [
     "SharedPromptBatch",
     "attends_blockwise",
     "completion_logprobs_fused",
+    "common_prefix_length",
     "contiguous_head_input",
     "prepacked_linears",
     "sampling_cache",

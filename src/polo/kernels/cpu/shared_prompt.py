@@ -189,6 +189,20 @@ class PrefixSplit:
     offset: torch.Tensor  # (batch,) long: where each row's completion starts in `completion_ids`
 
 
+def common_prefix_length(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """Return how many leading real tokens all left-padded prompts (batch, P) share, at most the shortest's length.
+
+    0 when a mask is not plain left padding (one contiguous run of real tokens ending the row).
+    """
+    prompt_len = prompt_ids.shape[1]
+    real = prompt_mask.long().sum(1)  # (batch,)
+    columns = torch.arange(prompt_len, device=prompt_ids.device)
+    if not torch.equal(prompt_mask.bool(), columns[None] >= (prompt_len - real)[:, None]):
+        return 0
+    first = prompt_ids.gather(1, (prompt_len - real)[:, None] + columns[None, : int(real.min())])  # (batch, shortest)
+    return int((first == first[:1]).all(0).long().cumprod(0).sum())
+
+
 def split_common_prefix(
     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor
 ) -> PrefixSplit | None:
@@ -203,18 +217,13 @@ def split_common_prefix(
     completion_len = completion_ids.shape[1]
     device = prompt_ids.device
     real_prompt, real_completion = prompt_mask.long().sum(1), completion_mask.long().sum(1)  # (batch,)
-    columns, completion_columns = torch.arange(prompt_len, device=device), torch.arange(completion_len, device=device)
-    if batch < 2 or not (
-        torch.equal(prompt_mask.bool(), columns[None] >= (prompt_len - real_prompt)[:, None])
-        and torch.equal(completion_mask.bool(), completion_columns[None] < real_completion[:, None])
-    ):
+    completion_columns = torch.arange(completion_len, device=device)
+    if batch < 2 or not torch.equal(completion_mask.bool(), completion_columns[None] < real_completion[:, None]):
         return None
-    shortest = int(real_prompt.min())
-    first = prompt_ids.gather(1, (prompt_len - real_prompt)[:, None] + columns[None, :shortest])  # (batch, shortest)
-    differs = (first != first[:1]).any(0).nonzero()
-    prefix = int(differs[0]) if len(differs) else shortest
+    prefix = common_prefix_length(prompt_ids, prompt_mask)
     if prefix == 0:
         return None
+    first = prompt_ids[:1, prompt_len - int(real_prompt[0]) :]  # row 0's real tokens, the prefix first
     offset = real_prompt - prefix  # (batch,) each row's prompt tokens after the prefix
     width = int((offset + real_completion).max())
     j = torch.arange(width, device=device)[None]  # (1, C')
@@ -222,7 +231,7 @@ def split_common_prefix(
     from_prompt = prompt_ids.gather(1, (prompt_len - offset[:, None] + j).clamp(max=prompt_len - 1))
     from_completion = completion_ids.gather(1, k.clamp(0, completion_len - 1))
     return PrefixSplit(
-        prompt_ids=first[:1, :prefix].expand(batch, prefix),
+        prompt_ids=first[:, :prefix].expand(batch, prefix),
         prompt_mask=torch.ones(batch, prefix, dtype=prompt_mask.dtype, device=device),
         completion_ids=torch.where(in_prompt, from_prompt, from_completion),
         completion_mask=(in_prompt | ((k >= 0) & (k < real_completion[:, None]))).to(completion_mask.dtype),
