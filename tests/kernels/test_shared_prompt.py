@@ -176,9 +176,13 @@ def test_without_padding_runs_exactly_the_real_tokens():
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(50)
     for group_size in (1, 3):
         shared = share_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
-        unpadded = without_padding(shared)
-        prompts = prompt_mask[::group_size].sum()
-        assert unpadded.input_ids.shape == (1, int(prompts + completion_mask.sum()))
+        real = int(prompt_mask[::group_size].sum() + completion_mask.sum())
+        exact = without_padding(shared, row_multiple=1)
+        assert exact.input_ids.shape == (1, real)
+        unpadded = without_padding(shared)  # filler tokens round the row up to a multiple of 8
+        length = unpadded.input_ids.shape[1]
+        assert length % 8 == 0 and real <= length < real + 8 and length > real
+        assert unpadded.input_ids[0, :real].tolist() == exact.input_ids[0].tolist()
         assert unpadded.attention_mask is None
         # the row holds each group's real prompt tokens, then its completions' real tokens, in order
         expected = []
@@ -187,7 +191,7 @@ def test_without_padding_runs_exactly_the_real_tokens():
             expected += prompt_ids[first][prompt_mask[first].bool()].tolist()
             for row in range(first, first + group_size):
                 expected += completion_ids[row][completion_mask[row].bool()].tolist()
-        assert unpadded.input_ids[0].tolist() == expected
+        assert exact.input_ids[0].tolist() == expected
 
 
 def prefixed_batch(vocab: int, prefix: int = 6, rests=(0, 3, 1, 2), completion_lengths=(4, 1, 3, 2), seed: int = 1):
@@ -250,7 +254,8 @@ def test_rows_sharing_a_prompt_prefix_run_it_once_with_the_same_logprobs_and_gra
     assert (prefixed[~real] == 0).all()
     if attention == "polo":  # the trunk ran the 6 prefix tokens once, then each row's rest and completion
         (unpadded,) = ran
-        assert unpadded.input_ids.shape == (1, 6 + (3 + 1 + 2) + int(completion_mask.sum()))
+        real = 6 + (3 + 1 + 2) + int(completion_mask.sum())
+        assert unpadded.input_ids.shape == (1, -(-real // 8) * 8)  # with filler up to a multiple of 8
     else:
         assert not ran
 
