@@ -18,6 +18,7 @@ from polo.config.schema import (
     ModelConfig,
     OptimizerConfig,
     device_setting,
+    gradient_checkpointing_setting,
     hub_private_setting,
     project_setting,
     push_to_hub_setting,
@@ -71,7 +72,7 @@ class FinetuneTrainConfig(OptimizerConfig):
     )
     device: str = device_setting()
     threads: int | None = threads_setting()
-    gradient_checkpointing: bool = setting(False, help="recompute activations in backward (less memory, slower)")
+    gradient_checkpointing: bool | str = gradient_checkpointing_setting()
     eval_every: int = setting(0, help="also evaluate every N steps (0: only before and after)", range=">= 0")
 
 

@@ -124,6 +124,16 @@ def device_setting() -> Any:
     return setting("auto", help=DEVICE_HELP)
 
 
+def gradient_checkpointing_setting() -> Any:
+    """Return the `train.gradient_checkpointing` field every training command shares (polo.models.loading)."""
+    return setting(
+        "auto",
+        help="true | false | auto: recompute activations in backward (less memory, a third more compute); auto "
+        "recomputes only a micro-batch whose activations would take over a quarter of the memory available",
+        choices=("auto",),
+    )
+
+
 def threads_setting(default: int | None = None) -> Any:
     """Return the `train.threads` field every training command shares."""
     return setting(default, help="torch intra-op threads; null keeps torch's default", range=">= 1")
@@ -398,11 +408,7 @@ class TrainConfig(OptimizerConfig):
     )
     device: str = device_setting()
     threads: int | None = threads_setting()
-    gradient_checkpointing: bool = setting(
-        True,
-        help="recompute activations in backward: with micro-batches of 32 as fast as 16 without it, at 60% of "
-        "the memory",
-    )
+    gradient_checkpointing: bool | str = gradient_checkpointing_setting()
     on_reward_error: str = setting(
         "raise",
         help="a reward function that raises: raise (stop, naming the function and the sample) | zero (score 0, "

@@ -40,7 +40,7 @@ from polo.config import config_to_dict
 from polo.kernels import LogprobSettings, supports_fused_logprobs, token_logprobs, use_fast_attention
 from polo.models.family import cache_keyword
 from polo.models.hub import HeldOut, ModelCard, check_push, publish
-from polo.models.loading import enable_activation_checkpointing
+from polo.models.loading import recompute_scope, setup_activation_checkpointing
 from polo.models.precision import MasterWeights, master_weights, trainer_optimizer
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
 from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
@@ -248,7 +248,7 @@ class Trainee:
     masters: MasterWeights | None = None
 
 
-def prepare_model(model: torch.nn.Module, compute: Compute, gradient_checkpointing: bool = False) -> Trainee:
+def prepare_model(model: torch.nn.Module, compute: Compute, gradient_checkpointing: bool | str = False) -> Trainee:
     """Return `model` ready to train on `compute`, as `polo train` readies its policy (`polo.rl.setup`).
 
     On the run's device, on the device's fast attention (`polo.kernels.use_fast_attention`: polo's
@@ -258,8 +258,7 @@ def prepare_model(model: torch.nn.Module, compute: Compute, gradient_checkpointi
     model = model.to(compute.device)
     use_fast_attention(model, compute)
     masters = master_weights(model, compute)
-    if gradient_checkpointing:
-        enable_activation_checkpointing(model)
+    setup_activation_checkpointing(model, gradient_checkpointing, compute.available_memory())
     return Trainee(model, compute, masters)
 
 
@@ -445,7 +444,8 @@ def _backpropagate(
     units = max(sum(objective.units(example) for example in batch), 1)
     sums: dict[str, float] = {}
     for group in micro_batches(batch, micro_batch_size):
-        with trainee.compute.autocast():
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for example in group for s in example.sequences)
+        with trainee.compute.autocast(), recompute_scope(trainee.model, tokens):
             loss_sum, stats = objective.loss(trainee.model, group)
         loss = loss_sum / units
         if not torch.isfinite(loss):

@@ -21,7 +21,7 @@ from polo.config import Config
 from polo.generation.rollouts import Rollouts
 from polo.kernels import LogprobSettings
 from polo.models.critic import ValueModel, completion_values, logprobs_and_values, new_value_head
-from polo.models.loading import enable_activation_checkpointing
+from polo.models.loading import enable_activation_checkpointing, recompute_above
 from polo.rl.batching import UpdateBatch, micro_batches, trim_padding
 from polo.runtime.device import Compute
 from polo.runtime.optimizer import build_optimizer, build_schedule
@@ -147,8 +147,8 @@ def build_critic(config: Config, model, optimizer, total_steps: int) -> Critic |
         return Critic("head", head, None, None, alg.critic_warmup_steps)
     value_model = ValueModel.from_policy(model)
     value_model.train()
-    if train_config.gradient_checkpointing:
-        enable_activation_checkpointing(value_model.trunk)
+    if train_config.gradient_checkpointing:  # the policy's trunk and threshold: the value model is a copy of it
+        enable_activation_checkpointing(value_model.trunk, above_tokens=recompute_above(model))
     critic_optimizer = build_optimizer(value_model.parameters(), train_config, learning_rate=alg.critic_learning_rate)
     critic_scheduler = build_schedule(critic_optimizer, train_config, total_steps)
     return Critic("separate", value_model, critic_optimizer, critic_scheduler, alg.critic_warmup_steps)

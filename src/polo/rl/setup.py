@@ -23,7 +23,7 @@ from polo.generation.cpu_sampler import rollout
 from polo.generation.rollouts import Sampler
 from polo.kernels import use_fast_attention
 from polo.models.hub import check_push
-from polo.models.loading import enable_activation_checkpointing, frozen_copy, load_policy, resolve_model_path
+from polo.models.loading import frozen_copy, load_policy, resolve_model_path, setup_activation_checkpointing
 from polo.models.lora import add_adapters, freeze_base_dtype, load_adapters
 from polo.models.precision import MasterWeights, master_weights, trainer_optimizer
 from polo.rewards import RewardSet
@@ -131,8 +131,7 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
     model, tokenizer = load_policy(start_from, attn_implementation=config.model.attn_implementation)
     model = model.to(compute.device)
     model.train()
-    if config.train.gradient_checkpointing:
-        enable_activation_checkpointing(model)
+    setup_activation_checkpointing(model, config.train.gradient_checkpointing, compute.available_memory())
     reference = None
     if lora.r:
         model = load_adapters(model, resume_from) if resume_from is not None else add_adapters(model, lora)

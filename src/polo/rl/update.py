@@ -17,6 +17,7 @@ import torch
 from polo import core
 from polo.config import Config
 from polo.models.critic import completion_values
+from polo.models.loading import recompute_scope
 from polo.rl.batching import UpdateBatch, micro_batches, trim_padding
 from polo.rl.critic import Critic, value_loss
 from polo.rl.modules import UpdateModules, build_update_modules
@@ -109,8 +110,9 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.
     mask = ctx.loss_mask[micro, : part.completion_ids.shape[1]]
     inputs = (part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
     loss, values = torch.zeros((), device=mask.device), None
+    tokens = int(part.prompt_mask.sum() + part.completion_mask.sum())  # at most: a shared prompt counts once
     if ctx.train_policy or (critic is not None and critic.value_head is not None):
-        with ctx.compute.autocast():
+        with ctx.compute.autocast(), recompute_scope(ctx.learner.model, tokens):
             logprobs, entropy, values = modules.policy(
                 *inputs,
                 temperature=ctx.config.sampling.temperature,
@@ -128,7 +130,7 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.
     total = loss.item()
     if critic is not None and critic.value_model is not None:
         # The critic's graph is built only after the policy's is freed: half the peak activations.
-        with ctx.compute.autocast():
+        with ctx.compute.autocast(), recompute_scope(critic.value_model, tokens):
             values = completion_values(modules.critic, *inputs)
         critic_loss = alg.value_coef * value_loss(values, ctx.batch, micro, mask, alg, normalisers)
         backward_checked(critic_loss, critic.optimizer, scheduler, modules.loss_scale)

@@ -92,6 +92,15 @@ class Compute:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def available_memory(self) -> int | None:
+        """Return the bytes of memory free for this run on its device (None: unknown): the GPU's free memory, or
+        the host's available memory, capped by a cgroup (container) limit."""
+        if self.is_cuda:
+            return int(torch.cuda.mem_get_info(self.device)[0])
+        if self.device.type != "cpu":
+            return None
+        return host_available_memory()
+
     def generator(self, seed: int | None = None) -> torch.Generator:
         """Return a torch.Generator on the run's device (seeded when `seed` is given)."""
         generator = torch.Generator(device=self.device)
@@ -102,6 +111,29 @@ class Compute:
     def __str__(self) -> str:
         where = f"{self.precision} on {self.device}"
         return f"{where} ({self.basis})" if self.basis else where
+
+
+def host_available_memory() -> int | None:
+    """Return the bytes this process could still allocate on the host: MemAvailable from /proc/meminfo, capped by
+    the cgroup v2 limit less its usage when one is set; None where neither can be read (not Linux)."""
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as current:
+            text = limit.read().strip()
+            if text != "max":
+                room = max(int(text) - int(current.read().strip()), 0)
+                available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 CPU = Compute(torch.device("cpu"))  # fp32 on the CPU: the default of library functions called without a run

@@ -1,0 +1,97 @@
+"""`train.gradient_checkpointing: auto`: activations are recomputed only for micro-batches too large to keep them."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from polo.config import ConfigError, load_config
+from polo.models.loading import (
+    ACTIVATION_BYTES_PER_UNIT,
+    AUTO_RECOMPUTE_SHARE,
+    load_policy,
+    recompute_above,
+    recompute_scope,
+    recompute_threshold,
+    setup_activation_checkpointing,
+)
+from polo.runtime.device import host_available_memory
+
+
+def test_threshold_is_the_token_count_whose_activations_fill_the_share_of_memory():
+    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=30, hidden_size=576))
+    available = 20 * 2**30
+    threshold = recompute_threshold(model, available)
+    per_token = 30 * 576 * ACTIVATION_BYTES_PER_UNIT
+    assert threshold * per_token <= AUTO_RECOMPUTE_SHARE * available < (threshold + 1) * per_token
+    assert recompute_threshold(model, 2 * available) in (2 * threshold, 2 * threshold + 1)
+    assert recompute_threshold(model, None) == 0  # memory unknown: always recompute
+    nested = SimpleNamespace(config=SimpleNamespace(text_config=model.config))  # a multimodal model's text tower
+    assert recompute_threshold(nested, available) == threshold
+
+
+def layer_forward_counter(model) -> list[int]:
+    """Count forwards of the decoder's first layer's MLP (a recomputation in backward runs it again; a pre-hook, as
+    the recomputation stops once it has what backward needs, before the MLP returns)."""
+    count = [0]
+    model.get_decoder().layers[0].mlp.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    return count
+
+
+def forward_backward(model, tokens: int) -> None:
+    ids = torch.randint(3, model.config.vocab_size, (1, tokens))
+    with recompute_scope(model, tokens):
+        loss = model(input_ids=ids).logits.float().mean()
+    loss.backward()
+
+
+@pytest.mark.parametrize("setting", ["auto", True, False])
+def test_auto_recomputes_only_above_the_threshold(tiny_model_dir, setting):
+    model, _ = load_policy(str(tiny_model_dir))
+    model.train()
+    setup_activation_checkpointing(model, setting, available_bytes=1)  # auto: threshold 0 tokens
+    if setting == "auto":
+        model.polo_recompute_above = 6  # then: 6 tokens kept, 7 recomputed
+    count = layer_forward_counter(model)
+    runs = {}
+    for tokens in (6, 7):
+        count[0] = 0
+        forward_backward(model, tokens)
+        runs[tokens] = count[0]
+    expected = {"auto": {6: 1, 7: 2}, True: {6: 2, 7: 2}, False: {6: 1, 7: 1}}[setting]
+    assert runs == expected
+    flags = {m.gradient_checkpointing for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")}
+    assert flags == ({True} if setting in ("auto", True) else set())  # the scope restores the layers' setting
+    assert recompute_above(model) == (6 if setting == "auto" else None)
+
+
+def test_gradients_are_the_same_recomputed_or_kept(tiny_model_dir):
+    grads = []
+    for above in (100, 0):
+        model, _ = load_policy(str(tiny_model_dir))
+        model.train()
+        setup_activation_checkpointing(model, "auto", available_bytes=None)
+        model.polo_recompute_above = above
+        torch.manual_seed(0)
+        forward_backward(model, 9)
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    kept, recomputed = grads
+    assert kept.keys() == recomputed.keys() and kept
+    for name, grad in kept.items():
+        torch.testing.assert_close(recomputed[name], grad, msg=name)
+
+
+def test_setting_takes_true_false_auto_and_names_the_choices_otherwise():
+    assert load_config({}).train.gradient_checkpointing == "auto"
+    assert load_config({"train": {"gradient_checkpointing": False}}).train.gradient_checkpointing is False
+    with pytest.raises(ConfigError, match="train.gradient_checkpointing: 'sometimes' is not one of auto"):
+        load_config({"train": {"gradient_checkpointing": "sometimes"}})
+
+
+def test_host_memory_is_read_on_linux():
+    available = host_available_memory()
+    assert available is None or available > 0
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists() and "MemAvailable" in meminfo.read_text():
+        assert available is not None and available > 2**20
