@@ -20,9 +20,12 @@ def test_bf16_training_attention_matches_sdpa(tiny_model_dir):
     ids = torch.randint(0, model.config.vocab_size, (3, 7))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding
-    with torch.no_grad():  # inference: exactly transformers' bf16 SDPA
-        assert torch.equal(
-            model(input_ids=ids, attention_mask=mask).logits, reference(input_ids=ids, attention_mask=mask).logits
+    with torch.no_grad():  # inference: bf16 eager attention, transformers' bf16 SDPA up to bf16 rounding
+        torch.testing.assert_close(
+            model(input_ids=ids, attention_mask=mask).logits.float(),
+            reference(input_ids=ids, attention_mask=mask).logits.float(),
+            rtol=0.02,
+            atol=0.02,
         )
     outputs = []
     for m in (reference, model):
