@@ -83,7 +83,8 @@ def test_gradients_are_the_same_recomputed_or_kept(tiny_model_dir):
 
 
 def test_setting_takes_true_false_auto_and_names_the_choices_otherwise():
-    assert load_config({}).train.gradient_checkpointing == "auto"
+    assert load_config({}).train.gradient_checkpointing is True
+    assert load_config({"train": {"gradient_checkpointing": "auto"}}).train.gradient_checkpointing == "auto"
     assert load_config({"train": {"gradient_checkpointing": False}}).train.gradient_checkpointing is False
     with pytest.raises(ConfigError, match="train.gradient_checkpointing: 'sometimes' is not one of auto"):
         load_config({"train": {"gradient_checkpointing": "sometimes"}})
@@ -95,3 +96,24 @@ def test_host_memory_is_read_on_linux():
     meminfo = Path("/proc/meminfo")
     if meminfo.exists() and "MemAvailable" in meminfo.read_text():
         assert available is not None and available > 2**20
+
+
+class Part:
+    """The two masks of a micro-batch of rollouts (4 rows: two groups of two)."""
+
+    prompt_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1], [1, 0], [1, 0], [0, 0]])
+
+    def __len__(self) -> int:
+        return 4
+
+
+def test_the_update_counts_a_shared_prompt_once_where_attention_reads_the_shared_layout():
+    from polo.kernels.cpu.attention import POLO_ATTENTION
+    from polo.rl.update import trunk_tokens
+
+    blockwise = SimpleNamespace(config=SimpleNamespace(_attn_implementation=POLO_ATTENTION))
+    dense = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+    assert trunk_tokens(blockwise, Part(), group_size=2) == (2 + 3) + 4
+    assert trunk_tokens(dense, Part(), group_size=2) == (2 + 2 + 3 + 3) + 4
+    assert trunk_tokens(blockwise, Part(), group_size=1) == (2 + 2 + 3 + 3) + 4

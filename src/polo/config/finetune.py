@@ -72,7 +72,7 @@ class FinetuneTrainConfig(OptimizerConfig):
     )
     device: str = device_setting()
     threads: int | None = threads_setting()
-    gradient_checkpointing: bool | str = gradient_checkpointing_setting()
+    gradient_checkpointing: bool | str = gradient_checkpointing_setting(False)
     eval_every: int = setting(0, help="also evaluate every N steps (0: only before and after)", range=">= 0")
 
 

@@ -124,10 +124,10 @@ def device_setting() -> Any:
     return setting("auto", help=DEVICE_HELP)
 
 
-def gradient_checkpointing_setting() -> Any:
+def gradient_checkpointing_setting(default: bool | str = True) -> Any:
     """Return the `train.gradient_checkpointing` field every training command shares (polo.models.loading)."""
     return setting(
-        "auto",
+        default,
         help="true | false | auto: recompute activations in backward (less memory, a third more compute); auto "
         "recomputes only a micro-batch whose activations would take over a quarter of the memory available",
         choices=("auto",),

@@ -83,12 +83,13 @@ def sampler_module(name: str, compute: Compute) -> ModuleType:
 def load_for_sampling(name: str, compute: Compute) -> tuple:
     """Return `(model, tokenizer)` ready to sample: weights in `compute.param_dtype` on `compute.device`, eval mode,
     the device's fast attention (`polo.kernels.use_fast_attention`)."""
-    from polo.kernels import use_fast_attention
+    from polo.kernels import use_fast_attention, use_lean_layers
     from polo.models.loading import load_policy
 
     model, tokenizer = load_policy(name, dtype=compute.param_dtype)
     model.to(compute.device).eval()
     use_fast_attention(model, compute)
+    use_lean_layers(model)
     return model, tokenizer
 
 

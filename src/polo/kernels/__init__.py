@@ -8,6 +8,8 @@ its inputs), and never names a device itself:
                                            SDPA, which torch dispatches to flash / memory-efficient kernels
     prepacked_linears(model, rows, compute)  CPU: oneDNN-prepacked bf16 linears; elsewhere nothing
     contiguous_head_input(model)           any device: the LM head's input made contiguous
+    use_lean_layers(model)                 any device: RMSNorms and SwiGLU MLPs that keep a fraction of their
+                                           activations for backward (polo.kernels.lean), same outputs
     sharing_pays(..., device)              CPU: the shared-prompt cost model; CUDA: plain rows
     share_prompts, attends_blockwise       the shared-prompt layout and whether attention skips its blocks
     without_padding                        the layout's real tokens as one row, for attention that skips blocks
@@ -42,6 +44,7 @@ from polo.kernels.cpu.shared_prompt import (
     split_common_prefix,
     without_padding,
 )
+from polo.kernels.lean import use_lean_layers
 from polo.kernels.logprobs import (
     LogprobSettings,
     completion_logprobs_fused,
@@ -68,6 +71,7 @@ __all__ = [
     "supports_fused_logprobs",
     "token_logprobs",
     "use_fast_attention",
+    "use_lean_layers",
     "without_padding",
 ]
 

@@ -21,7 +21,7 @@ from polo.data.environments import sampler_for
 from polo.data.hf import check_same_datasets, passed_datasets_note
 from polo.generation.cpu_sampler import rollout
 from polo.generation.rollouts import Sampler
-from polo.kernels import use_fast_attention
+from polo.kernels import use_fast_attention, use_lean_layers
 from polo.models.hub import check_push
 from polo.models.loading import frozen_copy, load_policy, resolve_model_path, setup_activation_checkpointing
 from polo.models.lora import add_adapters, freeze_base_dtype, load_adapters
@@ -152,8 +152,9 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
         parallel.shard_model(model)  # after the reference copy, which stays whole (it is never trained)
     for module in {
         id(m): m for m in (model, reference) if m is not None
-    }.values():  # faster attention, same maths (polo.kernels)
+    }.values():  # faster attention, leaner layers, same maths (polo.kernels)
         use_fast_attention(module, compute)
+        use_lean_layers(module)
     return model, tokenizer, reference
 
 

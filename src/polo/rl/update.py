@@ -16,6 +16,8 @@ import torch
 
 from polo import core
 from polo.config import Config
+from polo.generation.rollouts import Rollouts
+from polo.kernels import attends_blockwise
 from polo.models.critic import completion_values
 from polo.models.loading import recompute_scope
 from polo.rl.batching import UpdateBatch, micro_batches, trim_padding
@@ -102,6 +104,15 @@ def policy_loss_term(
     return core.aggregate_loss(per_token, mask, alg.loss_aggregation, normalisers)
 
 
+def trunk_tokens(model: torch.nn.Module, part: Rollouts, group_size: int) -> int:
+    """Return the tokens a forward over the micro-batch `part` runs through `model`'s trunk: each group's prompt once
+    where attention reads the shared-prompt layout (`polo.kernels.attends_blockwise`), else every row's prompt."""
+    prompts = part.prompt_mask
+    if group_size > 1 and attends_blockwise(model) and len(part) % group_size == 0:
+        prompts = prompts[::group_size]
+    return int(prompts.sum() + part.completion_mask.sum())
+
+
 def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.LossNormalisers) -> float:
     """Forward and backward one micro-batch (policy loss, and the critic's value loss); return its loss."""
     alg, critic, modules = ctx.alg, ctx.critic, ctx.modules
@@ -110,7 +121,7 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.
     mask = ctx.loss_mask[micro, : part.completion_ids.shape[1]]
     inputs = (part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
     loss, values = torch.zeros((), device=mask.device), None
-    tokens = int(part.prompt_mask.sum() + part.completion_mask.sum())  # at most: a shared prompt counts once
+    tokens = trunk_tokens(ctx.learner.model, part, ctx.rollouts.group_size)
     if ctx.train_policy or (critic is not None and critic.value_head is not None):
         with ctx.compute.autocast(), recompute_scope(ctx.learner.model, tokens):
             logprobs, entropy, values = modules.policy(

@@ -1,0 +1,87 @@
+"""Lean RMSNorm and SwiGLU product: transformers' outputs bit for bit, its gradients, fewer saved activations."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from polo.kernels import use_lean_layers
+from polo.kernels.lean import LeanRMSNorm, SiluMul
+from polo.models.loading import load_policy
+
+
+def saved_bytes(run) -> int:
+    """Return the bytes of the tensors autograd keeps for backward while `run()` records its graph."""
+    sizes = []
+
+    def pack(tensor):
+        sizes.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(sizes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lean_rmsnorm_is_transformers_forward_bit_for_bit_and_its_gradients(dtype):
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(48, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    hidden = (torch.randn(3, 7, 48) * 3).to(dtype)
+    grad = torch.randn(3, 7, 48).to(dtype)
+    results = []
+    for forward in (norm, lambda x: LeanRMSNorm.apply(x, norm.weight, norm.variance_epsilon)):
+        x = hidden.clone().requires_grad_(True)
+        norm.weight.grad = None
+        out = forward(x)
+        out.backward(grad)
+        results.append((out.detach(), x.grad, norm.weight.grad))
+    (out, dx, dw), (lean_out, lean_dx, lean_dw) = results
+    assert torch.equal(lean_out, out)
+    tolerance = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(lean_dx.float(), dx.float(), **tolerance)
+    torch.testing.assert_close(lean_dw.float(), dw.float(), **tolerance)
+
+
+def test_lean_rmsnorm_and_silu_mul_pass_gradcheck():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: LeanRMSNorm.apply(x, w, 1e-6), (x, weight))
+    gate = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(SiluMul.apply, (gate, up))
+
+
+def test_lean_layers_keep_the_model_outputs_and_gradients_with_fewer_saved_activations(tiny_model_dir):
+    plain, _ = load_policy(str(tiny_model_dir))
+    lean, _ = load_policy(str(tiny_model_dir))
+    layers = plain.config.num_hidden_layers
+    assert use_lean_layers(lean) == 2 * layers + 1 + layers  # two norms a layer, the final norm, one MLP a layer
+    assert use_lean_layers(lean) == 3 * layers + 1  # a second call wraps nothing twice
+    ids = torch.randint(3, plain.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    outputs = {}
+    for name, model in (("plain", plain), ("lean", lean)):
+        logits = model(input_ids=ids).logits
+        logits.float().pow(2).mean().backward()
+        outputs[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        model.to(torch.bfloat16)  # what bf16 training keeps: the norms' fp32 copies are what lean layers drop
+        outputs[name + " saved"] = saved_bytes(lambda model=model: model(input_ids=ids).logits)
+    assert torch.equal(outputs["lean"][0], outputs["plain"][0])
+    for name, grad in outputs["plain"][1].items():
+        torch.testing.assert_close(outputs["lean"][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert outputs["lean saved"] < 0.8 * outputs["plain saved"]
+
+
+def test_a_norm_that_computes_something_else_keeps_its_forward():
+    class OnePlusWeightNorm(LlamaRMSNorm):  # Gemma's: scaled by 1 + weight
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) / self.weight * (1 + self.weight)
+
+    norms = torch.nn.ModuleList([LlamaRMSNorm(8), OnePlusWeightNorm(8)])
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.uniform_(0.5, 1.5)
+    assert use_lean_layers(norms) == 1
+    assert getattr(norms[0], "_polo_lean", False) and not getattr(norms[1], "_polo_lean", False)
