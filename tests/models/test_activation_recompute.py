@@ -117,3 +117,51 @@ def test_the_update_counts_a_shared_prompt_once_where_attention_reads_the_shared
     assert trunk_tokens(blockwise, Part(), group_size=2) == (2 + 3) + 4
     assert trunk_tokens(dense, Part(), group_size=2) == (2 + 2 + 3 + 3) + 4
     assert trunk_tokens(blockwise, Part(), group_size=1) == (2 + 2 + 3 + 3) + 4
+
+
+def test_a_run_with_auto_recomputes_above_its_threshold_and_learns_the_same(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """`polo train` with gradient_checkpointing auto: the banner names the threshold; with every micro-batch above
+    it (threshold 0) the trained weights equal those of a run that keeps its activations."""
+    from safetensors.torch import load_file
+
+    import polo.models.loading as loading
+    from polo.rl.train import train
+
+    def run(setting, name):
+        train(
+            {
+                "model": {"name": str(tiny_model_dir)},
+                "task": {"name": "arithmetic", "min_digits": 1, "max_digits": 1, "num_train": 40, "num_eval": 0},
+                "rewards": {"correct": 1.0, "tag_count": 0.5},
+                "sampling": {"max_new_tokens": 8, "temperature": 1.0},
+                "algorithm": {"group_size": 4},
+                "train": {
+                    "steps": 2,
+                    "prompts_per_step": 2,
+                    "micro_batch_size": 4,
+                    "learning_rate": 1e-3,
+                    "precision": "fp32",
+                    "seed": 3,
+                    "gradient_checkpointing": setting,
+                },
+                "output": {
+                    "dir": str(tmp_path / name),
+                    "save_every": 0,
+                    "progress": False,
+                    "report_to": [],
+                    "plots": False,
+                },
+            }
+        )
+        latest = sorted((tmp_path / name / "checkpoints").glob("step-*"))[-1]
+        return load_file(str(latest / "model.safetensors"))
+
+    kept = run(False, "kept")
+    monkeypatch.setattr(loading, "AUTO_RECOMPUTE_SHARE", 0.0)  # threshold 0 tokens: every micro-batch recomputes
+    recomputed = run("auto", "auto")
+    assert "activations recomputed above 0 tokens a micro-batch" in capsys.readouterr().out
+    assert kept.keys() == recomputed.keys()
+    for name, weight in kept.items():
+        torch.testing.assert_close(recomputed[name], weight, rtol=1e-4, atol=1e-6, msg=name)
