@@ -70,3 +70,34 @@ def build_tiny_model(directory: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+def tiny_rl_config(model_dir, output_dir, **sections) -> dict:
+    """Return a `polo train` config: a few GRPO steps on one-digit sums for the tiny model; `sections` update its
+    sections."""
+    config = {
+        "model": {"name": str(model_dir)},
+        "task": {"name": "arithmetic", "min_digits": 1, "max_digits": 1, "num_train": 40, "num_eval": 6},
+        "rewards": {"correct": 1.0, "tag_count": 0.5},
+        "sampling": {"max_new_tokens": 8, "temperature": 1.0},
+        "algorithm": {"group_size": 4},
+        "train": {
+            "steps": 4,
+            "prompts_per_step": 2,
+            "micro_batch_size": 3,
+            "learning_rate": 1e-3,
+            "precision": "fp32",
+            "seed": 3,
+        },
+        "eval": {"batch_size": 4, "max_new_tokens": 6},
+        "output": {
+            "dir": str(output_dir),
+            "save_every": 2,
+            "progress": False,
+            "report_to": ["tensorboard"],
+            "plots": True,
+        },
+    }
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    return config

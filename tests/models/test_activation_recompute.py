@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import tiny_rl_config
 from polo.config import ConfigError, load_config
 from polo.models.loading import (
     ACTIVATION_BYTES_PER_UNIT,
@@ -86,7 +87,7 @@ def test_setting_takes_true_false_auto_and_names_the_choices_otherwise():
     assert load_config({}).train.gradient_checkpointing is True
     assert load_config({"train": {"gradient_checkpointing": "auto"}}).train.gradient_checkpointing == "auto"
     assert load_config({"train": {"gradient_checkpointing": False}}).train.gradient_checkpointing is False
-    with pytest.raises(ConfigError, match="train.gradient_checkpointing: 'sometimes' is not one of auto"):
+    with pytest.raises(ConfigError, match="train.gradient_checkpointing: 'sometimes' is not one of true, false, auto"):
         load_config({"train": {"gradient_checkpointing": "sometimes"}})
 
 
@@ -131,29 +132,13 @@ def test_a_run_with_auto_recomputes_above_its_threshold_and_learns_the_same(
 
     def run(setting, name):
         train(
-            {
-                "model": {"name": str(tiny_model_dir)},
-                "task": {"name": "arithmetic", "min_digits": 1, "max_digits": 1, "num_train": 40, "num_eval": 0},
-                "rewards": {"correct": 1.0, "tag_count": 0.5},
-                "sampling": {"max_new_tokens": 8, "temperature": 1.0},
-                "algorithm": {"group_size": 4},
-                "train": {
-                    "steps": 2,
-                    "prompts_per_step": 2,
-                    "micro_batch_size": 4,
-                    "learning_rate": 1e-3,
-                    "precision": "fp32",
-                    "seed": 3,
-                    "gradient_checkpointing": setting,
-                },
-                "output": {
-                    "dir": str(tmp_path / name),
-                    "save_every": 0,
-                    "progress": False,
-                    "report_to": [],
-                    "plots": False,
-                },
-            }
+            tiny_rl_config(
+                tiny_model_dir,
+                tmp_path / name,
+                task={"num_eval": 0},
+                train={"steps": 2, "micro_batch_size": 4, "gradient_checkpointing": setting},
+                output={"save_every": 0, "report_to": [], "plots": False},
+            )
         )
         latest = sorted((tmp_path / name / "checkpoints").glob("step-*"))[-1]
         return load_file(str(latest / "model.safetensors"))

@@ -20,7 +20,7 @@ import yaml
 from huggingface_hub.errors import LocalEntryNotFoundError
 from safetensors.torch import load_file
 
-from conftest import build_tiny_model
+from conftest import build_tiny_model, tiny_rl_config
 from polo.cli import main
 from polo.config import ConfigError, load_config
 from polo.models import hub
@@ -82,30 +82,16 @@ def no_network(monkeypatch) -> list:
 
 
 def tiny_rl_recipe(model: str, output_dir: Path, **output) -> dict:
-    """tests/rl/test_trainer.py's tiny run, two steps, no plots or TensorBoard."""
-    return {
-        "model": {"name": model},
-        "task": {"name": "arithmetic", "min_digits": 1, "max_digits": 1, "num_train": 40, "num_eval": 6},
-        "sampling": {"max_new_tokens": 6, "temperature": 1.0},
-        "algorithm": {"group_size": 2},
-        "train": {
-            "steps": 2,
-            "prompts_per_step": 2,
-            "micro_batch_size": 4,
-            "learning_rate": 1e-3,
-            "precision": "fp32",
-            "seed": 3,
-        },
-        "eval": {"batch_size": 6, "max_new_tokens": 4},
-        "output": {
-            "dir": str(output_dir),
-            "save_every": 0,
-            "progress": False,
-            "report_to": [],
-            "plots": False,
-            **output,
-        },
-    }
+    """The tiny run of tests/conftest.py, two steps, no plots or TensorBoard."""
+    return tiny_rl_config(
+        model,
+        output_dir,
+        sampling={"max_new_tokens": 6},
+        algorithm={"group_size": 2},
+        train={"steps": 2, "micro_batch_size": 4},
+        eval={"batch_size": 6, "max_new_tokens": 4},
+        output={"save_every": 0, "report_to": [], "plots": False, **output},
+    )
 
 
 def cli(recipe: dict, tmp_path: Path, capsys, *overrides: str) -> tuple[int, list[str]]:

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from conftest import tiny_rl_config as tiny_config
 from polo.config import load_config
 from polo.data import make_task
 from polo.generation.cpu_sampler import rollout
@@ -26,35 +27,6 @@ from polo.runtime.errors import NonFiniteLossError
 from polo.runtime.optimizer import build_optimizer, build_schedule
 
 TIME_KEYS = ("time/", "tokens_per_second", "update_tokens_per_second", "timestamp")
-
-
-def tiny_config(model_dir, output_dir, **sections):
-    config = {
-        "model": {"name": str(model_dir)},
-        "task": {"name": "arithmetic", "min_digits": 1, "max_digits": 1, "num_train": 40, "num_eval": 6},
-        "rewards": {"correct": 1.0, "tag_count": 0.5},
-        "sampling": {"max_new_tokens": 8, "temperature": 1.0},
-        "algorithm": {"group_size": 4},
-        "train": {
-            "steps": 4,
-            "prompts_per_step": 2,
-            "micro_batch_size": 3,
-            "learning_rate": 1e-3,
-            "precision": "fp32",
-            "seed": 3,
-        },
-        "eval": {"batch_size": 4, "max_new_tokens": 6},
-        "output": {
-            "dir": str(output_dir),
-            "save_every": 2,
-            "progress": False,
-            "report_to": ["tensorboard"],
-            "plots": True,
-        },
-    }
-    for section, values in sections.items():
-        config.setdefault(section, {}).update(values)
-    return config
 
 
 def without_times(rows):

@@ -86,8 +86,11 @@ def accepted(spec: str | None, integer: bool = False) -> str:
 
 
 def choice_names(choices: Choices) -> list[str]:
-    """Return the accepted names of `choices` (a registry's names in registration order)."""
-    return choices.names() if isinstance(choices, Registry) else list(choices)
+    """Return the accepted names of `choices`: a registry's names in registration order, YAML's true/false for
+    bools."""
+    if isinstance(choices, Registry):
+        return choices.names()
+    return [str(choice).lower() if isinstance(choice, bool) else str(choice) for choice in choices]
 
 
 def help_of(cls: type, name: str) -> str:

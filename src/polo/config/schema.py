@@ -130,7 +130,7 @@ def gradient_checkpointing_setting(default: bool | str = True) -> Any:
         default,
         help="true | false | auto: recompute activations in backward (less memory, a third more compute); auto "
         "recomputes only a micro-batch whose activations would take over a quarter of the memory available",
-        choices=("auto",),
+        choices=(True, False, "auto"),
     )
 
 

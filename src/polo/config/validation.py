@@ -17,7 +17,7 @@ from typing import Any
 
 from polo import core
 from polo.config.errors import ConfigError
-from polo.config.fields import accepted, within
+from polo.config.fields import accepted, choice_names, within
 from polo.config.plugins import check_registered
 from polo.config.schema import TRACKER_PACKAGES, Config, LoraSettings
 from polo.core.registry import Registry
@@ -58,7 +58,7 @@ def check_value(key: str, value: Any, metadata: Any) -> None:
     if isinstance(value, str) and isinstance(choices, Registry):
         check_registered(key, value, choices)
     elif isinstance(value, str) and choices is not None and value not in choices:
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(choices)}")
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(choice_names(choices))}")
     elif isinstance(value, float) and not within(bounds, value):
         raise ConfigError(f"{key} must be {accepted(bounds)}, got {value!r}")
     elif isinstance(value, int) and not isinstance(value, bool) and bounds is not None and not within(bounds, value):
