@@ -134,3 +134,31 @@ def test_decoding_with_polo_attention_matches_transformers(tiny_model_dir):
                 m(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **with_cache)
                 logits.append(m(input_ids=ids[:, -1:], attention_mask=mask, use_cache=True, **with_cache).logits)
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_decode_step_takes_eager_attention_and_matches_transformers(tiny_model_dir, monkeypatch):
+    """In bf16 on the CPU a cached one-token step goes to `eager_attention`; its logits are SDPA's up to bf16 rounding,
+    left-padded row included."""
+    from transformers import DynamicCache
+
+    from polo.kernels.cpu import attention
+
+    taken, eager = [], attention.eager_attention
+    monkeypatch.setattr(attention, "eager_attention", lambda *args: taken.append(args[0].shape) or eager(*args))
+    reference, _ = load_policy(str(tiny_model_dir))
+    model, _ = load_policy(str(tiny_model_dir))
+    for m in (reference, model):
+        m.to(torch.bfloat16)
+    assert use_polo_attention(model)
+    ids = torch.randint(0, model.config.vocab_size, (3, 6))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    logits = []
+    with torch.no_grad():
+        for m in (reference, model):
+            with_cache = {cache_keyword(m): DynamicCache(config=m.config)}
+            m(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **with_cache)
+            taken.clear()
+            logits.append(m(input_ids=ids[:, -1:], attention_mask=mask, use_cache=True, **with_cache).logits.float())
+    assert len(taken) == model.config.num_hidden_layers and all(shape[2] == 1 for shape in taken)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0.02, atol=0.02)

