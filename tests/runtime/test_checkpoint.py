@@ -121,3 +121,37 @@ def test_a_checkpoint_with_a_cuda_rng_state_resumes_on_the_cpu_like_an_uninterru
     ]
     assert all(torch.equal(final[0][name], final[1][name]) for name in final[0])
     assert json.loads((tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "[enforce fail at inline_container.cc:672] . unexpected pos 4352 vs 4246",  # torch's zip writer, disk full
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })',
+    ],
+)
+def test_a_write_that_fails_in_torch_or_safetensors_is_one_save_error_and_keeps_the_target(tmp_path, message):
+    from polo.runtime.checkpoint import SaveError, staged_directory
+
+    target = tmp_path / "step-000010"
+    target.mkdir()
+    (target / "model.safetensors").write_text("the earlier, whole copy")
+    staged = staged_directory(target, "checkpoint step 10", "step 5 is intact")
+    with pytest.raises(SaveError) as error, staged as staging:
+        (staging / "half").write_text("x")
+        raise RuntimeError(message)
+    assert str(error.value).startswith(f"could not write checkpoint step 10 to {target}: RuntimeError: {message}")
+    assert "free space there" in str(error.value) and str(error.value).endswith("; step 5 is intact")
+    assert (target / "model.safetensors").read_text() == "the earlier, whole copy"
+    assert list(tmp_path.iterdir()) == [target]  # the staging directory is gone
+
+
+def test_an_error_that_is_not_a_failed_write_passes_through_unchanged(tmp_path):
+    from polo.runtime.checkpoint import staged_directory
+
+    with (
+        pytest.raises(RuntimeError, match="^size mismatch for lm_head.weight$"),
+        staged_directory(tmp_path / "final", "model"),
+    ):
+        raise RuntimeError("size mismatch for lm_head.weight")
+    assert not list(tmp_path.iterdir())

@@ -42,6 +42,21 @@ def _free_space(path: Path) -> str:
     return f"{free / 2**20:,.0f} MiB"
 
 
+# How writers other than Python's own report a failed write (a full disk, a quota): torch.save's zip
+# writer raises RuntimeError ("PytorchStreamWriter failed writing file ...", or an "[enforce fail at
+# inline_container.cc:...]" check when the disk filled between two records), safetensors its
+# SafetensorError ("IoError(Os { code: 28, kind: StorageFull ... })").
+WRITE_FAILURE_MARKS = ("writ", "inline_container", "streamwriter", "no space", "storagefull", "ioerror", "quota")
+
+
+def is_write_failure(exc: BaseException) -> bool:
+    """Return whether `exc`, raised while saving files, says that writing them failed (not a bug in the caller)."""
+    if isinstance(exc, OSError):
+        return True
+    message = str(exc).lower()
+    return isinstance(exc, Exception) and any(mark in message for mark in WRITE_FAILURE_MARKS)
+
+
 @contextmanager
 def staged_directory(target: Path, what: str, keeps: str = "") -> Iterator[Path]:
     """Yield an empty staging directory; on success it replaces `target`, on failure it is removed.
@@ -59,11 +74,10 @@ def staged_directory(target: Path, what: str, keeps: str = "") -> Iterator[Path]
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
-    except (OSError, RuntimeError) as exc:
-        # torch.save reports a full disk as a RuntimeError from its zip writer.
-        if isinstance(exc, RuntimeError) and "writ" not in str(exc).lower():
-            raise
+    except Exception as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if not is_write_failure(exc):
+            raise
         kept = f"; {keeps}" if keeps else ""
         raise SaveError(
             f"could not write {what} to {target}: {type(exc).__name__}: {exc} "
