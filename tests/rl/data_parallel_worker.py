@@ -92,10 +92,7 @@ def main(argv: list[str]) -> None:
             weights, metrics = one_update(batch, config_dict, model_dir)
             if parallel.rank() == 0:
                 torch.save({"weights": weights, "metrics": metrics}, f"{out_dir}/{name}.pt")
-        # Both ranks finish their collectives before either tears gloo down: one full-suite run saw
-        # rank 0 abort in teardown ("terminate called without an active exception") after its work.
-        parallel.barrier()
-        torch.distributed.destroy_process_group()
+        parallel.leave_process_group(finished=True)
     elif mode == "train":
         from polo.rl import train as trainer
 

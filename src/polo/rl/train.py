@@ -13,8 +13,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from polo.config import Config, config_to_dict, load_config
 from polo.evaluation.evaluate import greedy_accuracy
 from polo.evaluation.plots import plot_run
@@ -68,7 +66,7 @@ def train(
             load_config(config_to_dict(config) if isinstance(config, Config) else config, overrides),
             None,
         )
-    joined = parallel.init_from_environment(resolve_device(config.train.device))
+    joined, finished = parallel.init_from_environment(resolve_device(config.train.device)), False
     try:
         # The lock comes before anything looks at output.dir; a stop signal during set-up is held until the loop
         # can stop cleanly.
@@ -76,7 +74,7 @@ def train(
             rollback = None
             while True:  # once, unless the divergence guard rolls the run back (polo.rl.guard)
                 try:
-                    return train_loop(
+                    result = train_loop(
                         set_up(
                             config,
                             overrides,
@@ -86,13 +84,15 @@ def train(
                             eval_dataset=eval_dataset,
                         )
                     )
+                    finished = True
+                    return result
                 except Rollback as request:
                     rollback = request.state  # the failed run's frames go with the exception, before the rebuild
                 if is_main_process():
                     print(rollback.message, flush=True)
     finally:
         if joined:
-            torch.distributed.destroy_process_group()
+            parallel.leave_process_group(finished)
 
 
 def train_loop(run: Run) -> TrainResult:

@@ -85,6 +85,19 @@ def init_from_environment(device: torch.device | None = None) -> bool:
     return True
 
 
+def leave_process_group(finished: bool) -> None:
+    """Leave the process group `init_from_environment` joined; after a `finished` run, only once every rank is done.
+
+    Without the barrier a rank that finishes first tears gloo down while its peer is still in its
+    last collective or checkpoint write, and the peer can abort at exit ("terminate called without
+    an active exception", SIGABRT; seen in a two-process `polo train` under the full test suite). A
+    run that stopped on an error skips it: the other rank may never get there.
+    """
+    if finished:
+        barrier()
+    dist.destroy_process_group()
+
+
 def check_host_collectives() -> None:
     """Raise ValueError when the initialised process group cannot reduce CPU tensors (a plain NCCL group)."""
     backend = str(dist.get_backend())
