@@ -71,7 +71,15 @@ def test_the_lock_file_is_not_an_earlier_run_and_overwrite_keeps_it(tmp_path):
     assert not is_run_dir(tmp_path)
 
 
-def test_a_stop_signal_is_a_request_shared_by_nested_requests_and_a_second_one_stops_at_once():
+@pytest.fixture
+def sighup_not_ignored():
+    """Let SIGHUP act for the test even when the suite runs under nohup (StopRequest leaves an ignored SIGHUP be)."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_stop_signal_is_a_request_shared_by_nested_requests_and_a_second_one_stops_at_once(sighup_not_ignored):
     said = []
     with StopRequest(said.append) as outer:
         with StopRequest(said.append) as inner:
