@@ -49,12 +49,10 @@ def _free_space(path: Path) -> str:
 WRITE_FAILURE_MARKS = ("writ", "inline_container", "streamwriter", "no space", "storagefull", "ioerror", "quota")
 
 
-def is_write_failure(exc: BaseException) -> bool:
+def is_write_failure(exc: Exception) -> bool:
     """Return whether `exc`, raised while saving files, says that writing them failed (not a bug in the caller)."""
-    if isinstance(exc, OSError):
-        return True
     message = str(exc).lower()
-    return isinstance(exc, Exception) and any(mark in message for mark in WRITE_FAILURE_MARKS)
+    return isinstance(exc, OSError) or any(mark in message for mark in WRITE_FAILURE_MARKS)
 
 
 @contextmanager
