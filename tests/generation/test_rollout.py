@@ -151,6 +151,34 @@ def test_prepacked_linears_give_the_plain_layers_outputs_and_are_removed(tiny_mo
     assert not any("forward" in vars(m) for m in linears)  # the class forward is back
 
 
+def test_fp32_linears_are_packed_only_where_measured_faster_and_without_autocast(tiny_model_dir, monkeypatch):
+    """fp32 layers go through oneDNN's packed matmul where the rate probe found it faster than torch's own fp32
+    matmul (MKL's, at half oneDNN's rate on an AMD EPYC), never under bf16 autocast; outputs agree to rounding."""
+    import polo.kernels as kernels
+    from polo.runtime.device import Compute
+    from polo.runtime.rates import MatmulRates, pack_linear_weight
+
+    model, _ = load_policy(str(tiny_model_dir))
+    model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 5))
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    packs = pack_linear_weight(linears[0].weight.detach(), 3) is not None
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        for packed_rate, compute, expected in (
+            (900.0, Compute(torch.device("cpu")), len(linears) if packs else 0),
+            (100.0, Compute(torch.device("cpu")), 0),  # measured slower than torch's fp32: left alone
+            (900.0, Compute.named("bf16"), 0),  # autocast recasts the inputs: a packed fp32 weight would skip it
+        ):
+            rates = MatmulRates(fp32=200.0, bf16=150.0, cached=True, fp32_packed=packed_rate)
+            monkeypatch.setattr(kernels, "cached_rates", lambda rates=rates: rates)
+            with kernels.prepacked_linears(model, 3, compute):
+                assert len([m for m in linears if "forward" in vars(m)]) == expected
+                logits = model(input_ids=ids).logits
+            torch.testing.assert_close(logits, plain, rtol=1e-4, atol=1e-4)
+            assert not any("forward" in vars(m) for m in linears)
+
+
 def test_a_shared_prompt_cache_samples_what_repeated_prompts_sample(tiny_model_dir, monkeypatch):
     """With polo's attention a group reads one copy of its prompt until rows first leave the batch, then plain rows:
     the same tokens as a cache holding the prompt once per row, finished rows and all."""

@@ -159,6 +159,40 @@ def test_matmul_rates_are_cached_per_machine_key(tmp_path, monkeypatch):
     assert rates_module.cached_rates(fake_measure).cached is False  # a broken cache costs a measurement, not a failure
 
 
+def test_a_kernel_environment_variable_or_another_cpu_is_another_cache_key(tmp_path, monkeypatch):
+    """ONEDNN_MAX_CPU_ISA changes which kernels run (bf16 fell below fp32 with it), so it is measured anew; and two
+    CPUs with one bare model name ("AMD EPYC") but other families or flags do not share a measurement."""
+    monkeypatch.setenv("POLO_CACHE", str(tmp_path))
+    for name in rates_module.KERNEL_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+
+    def fake_measure():
+        calls.append(1)
+        return MatmulRates(fp32=200.0, bf16=900.0 if len(calls) == 1 else 150.0)
+
+    plain_key = rates_module.cache_key()
+    assert "ONEDNN" not in plain_key
+    assert rates_module.cached_rates(fake_measure).bf16_faster
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    assert rates_module.cache_key() == f"{plain_key} | ONEDNN_MAX_CPU_ISA=AVX512_CORE"
+    capped = rates_module.cached_rates(fake_measure)
+    assert (capped.cached, capped.bf16_faster, len(calls)) == (False, False, 2)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert rates_module.cached_rates(fake_measure).bf16 == 900.0 and len(calls) == 2  # the first entry still holds
+
+    def cpuinfo(family: str, flags: str) -> str:
+        return f"processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: {family}\nmodel\t\t: 1\nflags\t\t: {flags}\n\n"
+
+    keys = []
+    for family, flags in (("25", "fpu avx512f"), ("26", "fpu avx512f avx512_bf16"), ("26", "avx512_bf16 avx512f fpu")):
+        text = cpuinfo(family, flags)
+        monkeypatch.setattr(rates_module.Path, "read_text", lambda self, text=text: text)
+        keys.append(rates_module.cpu_identity())
+    assert keys[0] != keys[1] and keys[1] == keys[2]  # the flags' order does not matter
+    assert keys[1].startswith("AMD EPYC | family 26 model 1 | flags ")
+
+
 def test_bf16_master_run_saves_fp32_weights_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
     """Checkpoints hold the fp32 masters (loadable anywhere), and Ctrl-C + resume equals a straight run."""
     sections = {

@@ -6,7 +6,7 @@ its inputs), and never names a device itself:
     use_fast_attention(model, compute)     CPU: polo's attention (fp32 backward under bf16, block-wise
                                            shared prompts, GQA without copies); CUDA: transformers'
                                            SDPA, which torch dispatches to flash / memory-efficient kernels
-    prepacked_linears(model, rows, compute)  CPU: oneDNN-prepacked bf16 linears; elsewhere nothing
+    prepacked_linears(model, rows, compute)  CPU: oneDNN-prepacked bf16 linears (fp32 where measured faster)
     contiguous_head_input(model)           any device: the LM head's input made contiguous
     use_lean_layers(model)                 any device: RMSNorms and SwiGLU MLPs that keep a fraction of their
                                            activations for backward (polo.kernels.lean), same outputs
@@ -52,6 +52,7 @@ from polo.kernels.logprobs import (
     token_logprobs,
 )
 from polo.runtime.device import Compute
+from polo.runtime.rates import cached_rates
 
 __all__ = [
     "LogprobSettings",
@@ -101,11 +102,13 @@ def attends_blockwise(model: torch.nn.Module) -> bool:
 def prepacked_linears(model: torch.nn.Module, batch_hint: int, compute: Compute) -> contextlib.AbstractContextManager:
     """Return the context in which `model`'s linear layers multiply fastest for about `batch_hint` rows.
 
-    On the CPU: bf16 weights packed once for oneDNN (`polo.kernels.cpu.linear.prepacked_linears`).
-    Elsewhere nothing: cuBLAS needs no repacking.
+    On the CPU: bf16 weights packed once for oneDNN (`polo.kernels.cpu.linear.prepacked_linears`), and fp32
+    ones where no autocast recasts them and this CPU's rates (`polo.runtime.rates`) measured oneDNN's packed
+    fp32 matmul faster than torch's own. Elsewhere nothing: cuBLAS needs no repacking.
     """
     if compute.device_type == "cpu":
-        return _cpu_linear.prepacked_linears(model, batch_hint)
+        fp32 = compute.autocast_dtype is None and cached_rates().packed_fp32_faster
+        return _cpu_linear.prepacked_linears(model, batch_hint, fp32=fp32)
     return contextlib.nullcontext()
 
 

@@ -25,7 +25,7 @@ from polo import core
 from polo.config import Config, ConfigError
 from polo.config.schema import DEVICE_HELP
 from polo.runtime import parallel
-from polo.runtime.rates import cached_rates
+from polo.runtime.rates import cached_rates, native_bf16
 
 PRECISIONS = ("fp32", "bf16", "bf16_master", "bf16_weights")
 
@@ -172,13 +172,8 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
 
 
 def cpu_supports_bf16() -> bool:
-    """Return True when this CPU has native bf16 matmuls (AVX-512 BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = cpuinfo.read()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    """Return True when this CPU has native bf16 matmuls (AVX-512 BF16 or AMX; `polo.runtime.rates.native_bf16`)."""
+    return native_bf16()
 
 
 def bf16_choice(device: torch.device) -> tuple[bool, str]:

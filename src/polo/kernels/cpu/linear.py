@@ -1,4 +1,4 @@
-"""CPU linear-layer kernels for sampling: oneDNN-prepacked bf16 weights and a contiguous LM-head input."""
+"""CPU linear-layer kernels for sampling: oneDNN-prepacked bf16 (or fp32) weights and a contiguous LM-head input."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import functools
 import torch
 
 from polo.runtime.device import cpu_supports_bf16
+from polo.runtime.rates import pack_linear_weight, packed_linear
 
 
 @contextlib.contextmanager
@@ -33,10 +34,6 @@ def contiguous_head_input(model):
             handle.remove()
 
 
-def _packed_linear(x: torch.Tensor, *, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-
-
 def _can_prepack() -> bool:
     mkldnn_ops = getattr(torch.ops, "mkldnn", None)
     return (
@@ -48,31 +45,41 @@ def _can_prepack() -> bool:
 
 
 @contextlib.contextmanager
-def prepacked_linears(model, batch_hint: int):
-    """Within the block, `model`'s bf16 CPU linear layers multiply with weights packed once for oneDNN.
+def prepacked_linears(model, batch_hint: int, fp32: bool = False):
+    """Within the block, `model`'s bf16 CPU linear layers (and fp32 ones with `fp32`) multiply with weights packed once
+    for oneDNN.
 
     A plain bf16 `F.linear` lets oneDNN repack the weight into its blocked AMX layout on every
     call; a decode step has only ~32 rows, so that repacking is most of its cost. Packing each
     weight once per rollout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's
     CPU freezing pass uses) and calling the packed matmul gave the same outputs bit for bit and,
     for SmolLM2-135M with 32 rows, 1.5x faster layer matmuls and a 2.3x faster LM head. The
-    packed copies (one model's worth of bf16) live only for the block. No-op on CPUs without
-    native bf16, for other dtypes, and where the ops are missing.
+    packed copies (one model's worth) live only for the block. No-op on CPUs without native
+    bf16 (for bf16 weights), for other dtypes, and where the ops are missing.
+
+    fp32 layers too with `fp32`, which the caller sets where `polo.runtime.rates` measured packed
+    fp32 faster than torch's own fp32 matmul. torch's CPU wheels multiply fp32 with MKL's sgemm,
+    which on a 2-core AMD EPYC ran at ~215 GFLOP/s where oneDNN's packed kernel ran at ~490 (1,024
+    rows; torch 2.13). At decode sizes: 64 rows x 576 -> 1,536 took 243 µs against 587, the LM head
+    (576 -> 49,152) 9.1 ms against 30.3. The sums are taken in another order, so fp32 outputs differ
+    from `F.linear`'s in the last bits (~1e-4 absolute on outputs of size ~10).
     """
     patched = []
-    if _can_prepack():
-        try:
-            for module in model.modules():
-                weight = getattr(module, "weight", None)
-                if type(module) is torch.nn.Linear and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
-                    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-                    bias = module.bias.detach() if module.bias is not None else None
-                    module.forward = functools.partial(_packed_linear, packed=packed, bias=bias)
-                    patched.append(module)
-        except RuntimeError:  # an op this build cannot run: sample with the plain layers
-            for module in patched:
-                del module.forward
-            patched = []
+    dtypes = ({torch.bfloat16} if _can_prepack() else set()) | ({torch.float32} if fp32 else set())
+    try:
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if type(module) is torch.nn.Linear and weight.dtype in dtypes and weight.device.type == "cpu":
+                packed = pack_linear_weight(weight.detach(), batch_hint)
+                if packed is None:
+                    raise RuntimeError("oneDNN cannot pack this weight")
+                bias = module.bias.detach() if module.bias is not None else None
+                module.forward = functools.partial(packed_linear, packed=packed, bias=bias)
+                patched.append(module)
+    except RuntimeError:  # an op this build cannot run: sample with the plain layers
+        for module in patched:
+            del module.forward
+        patched = []
     try:
         yield
     finally:
