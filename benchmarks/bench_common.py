@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import statistics
@@ -21,16 +22,29 @@ TIMED_RUN_OVERRIDES = [
 ]
 
 
-def matmul_rate(dtype: torch.dtype, size: int = 2048, reps: int = 20, warmup: int = 5) -> float:
-    """Return the best measured rate (FLOP/s) of one `size`x`size` @ `size`x`size` matmul in `dtype` on the CPU."""
+def matmul_rate(dtype: torch.dtype, size: int = 2048, reps: int = 20, warmup: int = 5, packed: bool = False) -> float:
+    """Return the best measured rate (FLOP/s) of one `size`x`size` @ `size`x`size` matmul in `dtype` on the CPU.
+
+    `packed`: through oneDNN with the right-hand matrix packed once (polo.runtime.rates.packed_linear, what
+    polo's sampler uses where it measured faster), 0 where this torch cannot; else `torch.matmul`, which
+    multiplies fp32 with MKL's sgemm in torch's CPU wheels.
+    """
+    from polo.runtime.rates import pack_linear_weight, packed_linear
+
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
+    multiply = functools.partial(torch.matmul, a, b)
+    if packed:
+        weight = pack_linear_weight(b.t().contiguous(), size)
+        if weight is None:
+            return 0.0
+        multiply = functools.partial(packed_linear, a, packed=weight)
     for _ in range(warmup):
-        torch.matmul(a, b)
+        multiply()
     best = float("inf")
     for _ in range(reps):
         started = time.perf_counter()
-        torch.matmul(a, b)
+        multiply()
         best = min(best, time.perf_counter() - started)
     return 2.0 * size**3 / best
 
@@ -129,8 +143,12 @@ def measure_quietly(measure, max_wait: float, attempts: int = 5, threshold: floa
         wait_for_quiet(max_wait, threshold, log=log)
 
 
-def matmul_rates(max_wait: float) -> tuple[float, float]:
-    """Return the measured (bf16, fp32) 2048^3 matmul rates in FLOP/s, taken while the machine is quiet."""
+def matmul_rates(max_wait: float) -> tuple[float, float, float]:
+    """Return the measured (bf16, fp32, oneDNN-packed fp32) 2048^3 matmul rates in FLOP/s, taken while the machine is
+    quiet. On a 2-core AMD EPYC torch's fp32 matmul (MKL) ran at ~215 GFLOP/s and oneDNN's packed one at ~450."""
     wait_for_quiet(max_wait)
-    (bf16, fp32), _ = measure_quietly(lambda: (matmul_rate(torch.bfloat16), matmul_rate(torch.float32)), max_wait)
-    return bf16, fp32
+    (bf16, fp32, packed), _ = measure_quietly(
+        lambda: (matmul_rate(torch.bfloat16), matmul_rate(torch.float32), matmul_rate(torch.float32, packed=True)),
+        max_wait,
+    )
+    return bf16, fp32, packed

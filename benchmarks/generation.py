@@ -154,9 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     from polo.models.loading import load_policy
     from polo.rl.batching import batch_rows
 
-    rate_bf16, rate_fp32 = matmul_rates(args.max_wait)
+    rate_bf16, rate_fp32, rate_packed = matmul_rates(args.max_wait)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"matmul 2048^3 best rate: bf16 {rate_bf16 / 1e9:,.1f} GFLOP/s, fp32 {rate_fp32 / 1e9:,.1f} GFLOP/s")
+    print(
+        f"matmul 2048^3 best rate: bf16 {rate_bf16 / 1e9:,.1f} GFLOP/s, fp32 {rate_fp32 / 1e9:,.1f} GFLOP/s, "
+        f"fp32 through oneDNN packed {rate_packed / 1e9:,.1f} GFLOP/s"
+    )
 
     config = load_config({"task": {"name": "arithmetic", "answer_in_tags": True, "num_eval": 0}})
     task = make_task(config)
