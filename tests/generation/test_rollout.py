@@ -172,11 +172,13 @@ def test_fp32_linears_are_packed_only_where_measured_faster_and_without_autocast
         ):
             rates = MatmulRates(fp32=200.0, bf16=150.0, cached=True, fp32_packed=packed_rate)
             monkeypatch.setattr(kernels, "cached_rates", lambda rates=rates: rates)
+            kernels.packed_fp32_pays.cache_clear()  # asked once per process: ask again with these rates
             with kernels.prepacked_linears(model, 3, compute):
                 assert len([m for m in linears if "forward" in vars(m)]) == expected
                 logits = model(input_ids=ids).logits
             torch.testing.assert_close(logits, plain, rtol=1e-4, atol=1e-4)
             assert not any("forward" in vars(m) for m in linears)
+    kernels.packed_fp32_pays.cache_clear()
 
 
 def test_a_shared_prompt_cache_samples_what_repeated_prompts_sample(tiny_model_dir, monkeypatch):

@@ -28,6 +28,7 @@ Every choice changes speed only; the maths is the same on every path (tests/kern
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -52,7 +53,7 @@ from polo.kernels.logprobs import (
     token_logprobs,
 )
 from polo.runtime.device import Compute
-from polo.runtime.rates import cached_rates
+from polo.runtime.rates import cache_key, cached_rates
 
 __all__ = [
     "LogprobSettings",
@@ -107,9 +108,17 @@ def prepacked_linears(model: torch.nn.Module, batch_hint: int, compute: Compute)
     fp32 matmul faster than torch's own. Elsewhere nothing: cuBLAS needs no repacking.
     """
     if compute.device_type == "cpu":
-        fp32 = compute.autocast_dtype is None and cached_rates().packed_fp32_faster
+        fp32 = compute.precision == "fp32" and packed_fp32_pays(cache_key())
         return _cpu_linear.prepacked_linears(model, batch_hint, fp32=fp32)
     return contextlib.nullcontext()
+
+
+@functools.cache
+def packed_fp32_pays(key: str) -> bool:
+    """Return whether this machine (`key`: `polo.runtime.rates.cache_key`) measured oneDNN's packed fp32 matmul faster
+    than torch's own, asked once per process: the sampler asks every rollout, and a cache that cannot be written
+    would otherwise cost a measurement each time."""
+    return cached_rates().packed_fp32_faster
 
 
 def shares_prompts(model: torch.nn.Module, cache) -> bool:
