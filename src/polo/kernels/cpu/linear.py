@@ -8,6 +8,7 @@ import functools
 import torch
 
 from polo.runtime.device import cpu_supports_bf16
+from polo.runtime.optimizer import is_dtensor
 from polo.runtime.rates import pack_linear_weight, packed_linear
 
 
@@ -45,9 +46,10 @@ def _can_prepack() -> bool:
 
 
 @contextlib.contextmanager
-def prepacked_linears(model, batch_hint: int, fp32: bool = False):
-    """Within the block, `model`'s bf16 CPU linear layers (and fp32 ones with `fp32`) multiply with weights packed once
-    for oneDNN.
+def prepacked_linears(model, batch_hint: int, fp32: bool = False, bf16: bool = True):
+    """Within the block, `model`'s bf16 CPU linear layers (with `bf16`) and fp32 ones (with `fp32`) multiply with
+    weights packed once for oneDNN. A shard of an FSDP model (a DTensor) is left alone: its forward gathers the whole
+    weight.
 
     A plain bf16 `F.linear` lets oneDNN repack the weight into its blocked AMX layout on every
     call; a decode step has only ~32 rows, so that repacking is most of its cost. Packing each
@@ -65,11 +67,16 @@ def prepacked_linears(model, batch_hint: int, fp32: bool = False):
     from `F.linear`'s in the last bits (~1e-4 absolute on outputs of size ~10).
     """
     patched = []
-    dtypes = ({torch.bfloat16} if _can_prepack() else set()) | ({torch.float32} if fp32 else set())
+    dtypes = ({torch.bfloat16} if bf16 and _can_prepack() else set()) | ({torch.float32} if fp32 else set())
     try:
         for module in model.modules():
             weight = getattr(module, "weight", None)
-            if type(module) is torch.nn.Linear and weight.dtype in dtypes and weight.device.type == "cpu":
+            if (
+                type(module) is torch.nn.Linear
+                and weight.dtype in dtypes
+                and weight.device.type == "cpu"
+                and not is_dtensor(weight)
+            ):
                 packed = pack_linear_weight(weight.detach(), batch_hint)
                 if packed is None:
                     raise RuntimeError("oneDNN cannot pack this weight")
