@@ -125,9 +125,11 @@ def main() -> None:
     parser.add_argument("-o", "--sft-override", action="append", default=[], help="train.KEY=VALUE for the SFT stage")
     parser.add_argument("--only", choices=("sft", "grpo"), default=None)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     kinds = [kind for kind in ("sft", "grpo") if args.only in (None, kind)]
     ratios = []
-    for index in range(max(args.rounds, 1)):
+    for index in range(args.rounds):
         medians = {}
         for kind in kinds if index % 2 == 0 else kinds[::-1]:
             with tempfile.TemporaryDirectory(prefix="polo-sft-bench-") as work:

@@ -126,15 +126,22 @@ def pack_linear_weight(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
     What torch.compile's CPU freezing pass calls; `packed_linear` multiplies with it. Shared by the rate
     probe and the sampler's prepacked layers (polo.kernels.cpu.linear).
     """
-    mkldnn_ops = getattr(torch.ops, "mkldnn", None)
-    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn_ops, "_reorder_linear_weight")):
-        return None
-    if not hasattr(mkldnn_ops, "_linear_pointwise"):
+    if not packing_available():
         return None
     try:
-        return mkldnn_ops._reorder_linear_weight(weight, rows)
+        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
     except RuntimeError:  # a dtype or layout this build does not pack
         return None
+
+
+def packing_available() -> bool:
+    """Return True when this torch build has oneDNN and its weight-packing and packed-matmul ops."""
+    mkldnn_ops = getattr(torch.ops, "mkldnn", None)
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn_ops, "_reorder_linear_weight")
+        and hasattr(mkldnn_ops, "_linear_pointwise")
+    )
 
 
 def packed_linear(x: torch.Tensor, *, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from polo.runtime.device import cpu_supports_bf16
 from polo.runtime.optimizer import is_dtensor
-from polo.runtime.rates import pack_linear_weight, packed_linear
+from polo.runtime.rates import pack_linear_weight, packed_linear, packing_available
 
 
 @contextlib.contextmanager
@@ -36,13 +36,8 @@ def contiguous_head_input(model):
 
 
 def _can_prepack() -> bool:
-    mkldnn_ops = getattr(torch.ops, "mkldnn", None)
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(mkldnn_ops, "_reorder_linear_weight")
-        and hasattr(mkldnn_ops, "_linear_pointwise")
-        and cpu_supports_bf16()
-    )
+    """Return True where bf16 weights are packed: a CPU with native bf16 and a torch that can pack."""
+    return packing_available() and cpu_supports_bf16()
 
 
 @contextlib.contextmanager
