@@ -3,6 +3,7 @@ prompts."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from polo.kernels.cpu.attention import POLO_ATTENTION, use_polo_attention
@@ -136,23 +137,31 @@ def test_decoding_with_polo_attention_matches_transformers(tiny_model_dir):
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
-def test_a_bf16_decode_step_takes_eager_attention_and_matches_transformers(tiny_model_dir, monkeypatch):
-    """In bf16 on the CPU a cached one-token step goes to `eager_attention`; its logits are SDPA's up to bf16 rounding,
-    left-padded row included."""
+@pytest.mark.parametrize("dtype, padding", [(torch.bfloat16, 2), (torch.bfloat16, 0), (torch.float32, 2), (torch.float32, 0)])
+def test_a_decode_step_takes_eager_attention_and_matches_transformers(tiny_model_dir, monkeypatch, dtype, padding):
+    """On the CPU a cached one-token step goes to `eager_attention` in bf16 and fp32, with a left-padded row (a mask)
+    or none (transformers passes no mask); its logits are SDPA's, up to bf16 rounding in bf16."""
     from transformers import DynamicCache
 
     from polo.kernels.cpu import attention
 
     taken, eager = [], attention.eager_attention
-    monkeypatch.setattr(attention, "eager_attention", lambda *args: taken.append(args[0].shape) or eager(*args))
+    masks = []
+
+    def spy(*args):
+        taken.append(args[0].shape)
+        masks.append(args[3] is None)
+        return eager(*args)
+
+    monkeypatch.setattr(attention, "eager_attention", spy)
     reference, _ = load_policy(str(tiny_model_dir))
     model, _ = load_policy(str(tiny_model_dir))
     for m in (reference, model):
-        m.to(torch.bfloat16)
+        m.to(dtype)
     assert use_polo_attention(model)
     ids = torch.randint(0, model.config.vocab_size, (3, 6))
     mask = torch.ones_like(ids)
-    mask[0, :2] = 0
+    mask[0, :padding] = 0
     logits = []
     with torch.no_grad():
         for m in (reference, model):
@@ -161,4 +170,6 @@ def test_a_bf16_decode_step_takes_eager_attention_and_matches_transformers(tiny_
             taken.clear()
             logits.append(m(input_ids=ids[:, -1:], attention_mask=mask, use_cache=True, **with_cache).logits.float())
     assert len(taken) == model.config.num_hidden_layers and all(shape[2] == 1 for shape in taken)
-    torch.testing.assert_close(logits[1], logits[0], rtol=0.02, atol=0.02)
+    assert all(masks) == (padding == 0)  # without padding the step has no mask, and eager takes it all the same
+    tolerance = 0.02 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(logits[1], logits[0], rtol=tolerance, atol=tolerance)
