@@ -152,3 +152,15 @@ def matmul_rates(max_wait: float) -> tuple[float, float, float]:
         max_wait,
     )
     return bf16, fp32, packed
+
+
+def parameter_count(model: str) -> int:
+    """Return N, the number of distinct parameters of `model` (a built-in name or a path; tied embeddings counted
+    once), read from its config alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from polo.models.loading import resolve_model_path
+
+    config = AutoConfig.from_pretrained(str(resolve_model_path(model)))
+    with torch.device("meta"):  # shapes only: nothing is allocated or read
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import matmul_rates, measure_quietly, median, wait_for_quiet
+from bench_common import matmul_rates, measure_quietly, median, parameter_count, wait_for_quiet
 
 MODEL = "smollm2-135m-instruct"
 
@@ -230,15 +230,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.grpo_steps > 0:
         import tempfile
 
-        from grpo_vs_trl import parameter_count
-
         del model
         wait_for_quiet(args.max_wait)
         with tempfile.TemporaryDirectory(prefix="polo-grpo-flops-") as tmp:
             step = grpo_step_flops(args.grpo_steps, Path(tmp))
         step_time = median(step["step_times"])
         executed = step["executed_flops"] / step_time
-        nominal_flops = 10 * parameter_count() * step["tokens"]
+        nominal_flops = 10 * parameter_count(MODEL) * step["tokens"]
         matmul_fraction = executed / rate_bf16
         print()
         print(

@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ForeignLoad, matmul_rates, median, mib, peak_rss_bytes, wait_for_quiet
+from bench_common import ForeignLoad, matmul_rates, median, mib, parameter_count, peak_rss_bytes, wait_for_quiet
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS_PER_STEP = 4
@@ -457,19 +457,6 @@ def child_main(args) -> None:
 # parent
 
 
-def parameter_count() -> int:
-    """Return N, the number of distinct parameters of the model (tied embeddings counted once)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from polo.models.loading import ensure_builtin_model
-
-    config = AutoConfig.from_pretrained(str(ensure_builtin_model(MODEL)))
-    with torch.device("meta"):  # shapes only: nothing is allocated or read
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
 def run_child(
     name: str, steps: int, out_dir: Path, trl_micro_batch: int | None = None, device: str = "cpu", job: str = "bench"
 ) -> dict:
@@ -839,7 +826,7 @@ def print_polo_against_trl(
     # and the fastest of the measured kernels: bf16, fp32 and oneDNN's packed fp32 (a floor_fraction above 1
     # would be a bug in the floor).
     tokens = median([t for result in results["polo"] for t in result["floor_tokens"][1:]])
-    n_params = parameter_count()
+    n_params = parameter_count(MODEL)
     flops = (6 + 2 + 2) * n_params * tokens
     best_rate, best_dtype = max((rate_bf16, "bf16"), (rate_fp32, "fp32"), (rate_packed, "fp32 oneDNN-packed"))
     floor = flops / best_rate

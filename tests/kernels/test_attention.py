@@ -137,7 +137,9 @@ def test_decoding_with_polo_attention_matches_transformers(tiny_model_dir):
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype, padding", [(torch.bfloat16, 2), (torch.bfloat16, 0), (torch.float32, 2), (torch.float32, 0)])
+@pytest.mark.parametrize(
+    "dtype, padding", [(torch.bfloat16, 2), (torch.bfloat16, 0), (torch.float32, 2), (torch.float32, 0)]
+)
 def test_a_decode_step_takes_eager_attention_and_matches_transformers(tiny_model_dir, monkeypatch, dtype, padding):
     """On the CPU a cached one-token step goes to `eager_attention` in bf16 and fp32, with a left-padded row (a mask)
     or none (transformers passes no mask); its logits are SDPA's, up to bf16 rounding in bf16."""

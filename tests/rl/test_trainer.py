@@ -91,6 +91,9 @@ def test_train_writes_metrics_checkpoints_and_plots(tiny_model_dir, tmp_path):
     for row in rows:  # the step's real tokens, once per update epoch (2), over the update's time alone
         tokens = row["tokens_per_second"] * row["time/step"]
         assert tokens > 0 and row["update_tokens_per_second"] * row["time/update"] == pytest.approx(2 * tokens)
+        # the 8 completions + each of the 2 groups' prompt once, where every row's prompt counts in `tokens`
+        completions = 8 * row["completion_length/mean"]
+        assert row["floor_tokens"] == pytest.approx(completions + (tokens - completions) / 4)
     assert all(row["kl"] >= 0 for row in rows)
     assert rows[-1]["kl"] > 0  # the policy has moved away from the reference
     assert (

@@ -418,6 +418,10 @@ def rl_step(run: Run, step: int) -> StepResult:
     # Real prompt + completion tokens of every row (no padding), once per pass over the batch: what
     # an SFT step's tokens_per_second counts (polo.finetune.fit), so the two rates compare.
     real_tokens = float(rollouts.completion_mask.sum() + rollouts.prompt_mask.sum())
+    # The least a step must run through the model: each group's prompt once, and the completions
+    # (the compute floor of benchmarks/grpo_vs_trl.py and benchmarks/demo_floor.py).
+    group = rollouts.group_size if len(rollouts) % max(rollouts.group_size, 1) == 0 else 1
+    floor_tokens = float(rollouts.completion_mask.sum() + rollouts.prompt_mask[::group].sum())
     metrics = {
         **sampled.metrics,
         "advantage/abs_mean": core.masked_mean(advantages.abs(), rollouts.model_token_mask).item(),
@@ -427,6 +431,7 @@ def rl_step(run: Run, step: int) -> StepResult:
         "time/step": total_time,
         "tokens_per_second": real_tokens / max(total_time, 1e-9),
         "update_tokens_per_second": real_tokens * alg.update_epochs / max(timings["update"], 1e-9),
+        "floor_tokens": floor_tokens,
         **memory_metrics(run.compute),  # the device's peak since the last step (CUDA only)
     }
     if update_batch.returns is not None:

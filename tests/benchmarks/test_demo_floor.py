@@ -1,0 +1,47 @@
+"""benchmarks/demo_floor.py: the floor's FLOPs per token and a run's metrics, read without timing anything."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def demo_floor():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location("demo_floor", BENCHMARKS / "demo_floor.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_the_floor_counts_sampling_each_update_epoch_and_a_reference_only_with_beta(demo_floor):
+    assert demo_floor.floor_multiplier({"algorithm": {"beta": 0.0}}) == 8  # the demo: sample + one update
+    assert demo_floor.floor_multiplier({"algorithm": {"beta": 0.04}}) == 10  # grpo_vs_trl's 10*N*T
+    assert demo_floor.floor_multiplier({"algorithm": {"beta": 0.04, "update_epochs": 2}}) == 16
+    assert demo_floor.floor_multiplier({}) == 8
+
+
+def test_step_rows_keeps_the_training_steps_and_names_a_malformed_line(demo_floor, tmp_path):
+    rows = [{"step": 0, "accuracy": 0.1}, {"step": 1, "time/step": 4.0, "floor_tokens": 1500.0}]
+    rows.append({"step": 2, "time/step": 3.0, "floor_tokens": 1400.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [row["step"] for row in demo_floor.step_rows(tmp_path)] == [1, 2]
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[1]) + "\n{not json\n")
+    with pytest.raises(SystemExit, match="line 2 is not JSON"):
+        demo_floor.step_rows(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[1]) + "\n")
+    with pytest.raises(SystemExit, match="holds 1 step"):
+        demo_floor.step_rows(tmp_path)
+    with pytest.raises(SystemExit, match="does not exist"):
+        demo_floor.step_rows(tmp_path / "missing")
