@@ -175,3 +175,18 @@ def test_a_decode_step_takes_eager_attention_and_matches_transformers(tiny_model
     assert all(masks) == (padding == 0)  # without padding the step has no mask, and eager takes it all the same
     tolerance = 0.02 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(logits[1], logits[0], rtol=tolerance, atol=tolerance)
+
+
+def test_query_key_scores_on_a_strided_cache_view_are_the_plain_product():
+    """A decode step's scores (keys as the left operand, in bf16) are queries·keysᵀ, on a cache's strided view."""
+    from polo.kernels.cpu.attention import query_key_scores
+
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        queries = torch.randn(4, 3, 3, 8, dtype=dtype)  # 3 query heads per key/value head, one token each
+        keys = torch.randn(4, 3, 16, 8, dtype=dtype)[:, :, :11]  # the filled part of a 16-slot buffer
+        scores = query_key_scores(queries, keys)
+        assert scores.shape == (4, 3, 3, 11) and scores.is_contiguous()
+        expected = torch.matmul(queries.float(), keys.float().transpose(-1, -2))
+        tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5  # one bf16 rounding of an fp32 sum
+        torch.testing.assert_close(scores.float(), expected, rtol=tolerance, atol=tolerance)
