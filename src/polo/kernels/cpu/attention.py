@@ -163,11 +163,12 @@ def eager_attention(query, key, value, mask, scaling: float | None) -> torch.Ten
 def query_key_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Return queries·keysᵀ, (..., q, k), for queries (..., q, d) and keys (..., k, d) with the same leading dims.
 
-    For a few bf16 query rows (a decode step) it is computed as (keys·queriesᵀ)ᵀ, the same numbers: the
-    keys there are a cache's filled part, a strided view, and oneDNN copies a strided right operand
-    whole (transposed) before multiplying, but not a strided left one. For 64 rows x 3 kv heads over
-    100 of 160 cached positions (SmolLM2-135M), 114 against 274 us a layer; 25 rows over 140, 74
-    against 158 (torch 2.13, 2-core EPYC). fp32 goes to MKL, which reads strides as they are.
+    For a few bf16 query rows (a decode step) it is computed as (keys·queriesᵀ)ᵀ, the same numbers. The
+    keys there are a cache's filled part, a strided view, which torch's oneDNN matmul copies into a
+    contiguous tensor first; as the left operand they are copied as they lie, as the right operand
+    (keysᵀ) transposed, which is slower. For 64 rows x 3 kv heads over 100 of 160 cached positions
+    (SmolLM2-135M), 114 against 274 us a layer; 25 rows over 140, 74 against 158 (torch 2.13, 2-core
+    EPYC). fp32 goes to MKL, which reads the strides as they are.
     """
     if queries.dtype == torch.bfloat16 and queries.device.type == "cpu" and queries.shape[-2] <= 16:
         return torch.matmul(keys, queries.transpose(-1, -2)).transpose(-1, -2).contiguous()  # small: q rows x k
