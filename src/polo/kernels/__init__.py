@@ -123,9 +123,14 @@ def prepacked_scoring_linears(
     fp32 runs on a CPU where oneDNN's packed fp32 matmul was measured faster than torch's own
     (`packed_fp32_pays`): at 2,048 rows it ran at 449-483 against 204-209 GFLOP/s on an AMD EPYC. bf16
     layers are left as they are: packed, they were no faster at those rows (739-964 against 767-905).
+    The output layer is left alone where scoring reads its weight in tiles (`supports_fused_logprobs`):
+    its packed copy (113 MB for SmolLM2-135M) would never be used. Each layer packs its weight when
+    called and drops it after (`on_call`), so the packed copies do not add up to a model's worth.
     """
     if compute.device_type == "cpu" and compute.precision == "fp32" and packed_fp32_pays(cache_key()):
-        return _cpu_linear.prepacked_linears(model, batch_hint, fp32=True, bf16=False)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        skip = (head,) if head is not None and supports_fused_logprobs(model) else ()
+        return _cpu_linear.prepacked_linears(model, batch_hint, fp32=True, bf16=False, skip=skip, on_call=True)
     return contextlib.nullcontext()
 
 

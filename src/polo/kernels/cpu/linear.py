@@ -40,8 +40,15 @@ def _can_prepack() -> bool:
     return packing_available() and cpu_supports_bf16()
 
 
+def _pack_and_multiply(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """Return x · weightᵀ (+ bias) through a packed copy of `weight` made for this call alone."""
+    return packed_linear(x, packed=pack_linear_weight(weight.detach(), rows), bias=bias)
+
+
 @contextlib.contextmanager
-def prepacked_linears(model, batch_hint: int, fp32: bool = False, bf16: bool = True):
+def prepacked_linears(
+    model, batch_hint: int, fp32: bool = False, bf16: bool = True, skip: tuple = (), on_call: bool = False
+):
     """Within the block, `model`'s bf16 CPU linear layers (with `bf16`) and fp32 ones (with `fp32`) multiply with
     weights packed once for oneDNN. A shard of an FSDP model (a DTensor) is left alone: its forward gathers the whole
     weight.
@@ -59,7 +66,13 @@ def prepacked_linears(model, batch_hint: int, fp32: bool = False, bf16: bool = T
     which on a 2-core AMD EPYC ran at ~215 GFLOP/s where oneDNN's packed kernel ran at ~490 (1,024
     rows; torch 2.13). At decode sizes: 64 rows x 576 -> 1,536 took 243 µs against 587, the LM head
     (576 -> 49,152) 9.1 ms against 30.3. The sums are taken in another order, so fp32 outputs differ
-    from `F.linear`'s in the last bits (~1e-4 absolute on outputs of size ~10).
+    from `F.linear`'s in the last bits (~1e-4 absolute on outputs of size ~10). The modules in `skip`
+    are left as they are.
+
+    With `on_call`, a layer packs its weight when called and drops it after: for a forward that
+    calls each layer once (scoring one micro-batch) the same packing work, with one layer's packed
+    copy alive at a time instead of the model's. Packed all at once, the fp32 copies (~430 MB for
+    SmolLM2-135M) raised the capped bench job's peak RSS by ~200 MB.
     """
     patched = []
     dtypes = ({torch.bfloat16} if bf16 and _can_prepack() else set()) | ({torch.float32} if fp32 else set())
@@ -68,15 +81,22 @@ def prepacked_linears(model, batch_hint: int, fp32: bool = False, bf16: bool = T
             weight = getattr(module, "weight", None)
             if (
                 type(module) is torch.nn.Linear
+                and not any(module is other for other in skip)
                 and weight.dtype in dtypes
                 and weight.device.type == "cpu"
                 and not is_dtensor(weight)
             ):
-                packed = pack_linear_weight(weight.detach(), batch_hint)
-                if packed is None:
-                    raise RuntimeError("oneDNN cannot pack this weight")
                 bias = module.bias.detach() if module.bias is not None else None
-                module.forward = functools.partial(packed_linear, packed=packed, bias=bias)
+                if on_call:
+                    if pack_linear_weight(weight.detach()[:1], batch_hint) is None:  # can this build pack it at all
+                        raise RuntimeError("oneDNN cannot pack this weight")
+                    forward = functools.partial(_pack_and_multiply, weight=weight, bias=bias, rows=batch_hint)
+                else:
+                    packed = pack_linear_weight(weight.detach(), batch_hint)
+                    if packed is None:
+                        raise RuntimeError("oneDNN cannot pack this weight")
+                    forward = functools.partial(packed_linear, packed=packed, bias=bias)
+                module.forward = forward
                 patched.append(module)
     except RuntimeError:  # an op this build cannot run: sample with the plain layers
         for module in patched:
