@@ -61,16 +61,24 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("run_dir", nargs="?", default="runs/grpo_arith", type=Path)
     parser.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for the machine to go quiet")
     args = parser.parse_args(argv)
+    if args.max_wait < 0:
+        raise SystemExit(f"demo_floor: --max-wait must be 0 or more seconds, got {args.max_wait}")
     config_path = args.run_dir / "config.yaml"
     if not config_path.is_file():
         raise SystemExit(
             f"demo_floor: {config_path} does not exist: give the output directory of a finished `polo train`"
         )
-    config = yaml.safe_load(config_path.read_text())
+    try:
+        config = yaml.safe_load(config_path.read_text())
+    except yaml.YAMLError as error:
+        raise SystemExit(f"demo_floor: {config_path} is not YAML ({error})") from None
+    model = (config.get("model") or {}).get("name") if isinstance(config, dict) else None
+    if not model:
+        raise SystemExit(f"demo_floor: {config_path} names no model.name: is it a `polo train` run's config?")
     timed = step_rows(args.run_dir)[1:]
     step_time = median([row["time/step"] for row in timed])
     tokens = median([row["floor_tokens"] for row in timed])
-    n_params = parameter_count(config["model"]["name"])
+    n_params = parameter_count(model)
     multiplier = floor_multiplier(config)
     rate_bf16, rate_fp32, rate_packed = matmul_rates(args.max_wait)
     best_rate, best_dtype = max((rate_bf16, "bf16"), (rate_fp32, "fp32"), (rate_packed, "fp32 oneDNN-packed"))

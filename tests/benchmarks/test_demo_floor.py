@@ -45,3 +45,14 @@ def test_step_rows_keeps_the_training_steps_and_names_a_malformed_line(demo_floo
         demo_floor.step_rows(tmp_path)
     with pytest.raises(SystemExit, match="does not exist"):
         demo_floor.step_rows(tmp_path / "missing")
+
+
+def test_a_run_without_a_model_or_a_negative_wait_is_one_line_before_anything_is_timed(demo_floor, tmp_path):
+    (tmp_path / "config.yaml").write_text("train: {steps: 3}\n")
+    with pytest.raises(SystemExit, match="names no model.name"):
+        demo_floor.main([str(tmp_path)])
+    with pytest.raises(SystemExit, match="--max-wait must be 0 or more"):
+        demo_floor.main([str(tmp_path), "--max-wait", "-1"])
+    (tmp_path / "config.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(SystemExit, match="is not YAML"):
+        demo_floor.main([str(tmp_path)])

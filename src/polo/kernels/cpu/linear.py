@@ -71,8 +71,7 @@ def prepacked_linears(
 
     With `on_call`, a layer packs its weight when called and drops it after: for a forward that
     calls each layer once (scoring one micro-batch) the same packing work, with one layer's packed
-    copy alive at a time instead of the model's. Packed all at once, the fp32 copies (~430 MB for
-    SmolLM2-135M) raised the capped bench job's peak RSS by ~200 MB.
+    copy alive at a time instead of the model's (~430 MB of fp32 copies for SmolLM2-135M).
     """
     patched = []
     dtypes = ({torch.bfloat16} if bf16 and _can_prepack() else set()) | ({torch.float32} if fp32 else set())
