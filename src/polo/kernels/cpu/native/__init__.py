@@ -1,0 +1,89 @@
+"""polo's native CPU kernels: C++ compiled on first use, or None where that cannot happen.
+
+torch's CPU build runs a decode step's small ops one dispatch at a time, each reading and writing
+its tensors afresh; no maintained library ships fused CPU kernels for this torch (the Intel
+extension stops at torch 2.8). The few that polo needs are written here in C++ against ATen's
+vector types and compiled once per machine with `torch.utils.cpp_extension`, into
+`$POLO_CACHE/native/<key>` (`~/.cache/polo` by default), keyed by the sources, torch's version and
+the CPU's vector width. The first build takes about half a minute and prints one line; later
+runs load the library in milliseconds.
+
+`native_ops()` returns `torch.ops.polo_native`, or None (once, with one line saying why) when there
+is no compiler, the CPU has no AVX2, or `POLO_NATIVE=0` turns them off. Every caller keeps its
+torch path for None, and tests compare the two.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["native_ops", "build_directory"]
+
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+
+# The compiler flags of each vector width torch's own CPU kernels are built for (ATen's CPU_CAPABILITY):
+# the same ISA, so ATen's Vectorized types take their AVX-512 / AVX2 forms, not the scalar fallback.
+CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+def capability() -> str:
+    """Return the vector width torch's CPU kernels use on this machine (AVX512, AVX2, DEFAULT, ...)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def build_directory() -> Path:
+    """Return where this machine's build lives: `$POLO_CACHE/native/<sources, torch, capability>`."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.name.encode() + source.read_bytes())
+    digest.update(f"{torch.__version__} {capability()} {sys.version_info[:2]}".encode())
+    root = Path(os.environ.get("POLO_CACHE", Path.home() / ".cache" / "polo")).expanduser()
+    return root / "native" / digest.hexdigest()[:16]
+
+
+@functools.cache
+def native_ops():
+    """Return `torch.ops.polo_native` (built or loaded once per process), or None with one line on stderr saying why."""
+    if os.environ.get("POLO_NATIVE", "1") == "0":
+        return None
+    flags = CAPABILITY_FLAGS.get(capability())
+    if flags is None:
+        return _unavailable(f"torch runs this CPU's kernels at {capability()}, without AVX2")
+    directory = build_directory()
+    try:
+        from torch.utils import cpp_extension
+
+        directory.mkdir(parents=True, exist_ok=True)
+        if not any(directory.glob("*.so")):
+            print(
+                f"polo: compiling native CPU kernels once, into {directory} (about 30 s)", file=sys.stderr, flush=True
+            )
+        cpp_extension.load(
+            name="polo_native",
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=["-O3", "-fopenmp", f"-DCPU_CAPABILITY={capability()}", f"-DCPU_CAPABILITY_{capability()}"]
+            + flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as error:  # no compiler, no ninja, a failed build: polo runs on torch's ops instead
+        lines = str(error).strip().splitlines()
+        errors = [line for line in lines if "error:" in line]  # the compiler's first complaint, else the last line
+        return _unavailable((errors or lines or [type(error).__name__])[0].strip())
+    return torch.ops.polo_native
+
+
+def _unavailable(reason: str) -> None:
+    print(f"polo: native CPU kernels unavailable ({reason}); using torch's ops", file=sys.stderr, flush=True)
+    return None
