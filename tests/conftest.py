@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import string
 from pathlib import Path
 
@@ -101,3 +103,22 @@ def tiny_rl_config(model_dir, output_dir, **sections) -> dict:
     for section, values in sections.items():
         config.setdefault(section, {}).update(values)
     return config
+
+
+@pytest.fixture
+def native_kernels():
+    """polo's native CPU kernels (`torch.ops.polo_native`).
+
+    A test that takes them fails where a C++ compiler exists and they did not build, and is skipped
+    (with the reason shown) only where there is no compiler or `POLO_NATIVE=0` turns them off.
+    """
+    from polo.kernels.cpu.native import native_ops
+
+    if os.environ.get("POLO_NATIVE", "1") == "0":
+        pytest.skip("POLO_NATIVE=0: polo's native CPU kernels are off")
+    ops = native_ops()
+    if ops is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail("a C++ compiler is here, but polo's native CPU kernels did not build (stderr says why)")
+        pytest.skip("no C++ compiler here: polo's native CPU kernels cannot be built")
+    return ops

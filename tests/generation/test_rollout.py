@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from polo.generation.cpu_sampler import generate, rollout
@@ -192,29 +193,45 @@ def test_fp32_linears_are_packed_only_where_measured_faster_and_without_autocast
     kernels.packed_fp32_pays.cache_clear()
 
 
-def test_a_shared_prompt_cache_samples_what_repeated_prompts_sample(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_a_shared_prompt_cache_samples_what_repeated_prompts_sample(tiny_model_dir, monkeypatch, request, native):
     """With polo's attention a group reads one copy of its prompt until rows first leave the batch, then plain rows:
-    the same tokens as a cache holding the prompt once per row, finished rows and all."""
+    the same tokens as a cache holding the prompt once per row, finished rows and all, with polo's native decode
+    kernel and with its torch path."""
     from polo.generation import cpu_sampler
     from polo.kernels.cpu import attention, kv_cache
 
+    if native:
+        request.getfixturevalue("native_kernels")
+    else:
+        monkeypatch.setattr(attention, "native_ops", lambda: None)
     model, tokenizer = load_policy(str(tiny_model_dir))
     assert attention.use_polo_attention(model)
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, ["1+1=", "a longer prompt: 12+30=", "7*8="])
     # one token in 25 ends a row, so rows finish at different steps and leave the batch
     stopping = Stopping(stop_ids=tuple(range(0, model.config.vocab_size, 25)), pad_id=tokenizer.pad_token_id)
     calls = {"shared": 0, "unshared": 0}
-    decode, plain_rows = attention.shared_prompt_decode, kv_cache.SharedPrompt.plain_rows
+    decode, native_decode, plain_rows = (
+        attention.shared_prompt_decode,
+        attention.native_decode,
+        kv_cache.SharedPrompt.plain_rows,
+    )
 
     def counted_decode(*args):
         calls["shared"] += 1
         return decode(*args)
+
+    def counted_native(query, keys, values, valid, shared, scaling):
+        out = native_decode(query, keys, values, valid, shared, scaling)
+        calls["shared"] += out is not None and shared is not None
+        return out
 
     def counted_plain_rows(self, indices):
         calls["unshared"] += 1
         return plain_rows(self, indices)
 
     monkeypatch.setattr(attention, "shared_prompt_decode", counted_decode)
+    monkeypatch.setattr(attention, "native_decode", counted_native)
     monkeypatch.setattr(kv_cache.SharedPrompt, "plain_rows", counted_plain_rows)
     results = []
     for share in (True, False):

@@ -137,25 +137,41 @@ def test_decoding_with_polo_attention_matches_transformers(tiny_model_dir):
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize(
     "dtype, padding", [(torch.bfloat16, 2), (torch.bfloat16, 0), (torch.float32, 2), (torch.float32, 0)]
 )
-def test_a_decode_step_takes_eager_attention_and_matches_transformers(tiny_model_dir, monkeypatch, dtype, padding):
-    """On the CPU a cached one-token step goes to `eager_attention` in bf16 and fp32, with a left-padded row (a mask)
-    or none (transformers passes no mask); its logits are SDPA's, up to bf16 rounding in bf16."""
+def test_a_decode_step_takes_polo_attention_and_matches_transformers(
+    tiny_model_dir, monkeypatch, request, dtype, padding, native
+):
+    """On the CPU a cached one-token step goes to polo's native decode kernel (or, without it, `eager_attention`) in
+    bf16 and fp32, with a left-padded row (a mask) or none (transformers passes no mask); its logits are SDPA's, up to
+    bf16 rounding in bf16."""
     from transformers import DynamicCache
 
     from polo.kernels.cpu import attention
 
-    taken, eager = [], attention.eager_attention
-    masks = []
+    if native:
+        request.getfixturevalue("native_kernels")  # fails where a compiler exists and the kernels did not build
+    else:
+        monkeypatch.setattr(attention, "native_ops", lambda: None)
+    taken, masks = [], []
+    eager, native_decode = attention.eager_attention, attention.native_decode
 
-    def spy(*args):
-        taken.append(args[0].shape)
+    def eager_spy(*args):
+        taken.append(("eager", args[0].shape))
         masks.append(args[3] is None)
         return eager(*args)
 
-    monkeypatch.setattr(attention, "eager_attention", spy)
+    def native_spy(query, keys, values, valid, shared, scaling):
+        out = native_decode(query, keys, values, valid, shared, scaling)
+        if out is not None:
+            taken.append(("native", query.shape))
+            masks.append(valid is None)
+        return out
+
+    monkeypatch.setattr(attention, "eager_attention", eager_spy)
+    monkeypatch.setattr(attention, "native_decode", native_spy)
     reference, _ = load_policy(str(tiny_model_dir))
     model, _ = load_policy(str(tiny_model_dir))
     for m in (reference, model):
@@ -171,8 +187,9 @@ def test_a_decode_step_takes_eager_attention_and_matches_transformers(tiny_model
             m(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **with_cache)
             taken.clear()
             logits.append(m(input_ids=ids[:, -1:], attention_mask=mask, use_cache=True, **with_cache).logits.float())
-    assert len(taken) == model.config.num_hidden_layers and all(shape[2] == 1 for shape in taken)
-    assert all(masks) == (padding == 0)  # without padding the step has no mask, and eager takes it all the same
+    path = "native" if native else "eager"
+    assert len(taken) == model.config.num_hidden_layers and all(kind == path and shape[2] == 1 for kind, shape in taken)
+    assert all(masks) == (padding == 0)  # without padding the step has no mask, and polo's path takes it all the same
     tolerance = 0.02 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(logits[1], logits[0], rtol=tolerance, atol=tolerance)
 

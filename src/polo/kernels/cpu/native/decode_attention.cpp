@@ -122,6 +122,112 @@ inline float softmax_in_place(float* s, int64_t n) {
   return 1.f / sum;
 }
 
+// The same task with the head dim a compile-time multiple of kPair (d = kPair · DV) and N query heads at a
+// time: the queries and the output rows stay in registers, and each key and value row is read once for all N.
+template <typename scalar_t, int N, int DV>
+struct FastTask {
+  fVec q[N][2 * DV];
+  fVec o[N][2 * DV];
+
+  void load_queries(const scalar_t* query, int64_t d, float scale) {
+    for (int j = 0; j < N; ++j) {
+      for (int c = 0; c < DV; ++c) {
+        load_pair(query + j * d + c * kPair, q[j][2 * c], q[j][2 * c + 1]);
+        q[j][2 * c] = q[j][2 * c] * fVec(scale);
+        q[j][2 * c + 1] = q[j][2 * c + 1] * fVec(scale);
+      }
+    }
+  }
+
+  // scores[j * stride] = q_j · key + bias
+  void score(const scalar_t* key, float bias, float* scores, int64_t stride) const {
+    fVec k[2 * DV];
+    for (int c = 0; c < DV; ++c) load_pair(key + c * kPair, k[2 * c], k[2 * c + 1]);
+    for (int j = 0; j < N; ++j) {
+      fVec acc = q[j][0] * k[0];
+      for (int c = 1; c < 2 * DV; ++c) acc = at::vec::fmadd(q[j][c], k[c], acc);
+      scores[j * stride] = acc.reduce_add() + bias;
+    }
+  }
+
+  void clear() {
+    for (int j = 0; j < N; ++j)
+      for (int c = 0; c < 2 * DV; ++c) o[j][c] = fVec(0.f);
+  }
+
+  // o_j += w_j · value
+  void add(const scalar_t* value, const float* weights, int64_t stride) {
+    fVec v[2 * DV];
+    for (int c = 0; c < DV; ++c) load_pair(value + c * kPair, v[2 * c], v[2 * c + 1]);
+    for (int j = 0; j < N; ++j) {
+      const fVec w(weights[j * stride]);
+      for (int c = 0; c < 2 * DV; ++c) o[j][c] = at::vec::fmadd(v[c], w, o[j][c]);
+    }
+  }
+
+  void store(scalar_t* out, int64_t d, const float* norm) const {
+    for (int j = 0; j < N; ++j) {
+      const fVec n(norm[j]);
+      for (int c = 0; c < DV; ++c) {
+        const fVec a = o[j][2 * c] * n, b = o[j][2 * c + 1] * n;
+        scalar_t* target = out + j * d + c * kPair;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          a.store(target);
+          b.store(target + fVec::size());
+        } else {
+          at::vec::convert_from_float<scalar_t>(a, b).store(target);
+        }
+      }
+    }
+  }
+};
+
+struct Layout {  // where a task's keys, values, mask and prompt live (the kernels' shared arguments)
+  int64_t P, Hkv, G, L, d, H, per_kv, Lp, total;
+  c10::IntArrayRef ks, vs, pks, pvs;
+  const bool* valid;
+  int64_t valid_row;
+  const float* prompt_bias;
+};
+
+template <typename scalar_t, int N, int DV>
+void fast_heads(const Layout& a, const scalar_t* q_row, const scalar_t* k_data, const scalar_t* v_data,
+                const scalar_t* pk, const scalar_t* pv, int64_t b, int64_t h, float scale, float* scores,
+                scalar_t* out_row) {
+  const int64_t p = b / a.G, g = b % a.G, total = a.total;
+  const float hidden = -std::numeric_limits<float>::infinity();
+  FastTask<scalar_t, N, DV> task;
+  task.load_queries(q_row, a.d, scale);
+  const float* bias = a.prompt_bias ? a.prompt_bias + (p * a.Hkv + h) * a.Lp : nullptr;
+  for (int64_t l = 0; l < a.Lp; ++l) {
+    if (std::isinf(bias[l])) {
+      for (int j = 0; j < N; ++j) scores[j * total + l] = hidden;
+    } else {
+      task.score(pk + p * a.pks[0] + h * a.pks[1] + l * a.pks[2], bias[l], scores + l, total);
+    }
+  }
+  const scalar_t* keys = k_data + p * a.ks[0] + h * a.ks[1] + g * a.ks[2];
+  const bool* valid = a.valid ? a.valid + b * a.valid_row : nullptr;
+  for (int64_t l = 0; l < a.L; ++l) {
+    if (valid && !valid[l]) {
+      for (int j = 0; j < N; ++j) scores[j * total + a.Lp + l] = hidden;
+    } else {
+      task.score(keys + l * a.ks[3], 0.f, scores + a.Lp + l, total);
+    }
+  }
+  float norm[N];
+  for (int j = 0; j < N; ++j) norm[j] = softmax_in_place(scores + j * total, total);
+  task.clear();
+  for (int64_t l = 0; l < a.Lp; ++l) {
+    if (!std::isinf(bias[l])) task.add(pv + p * a.pvs[0] + h * a.pvs[1] + l * a.pvs[2], scores + l, total);
+  }
+  const scalar_t* values = v_data + p * a.vs[0] + h * a.vs[1] + g * a.vs[2];
+  for (int64_t l = 0; l < a.L; ++l) {
+    if (!valid || valid[l]) task.add(values + l * a.vs[3], scores + a.Lp + l, total);
+  }
+  task.store(out_row, a.d, norm);
+}
+
 template <typename scalar_t>
 void decode_attention_kernel(
     const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor* own_valid,
@@ -146,10 +252,36 @@ void decode_attention_kernel(
   const float scale_f = static_cast<float>(scale);
   const float hidden = -std::numeric_limits<float>::infinity();
 
+  const Layout layout{P, Hkv, G, L, d, H, per_kv, Lp, total, ks, vs, pks, pvs, valid, valid_row, pb};
+  const int64_t dv = d % kPair == 0 ? d / kPair : 0;
+  const bool fast = dv == 2 || dv == 4;  // head dims 64 and 128 (with AVX-512; 32 and 64 with AVX2)
   at::parallel_for(0, P * G * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(per_kv * d), scores(per_kv * total), acc(per_kv * d), norm(per_kv);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv, p = b / G, g = b % G;
+      if (fast) {
+        for (int64_t j0 = 0; j0 < per_kv; j0 += 4) {
+          const int64_t n = std::min<int64_t>(4, per_kv - j0), offset = (b * H + h * per_kv + j0) * d;
+          const auto run = [&](auto heads, auto vectors) {
+            fast_heads<scalar_t, decltype(heads)::value, decltype(vectors)::value>(
+                layout, q_data + offset, k_data, v_data, pk, pv, b, h, scale_f, scores.data(), o_data + offset);
+          };
+          const auto with_heads = [&](auto vectors) {
+            switch (n) {
+              case 1: run(std::integral_constant<int, 1>{}, vectors); break;
+              case 2: run(std::integral_constant<int, 2>{}, vectors); break;
+              case 3: run(std::integral_constant<int, 3>{}, vectors); break;
+              default: run(std::integral_constant<int, 4>{}, vectors); break;
+            }
+          };
+          if (dv == 2) {
+            with_heads(std::integral_constant<int, 2>{});
+          } else {
+            with_heads(std::integral_constant<int, 4>{});
+          }
+        }
+        continue;
+      }
       for (int64_t j = 0; j < per_kv; ++j) load_row(q_data + (b * H + h * per_kv + j) * d, q.data() + j * d, d);
       // scores (per_kv × total): the prompt's positions first, then the row's own
       for (int64_t l = 0; l < Lp; ++l) {
