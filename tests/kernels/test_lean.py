@@ -5,7 +5,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from polo.kernels import use_lean_layers
-from polo.kernels.lean import LeanRMSNorm, SiluMul
+from polo.kernels.lean import LeanRMSNorm, SiluMul, torch_path
 from polo.models.loading import load_policy
 
 
@@ -34,7 +34,8 @@ def test_lean_rmsnorm_is_transformers_forward_bit_for_bit_and_its_gradients(dtyp
     for forward in (norm, lambda x: LeanRMSNorm.apply(x, norm.weight, norm.variance_epsilon)):
         x = hidden.clone().requires_grad_(True)
         norm.weight.grad = None
-        out = forward(x)
+        with torch_path():  # the reference; polo's native kernels are held to it in test_native_norms.py
+            out = forward(x)
         out.backward(grad)
         results.append((out.detach(), x.grad, norm.weight.grad))
     (out, dx, dw), (lean_out, lean_dx, lean_dw) = results
@@ -63,7 +64,8 @@ def test_lean_layers_keep_the_model_outputs_and_gradients_with_fewer_saved_activ
     ids = torch.randint(3, plain.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     outputs = {}
     for name, model in (("plain", plain), ("lean", lean)):
-        logits = model(input_ids=ids).logits
+        with torch_path():  # the reference, bit for bit; test_native_norms.py compares the native kernels with it
+            logits = model(input_ids=ids).logits
         logits.float().pow(2).mean().backward()
         outputs[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
         model.to(torch.bfloat16)  # what bf16 training keeps: the norms' fp32 copies are what lean layers drop

@@ -1,0 +1,383 @@
+// polo's RMSNorm and SwiGLU product for the CPU, forward and backward: the maths of polo.kernels.lean in
+// one pass (or two) over each row.
+//
+// Written by hand because no maintained library provides fused CPU kernels for this torch: torch's
+// CPU build runs lean.rms_norm as five element-wise ops and a reduction (each reading and writing
+// the (tokens, d) tensor afresh, bf16 converted to fp32 and back each time), and silu(gate) · up as
+// two ops; the backward formulas of LeanRMSNorm and SiluMul take as many again. Here each row is
+// read once for its statistics and once for its output, in fp32 registers.
+//
+// The roundings are torch's, so that only the order of a row's sums differs from the torch path
+// (an ulp of fp32 in rstd and in mean(g · x̂), which now and then moves a bf16 result by one ulp):
+//   rms_norm:          rstd = 1 / sqrt(Σx² / d + eps) (fp32), out = o(w · x(x · rstd))
+//   rms_norm_backward: x̂ = x · rstd, gn = o(dy · w), dx = x(rstd · (gn − x̂ · Σ(gn · x̂) / d)),
+//                      dw = Σ_rows o(dy · x(x̂)) in fp32, per chunk of rows, the chunks added in order
+//   silu_mul:          t(t(g / (1 + exp(−g))) · u)
+//   silu_mul_backward: dg = t(t(dy · u) · σ · (1 + g · (1 − σ))), σ = 1 / (1 + exp(−g)); du = t(dy · t(silu(g)))
+// where x(·), o(·) and t(·) round to the dtype of x, of the output (x's and the weight's promoted:
+// also grad_out's) and of gate/up. Float32 and bfloat16; any leading shape, the last dim contiguous
+// (other inputs are made contiguous).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+using bVec = at::vec::Vectorized<at::BFloat16>;
+constexpr int64_t kV = fVec::size();
+constexpr int64_t kStep = 2 * kV;  // elements per step: one bf16 vector, two float ones
+static_assert(bVec::size() == kStep, "a bf16 vector holds two float vectors' worth");
+
+// Rows (or elements) per task: about this many elements, so that a (64, 1, 576) decode step's norm
+// is not split into tasks whose start costs more than their work.
+constexpr int64_t kGrainElements = 16384;
+
+inline int64_t grain_rows(int64_t d) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(d, 1)); }
+
+// v rounded to the nearest bf16 (ties to even), kept as floats: bf16's rounding on the bits of fp32, in
+// registers (a third of the instructions of packing to bf16 and unpacking again); NaN stays NaN.
+inline fVec round_to_bf16(const fVec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd),
+                                           _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v, _mm512_castsi512_ps(rounded));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd),
+                                           _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm256_blendv_ps(v, _mm256_castsi256_ps(rounded), _mm256_cmp_ps(v, v, _CMP_ORD_Q));
+#else
+  auto [a, b] = at::vec::convert_to_float<at::BFloat16>(at::vec::convert_from_float<at::BFloat16>(v, v));
+  return a;
+#endif
+}
+
+// kStep elements of T at p (n of them valid, the rest read as 0) as two float vectors; stored back
+// rounded to T; `round` gives T's rounding of two float vectors as floats.
+template <typename T>
+struct Pair;
+
+template <>
+struct Pair<float> {
+  static inline void load(const float* p, int64_t n, fVec& lo, fVec& hi) {
+    if (n >= kStep) {
+      lo = fVec::loadu(p);
+      hi = fVec::loadu(p + kV);
+    } else {
+      lo = fVec::loadu(p, std::min(n, kV));
+      hi = n > kV ? fVec::loadu(p + kV, n - kV) : fVec(0.f);
+    }
+  }
+  static inline void store(float* p, int64_t n, const fVec& lo, const fVec& hi) {
+    if (n >= kStep) {
+      lo.store(p);
+      hi.store(p + kV);
+    } else {
+      lo.store(p, std::min(n, kV));
+      if (n > kV) hi.store(p + kV, n - kV);
+    }
+  }
+  static inline void round(fVec&, fVec&) {}
+};
+
+template <>
+struct Pair<at::BFloat16> {
+  static inline void load(const at::BFloat16* p, int64_t n, fVec& lo, fVec& hi) {
+    const bVec v = n >= kStep ? bVec::loadu(p) : bVec::loadu(p, static_cast<int16_t>(n));
+    auto [a, b] = at::vec::convert_to_float<at::BFloat16>(v);
+    lo = a;
+    hi = b;
+  }
+  static inline void store(at::BFloat16* p, int64_t n, const fVec& lo, const fVec& hi) {
+    const bVec v = at::vec::convert_from_float<at::BFloat16>(lo, hi);
+    if (n >= kStep) {
+      v.store(p);
+    } else {
+      v.store(p, static_cast<int>(n));
+    }
+  }
+  static inline void round(fVec& lo, fVec& hi) {
+    lo = round_to_bf16(lo);
+    hi = round_to_bf16(hi);
+  }
+};
+
+// ---- RMSNorm -------------------------------------------------------------------------------------
+
+template <typename X, typename O>
+void rms_norm_kernel(const X* x, const float* w, O* out, float* rstd, int64_t rows, int64_t d, float eps) {
+  at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const X* xr = x + r * d;
+      fVec a0(0.f), a1(0.f);
+      fVec lo, hi;
+      for (int64_t i = 0; i < d; i += kStep) {
+        Pair<X>::load(xr + i, d - i, lo, hi);
+        a0 = at::vec::fmadd(lo, lo, a0);
+        a1 = at::vec::fmadd(hi, hi, a1);
+      }
+      const float s = 1.f / std::sqrt((a0 + a1).reduce_add() / static_cast<float>(d) + eps);
+      rstd[r] = s;
+      const fVec sv(s);
+      O* orow = out + r * d;
+      for (int64_t i = 0; i < d; i += kStep) {
+        fVec wlo, whi;
+        Pair<X>::load(xr + i, d - i, lo, hi);
+        Pair<float>::load(w + i, d - i, wlo, whi);
+        lo = lo * sv;
+        hi = hi * sv;
+        Pair<X>::round(lo, hi);  // x̂ in x's dtype, then the product with the weight
+        Pair<O>::store(orow + i, d - i, lo * wlo, hi * whi);
+      }
+    }
+  });
+}
+
+// dx for rows [begin, end); adds o(dy · x(x̂)) into dw (d floats) when dw is not null.
+template <typename X, typename G>
+void rms_norm_backward_rows(const G* dy, const X* x, const float* rstd, const float* w, X* dx, float* dw, int64_t begin,
+                            int64_t end, int64_t d) {
+  for (int64_t r = begin; r < end; ++r) {
+    const X* xr = x + r * d;
+    const G* gr = dy + r * d;
+    const fVec sv(rstd[r]);
+    fVec a0(0.f), a1(0.f);
+    fVec xlo, xhi, glo, ghi, wlo, whi;
+    for (int64_t i = 0; i < d; i += kStep) {
+      Pair<X>::load(xr + i, d - i, xlo, xhi);
+      Pair<G>::load(gr + i, d - i, glo, ghi);
+      Pair<float>::load(w + i, d - i, wlo, whi);
+      xlo = xlo * sv;  // x̂
+      xhi = xhi * sv;
+      fVec nlo = glo * wlo, nhi = ghi * whi;  // gn = o(dy · w)
+      Pair<G>::round(nlo, nhi);
+      a0 = at::vec::fmadd(nlo, xlo, a0);
+      a1 = at::vec::fmadd(nhi, xhi, a1);
+      if (dw != nullptr) {
+        Pair<X>::round(xlo, xhi);
+        fVec plo = glo * xlo, phi = ghi * xhi;
+        Pair<G>::round(plo, phi);
+        fVec dlo, dhi;
+        Pair<float>::load(dw + i, d - i, dlo, dhi);
+        Pair<float>::store(dw + i, d - i, dlo + plo, dhi + phi);
+      }
+    }
+    const fVec mean((a0 + a1).reduce_add() / static_cast<float>(d));
+    X* out = dx + r * d;
+    for (int64_t i = 0; i < d; i += kStep) {
+      Pair<X>::load(xr + i, d - i, xlo, xhi);
+      Pair<G>::load(gr + i, d - i, glo, ghi);
+      Pair<float>::load(w + i, d - i, wlo, whi);
+      xlo = xlo * sv;
+      xhi = xhi * sv;
+      fVec nlo = glo * wlo, nhi = ghi * whi;
+      Pair<G>::round(nlo, nhi);
+      Pair<X>::store(out + i, d - i, sv * (nlo - xlo * mean), sv * (nhi - xhi * mean));
+    }
+  }
+}
+
+template <typename X, typename G>
+void rms_norm_backward_kernel(const G* dy, const X* x, const float* rstd, const float* w, X* dx, float* partial,
+                              int64_t chunks, int64_t rows, int64_t d) {
+  if (partial == nullptr) {
+    at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
+      rms_norm_backward_rows(dy, x, rstd, w, dx, static_cast<float*>(nullptr), begin, end, d);
+    });
+    return;
+  }
+  // fixed chunks of rows, each with its own dw sum: the same result whatever thread runs which chunk
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      rms_norm_backward_rows(dy, x, rstd, w, dx, partial + c * d, c * rows / chunks, (c + 1) * rows / chunks, d);
+    }
+  });
+}
+
+inline bool is_native_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: x (..., d), weight (d,)");
+  TORCH_CHECK(is_native_dtype(x.scalar_type()) && is_native_dtype(weight.scalar_type()),
+              "rms_norm: float32 or bfloat16 only");
+  const auto out_type = at::result_type(x, weight);
+  const auto xc = x.contiguous();
+  const auto w = weight.to(at::kFloat).contiguous();
+  const int64_t d = x.size(-1), rows = d == 0 ? 0 : x.numel() / d;
+  auto out = at::empty(x.sizes(), x.options().dtype(out_type));
+  auto stats_shape = x.sizes().vec();
+  stats_shape.back() = 1;
+  auto rstd = at::empty(stats_shape, x.options().dtype(at::kFloat));
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_kernel(xc.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), rstd.data_ptr<float>(), rows, d,
+                    e);
+  } else if (out_type == at::kBFloat16) {
+    rms_norm_kernel(xc.data_ptr<at::BFloat16>(), w.data_ptr<float>(), out.data_ptr<at::BFloat16>(),
+                    rstd.data_ptr<float>(), rows, d, e);
+  } else {
+    rms_norm_kernel(xc.data_ptr<at::BFloat16>(), w.data_ptr<float>(), out.data_ptr<float>(), rstd.data_ptr<float>(),
+                    rows, d, e);
+  }
+  return {out, rstd};
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>> rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                                                    const at::Tensor& rstd, const at::Tensor& weight,
+                                                                    bool weight_grad) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && grad_out.sizes() == x.sizes(),
+              "rms_norm_backward: grad_out and x (..., d), weight (d,)");
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() * x.size(-1) == x.numel(),
+              "rms_norm_backward: rstd (..., 1) float32");
+  TORCH_CHECK(is_native_dtype(x.scalar_type()) && is_native_dtype(weight.scalar_type()),
+              "rms_norm_backward: float32 or bfloat16 only");
+  TORCH_CHECK(grad_out.scalar_type() == at::result_type(x, weight),
+              "rms_norm_backward: grad_out must have the forward output's dtype");
+  const auto dy = grad_out.contiguous();
+  const auto xc = x.contiguous();
+  const auto rs = rstd.contiguous();
+  const auto w = weight.to(at::kFloat).contiguous();
+  const int64_t d = x.size(-1), rows = d == 0 ? 0 : x.numel() / d;
+  auto dx = at::empty(x.sizes(), x.options());
+  at::Tensor partial;
+  int64_t chunks = 0;
+  float* partial_data = nullptr;
+  if (weight_grad) {
+    chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / grain_rows(d)));
+    partial = at::zeros({chunks, d}, x.options().dtype(at::kFloat));
+    partial_data = partial.data_ptr<float>();
+  }
+  const float* r = rs.data_ptr<float>();
+  const float* wd = w.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_backward_kernel(dy.data_ptr<float>(), xc.data_ptr<float>(), r, wd, dx.data_ptr<float>(), partial_data,
+                             chunks, rows, d);
+  } else if (dy.scalar_type() == at::kBFloat16) {
+    rms_norm_backward_kernel(dy.data_ptr<at::BFloat16>(), xc.data_ptr<at::BFloat16>(), r, wd,
+                             dx.data_ptr<at::BFloat16>(), partial_data, chunks, rows, d);
+  } else {
+    rms_norm_backward_kernel(dy.data_ptr<float>(), xc.data_ptr<at::BFloat16>(), r, wd, dx.data_ptr<at::BFloat16>(),
+                             partial_data, chunks, rows, d);
+  }
+  std::optional<at::Tensor> grad_weight;
+  if (weight_grad) grad_weight = partial.sum(0).to(weight.scalar_type());
+  return {dx, grad_weight};
+}
+
+// ---- SwiGLU product ------------------------------------------------------------------------------
+
+template <typename T>
+void silu_mul_kernel(const T* gate, const T* up, T* out, int64_t n) {
+  const fVec one(1.f);
+  at::parallel_for(0, (n + kStep - 1) / kStep, std::max<int64_t>(1, kGrainElements / kStep), [=](int64_t b, int64_t e) {
+    fVec glo, ghi, ulo, uhi;
+    for (int64_t i = b * kStep; i < std::min(n, e * kStep); i += kStep) {
+      Pair<T>::load(gate + i, n - i, glo, ghi);
+      Pair<T>::load(up + i, n - i, ulo, uhi);
+      fVec slo = glo / (one + glo.neg().exp()), shi = ghi / (one + ghi.neg().exp());
+      Pair<T>::round(slo, shi);
+      Pair<T>::store(out + i, n - i, slo * ulo, shi * uhi);
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_backward_kernel(const T* dy, const T* gate, const T* up, T* dgate, T* dup, int64_t n) {
+  const fVec one(1.f);
+  at::parallel_for(0, (n + kStep - 1) / kStep, std::max<int64_t>(1, kGrainElements / kStep), [=](int64_t b, int64_t e) {
+    fVec dlo, dhi, glo, ghi, ulo, uhi;
+    for (int64_t i = b * kStep; i < std::min(n, e * kStep); i += kStep) {
+      Pair<T>::load(dy + i, n - i, dlo, dhi);
+      Pair<T>::load(gate + i, n - i, glo, ghi);
+      const fVec elo = one + glo.neg().exp(), ehi = one + ghi.neg().exp();
+      if (dgate != nullptr) {
+        Pair<T>::load(up + i, n - i, ulo, uhi);
+        fVec plo = dlo * ulo, phi = dhi * uhi;  // dy · up, in T as torch's product is
+        Pair<T>::round(plo, phi);
+        const fVec sig_lo = one / elo, sig_hi = one / ehi;
+        Pair<T>::store(dgate + i, n - i, plo * sig_lo * (one + glo * (one - sig_lo)),
+                       phi * sig_hi * (one + ghi * (one - sig_hi)));
+      }
+      if (dup != nullptr) {
+        fVec slo = glo / elo, shi = ghi / ehi;  // silu(gate) as the forward rounds it
+        Pair<T>::round(slo, shi);
+        Pair<T>::store(dup + i, n - i, dlo * slo, dhi * shi);
+      }
+    }
+  });
+}
+
+void check_silu_mul(const at::Tensor& gate, const at::Tensor& up, const char* name) {
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(), name,
+              ": gate and up must share a shape and a dtype");
+  TORCH_CHECK(is_native_dtype(gate.scalar_type()), name, ": float32 or bfloat16 only");
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  check_silu_mul(gate, up, "silu_mul");
+  const auto g = gate.contiguous();
+  const auto u = up.contiguous();
+  auto out = at::empty(g.sizes(), g.options());
+  if (g.scalar_type() == at::kFloat) {
+    silu_mul_kernel(g.data_ptr<float>(), u.data_ptr<float>(), out.data_ptr<float>(), g.numel());
+  } else {
+    silu_mul_kernel(g.data_ptr<at::BFloat16>(), u.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), g.numel());
+  }
+  return out;
+}
+
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> silu_mul_backward(const at::Tensor& grad_out,
+                                                                                   const at::Tensor& gate,
+                                                                                   const at::Tensor& up,
+                                                                                   std::array<bool, 2> needs) {
+  check_silu_mul(gate, up, "silu_mul_backward");
+  TORCH_CHECK(grad_out.sizes() == gate.sizes() && grad_out.scalar_type() == gate.scalar_type(),
+              "silu_mul_backward: grad_out must have gate's shape and dtype");
+  const auto dy = grad_out.contiguous();
+  const auto g = gate.contiguous();
+  const auto u = up.contiguous();
+  std::optional<at::Tensor> dgate, dup;
+  if (needs[0]) dgate = at::empty(g.sizes(), g.options());
+  if (needs[1]) dup = at::empty(g.sizes(), g.options());
+  if (!needs[0] && !needs[1]) return {dgate, dup};
+  if (g.scalar_type() == at::kFloat) {
+    silu_mul_backward_kernel(dy.data_ptr<float>(), g.data_ptr<float>(), u.data_ptr<float>(),
+                             dgate ? dgate->data_ptr<float>() : nullptr, dup ? dup->data_ptr<float>() : nullptr,
+                             g.numel());
+  } else {
+    silu_mul_backward_kernel(dy.data_ptr<at::BFloat16>(), g.data_ptr<at::BFloat16>(), u.data_ptr<at::BFloat16>(),
+                             dgate ? dgate->data_ptr<at::BFloat16>() : nullptr,
+                             dup ? dup->data_ptr<at::BFloat16>() : nullptr, g.numel());
+  }
+  return {dgate, dup};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(polo_native, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "rms_norm_backward(Tensor grad_out, Tensor x, Tensor rstd, Tensor weight, bool weight_grad) -> (Tensor, "
+      "Tensor?)");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("silu_mul_backward(Tensor grad_out, Tensor gate, Tensor up, bool[2] needs) -> (Tensor?, Tensor?)");
+}
+
+TORCH_LIBRARY_IMPL(polo_native, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("rms_norm_backward", rms_norm_backward);
+  m.impl("silu_mul", silu_mul);
+  m.impl("silu_mul_backward", silu_mul_backward);
+}
