@@ -110,12 +110,15 @@ def native_kernels():
     """polo's native CPU kernels (`torch.ops.polo_native`).
 
     A test that takes them fails where a C++ compiler exists and they did not build, and is skipped
-    (with the reason shown) only where there is no compiler or `POLO_NATIVE=0` turns them off.
+    (with the reason shown) only where there is no compiler, the CPU has no AVX2, or `POLO_NATIVE=0`
+    turns them off.
     """
-    from polo.kernels.cpu.native import native_ops
+    from polo.kernels.cpu.native import CAPABILITY_FLAGS, capability, native_ops
 
     if os.environ.get("POLO_NATIVE", "1") == "0":
         pytest.skip("POLO_NATIVE=0: polo's native CPU kernels are off")
+    if capability() not in CAPABILITY_FLAGS:
+        pytest.skip(f"torch runs this CPU's kernels at {capability()}, without AVX2: polo builds no native kernels")
     ops = native_ops()
     if ops is None:
         if shutil.which("c++") or shutil.which("g++"):

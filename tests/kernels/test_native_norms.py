@@ -8,14 +8,11 @@ terms of either sign), an element near zero may be many ulps of itself away, so 
 to an absolute tolerance scaled by the tensor's largest element.
 """
 
-import os
-import shutil
-
 import pytest
 import torch
 
 from polo.kernels import lean, use_lean_layers
-from polo.kernels.cpu.native import CAPABILITY_FLAGS, capability, native_ops
+from polo.kernels.cpu.native import native_ops
 from polo.kernels.lean import LeanRMSNorm, SiluMul, torch_path
 from polo.models.loading import load_policy
 
@@ -24,18 +21,10 @@ ROWS = [1, 3, 64, 1656]
 DTYPES = [torch.bfloat16, torch.float32]
 
 
-@pytest.fixture(scope="module")
-def ops():
-    """polo's native ops; a failure where a compiler is present and the build should work, a skip where not."""
-    if os.environ.get("POLO_NATIVE", "1") == "0":
-        pytest.skip("POLO_NATIVE=0 turns the native kernels off")
-    if capability() not in CAPABILITY_FLAGS:
-        pytest.skip(f"torch runs this CPU's kernels at {capability()}, without AVX2: no native kernels by design")
-    if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler (c++) on PATH to build polo's native kernels")
-    native = native_ops()
-    assert native is not None, "a compiler is present but polo's native kernels did not build (see stderr)"
-    return native
+@pytest.fixture
+def ops(native_kernels):
+    """polo's native ops (tests/conftest.py's `native_kernels`: a failure where they should build and did not)."""
+    return native_kernels
 
 
 def ordered(tensor: torch.Tensor) -> torch.Tensor:
