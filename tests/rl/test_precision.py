@@ -58,6 +58,28 @@ def test_gradients_accumulate_in_fp32_masters_and_steps_reach_the_model(tiny_mod
         assert torch.equal(parameter.detach(), master.detach().to(torch.bfloat16))  # pushed back, rounded
 
 
+def test_a_step_after_zero_grad_reuses_the_masters_gradient_memory_and_holds_only_its_own_gradient(tiny_model_dir):
+    """`zero_grad(set_to_none=True)` detaches each master's `.grad`; the next step writes its gradient into the same
+    memory (no fresh vocabulary-sized allocation a step), with nothing of the step before left in it."""
+    model, _ = load_policy(str(tiny_model_dir))
+    masters = MasterWeights(model)
+    optimizer = torch.optim.SGD(masters.parameters, lr=0.0)
+    masters.attach(optimizer)
+    batches = [torch.randint(0, model.config.vocab_size, (2, 6)) for _ in range(2)]
+    grads, addresses = [], []
+    for ids in batches + batches[1:]:  # step on batch 0, then batch 1 twice
+        optimizer.zero_grad(set_to_none=True)
+        assert all(m.grad is None for m in masters.parameters)
+        model(input_ids=ids).logits.float().pow(2).mean().backward()
+        grads.append([m.grad.clone() for m in masters.parameters])
+        addresses.append([m.grad.data_ptr() for m in masters.parameters])
+        optimizer.step()
+    assert addresses[0] == addresses[1] == addresses[2]
+    for second, third in zip(grads[1], grads[2]):
+        assert torch.equal(second, third)  # batch 1's gradient alone, whatever batch 0 left in the buffer
+    assert any(not torch.equal(first, second) for first, second in zip(grads[0], grads[1]))
+
+
 def test_updates_below_bf16_resolution_accumulate_in_the_masters(tiny_model_dir):
     """100 steps of 1e-4 relative each: lost entirely in bf16 weights (2^-8 resolution), kept by the masters."""
     model, _ = load_policy(str(tiny_model_dir))

