@@ -82,7 +82,8 @@ def test_a_row_that_sees_nothing_gets_zeros_and_the_others_are_untouched(native_
 
 
 def test_it_declines_what_it_does_not_compute(native_kernels):
-    """With a gradient, in float64, or off a whole number of query heads per key/value head, the torch path runs."""
+    """With a gradient, in float64, with mixed dtypes, or off a whole number of query heads per key/value head,
+    the torch path runs."""
     query = torch.randn(2, 4, 1, 64)
     keys, values = cache_view(2, 2, 5, 64, torch.float32)
     with torch.no_grad():
@@ -91,6 +92,8 @@ def test_it_declines_what_it_does_not_compute(native_kernels):
             is None
         )
         assert native_decode(query[:, :3], keys[:, :, None], values[:, :, None], None, None, None) is None
+        bf16 = keys.bfloat16()[:, :, None]
+        assert native_decode(query, bf16, bf16, None, None, None) is None  # an fp32 query over a bf16 cache
     with torch.enable_grad():
         assert native_decode(query, keys[:, :, None], values[:, :, None], None, None, None) is None
 

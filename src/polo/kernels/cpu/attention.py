@@ -297,14 +297,17 @@ def native_decode(query, keys, values, valid, shared, scaling: float | None) -> 
 
     query (batch, heads, 1, d); keys, values (P, kv_heads, G, len, d), each row's own cached tokens
     (batch = P·G; a plain cache is G = 1); valid (batch, len) bool or None; `shared` the prompts held
-    once per group (`polo.kernels.cpu.kv_cache.SharedPrompt`) or None. It computes what
+    once per group (`polo.kernels.cpu.kv_cache.SharedPrompt`), in the same dtype, or None. It computes what
     `eager_attention` and `shared_prompt_decode` compute, with fp32 scores and weights (no bf16
     rounding between the products), reading the cache in place: for SmolLM2-135M's 64 rows over 70
     cached keys, 79 against 231 us a layer in bf16 (100 against 222 in fp32); 8 prompts x 8 rows over
     a 27-token prompt and 20 own tokens, 61 against 219 us (torch 2.13, 2-core EPYC). None without
-    the native library, off the CPU, with a gradient, or in a dtype other than float32 / bfloat16.
+    the native library, off the CPU, with a gradient, in a dtype other than float32 / bfloat16, or with query,
+    keys and values in different dtypes.
     """
     if torch.is_grad_enabled() or query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if keys.dtype != query.dtype or values.dtype != query.dtype:  # mixed (a LoRA layer's fp32 query under autocast)
         return None
     batch, heads, _, dim = query.shape
     if heads % keys.shape[1] or heads // keys.shape[1] > 16:
