@@ -106,3 +106,42 @@ def test_without_the_native_library_polo_keeps_its_torch_path(monkeypatch):
     keys, values = cache_view(2, 2, 5, 64, torch.float32)
     with torch.no_grad():
         assert attention.native_decode(query, keys[:, :, None], values[:, :, None], None, None, None) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_rows", [None, 1, 3])  # no mask, one mask for every row, a mask per row
+def test_the_native_masked_softmax_and_its_gradient_match_torchs(native_kernels, monkeypatch, dtype, mask_rows):
+    from polo.kernels.cpu import attention
+
+    torch.manual_seed(3)
+    scores = torch.randn(3, 4, 5, 86, dtype=dtype)  # 86 keys: not a whole number of vectors
+    mask = None
+    if mask_rows is not None:
+        mask = torch.rand(mask_rows, 1, 5, 86) > 0.3
+        mask[..., 0] = True  # every query sees a key (an empty row is the next test's)
+    grad = torch.randn_like(scores)
+    results = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(attention, "native_ops", lambda: None)
+        leaf = scores.clone().requires_grad_()
+        weights = attention.masked_softmax(leaf, mask)
+        weights.backward(grad)
+        results.append((weights.detach(), leaf.grad))
+    (native_weights, native_grad), (torch_weights, torch_grad) = results
+    tolerance = 1e-6 if dtype == torch.float32 else 4e-3  # sums in another order; bf16: an ulp of a weight < 1
+    torch.testing.assert_close(native_weights, torch_weights, rtol=0, atol=tolerance)
+    torch.testing.assert_close(native_grad, torch_grad, rtol=tolerance, atol=tolerance)
+    if mask is not None:
+        assert torch.all(native_weights.masked_select(~mask.expand(3, 1, 5, 86).expand(3, 4, 5, 86)) == 0)
+
+
+def test_a_query_that_sees_no_key_gets_zero_weights_natively(native_kernels):
+    from polo.kernels.cpu.attention import masked_softmax
+
+    scores = torch.randn(2, 3, 4, 40)
+    mask = torch.ones(2, 1, 4, 40, dtype=torch.bool)
+    mask[1, 0, 2] = False
+    weights = masked_softmax(scores, mask)
+    assert torch.equal(weights[1, :, 2], torch.zeros(3, 40))
+    torch.testing.assert_close(weights[0].sum(-1), torch.ones(3, 4))

@@ -78,9 +78,9 @@ def native_ops():
             verbose=False,
         )
     except Exception as error:  # no compiler, no ninja, a failed build: polo runs on torch's ops instead
-        lines = str(error).strip().splitlines()
+        lines = f"{error}\n{error.__cause__ or ''}".strip().splitlines()
         errors = [line for line in lines if "error:" in line]  # the compiler's first complaint, else the last line
-        return _unavailable((errors or lines or [type(error).__name__])[0].strip())
+        return _unavailable((errors or lines[-1:] or [type(error).__name__])[0].strip())
     return torch.ops.polo_native
 
 
