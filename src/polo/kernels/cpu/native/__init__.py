@@ -5,7 +5,7 @@ its tensors afresh; no maintained library ships fused CPU kernels for this torch
 extension stops at torch 2.8). The few that polo needs are written here in C++ against ATen's
 vector types and compiled once per machine with `torch.utils.cpp_extension`, into
 `$POLO_CACHE/native/<key>` (`~/.cache/polo` by default), keyed by the sources, torch's version and
-the CPU's vector width. The first build takes about half a minute and prints one line; later
+the CPU's vector width. The first build takes 15-30 s and prints one line; later
 runs load the library in milliseconds.
 
 `native_ops()` returns `torch.ops.polo_native`, or None (once, with one line saying why) when there
@@ -65,7 +65,9 @@ def native_ops():
         directory.mkdir(parents=True, exist_ok=True)
         if not any(directory.glob("*.so")):
             print(
-                f"polo: compiling native CPU kernels once, into {directory} (about 30 s)", file=sys.stderr, flush=True
+                f"polo: compiling native CPU kernels once, into {directory} (about 15-30 s)",
+                file=sys.stderr,
+                flush=True,
             )
         cpp_extension.load(
             name="polo_native",
