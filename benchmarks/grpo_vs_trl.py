@@ -55,6 +55,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -460,8 +461,8 @@ def child_main(args) -> None:
 def run_child(
     name: str, steps: int, out_dir: Path, trl_micro_batch: int | None = None, device: str = "cpu", job: str = "bench"
 ) -> dict:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "result.json").unlink(missing_ok=True)  # a retry must not read an earlier attempt's result
+    shutil.rmtree(out_dir, ignore_errors=True)  # a retry starts afresh: no earlier attempt's run or result
+    out_dir.mkdir(parents=True)
     log_path = out_dir / "child.log"
     command = [
         sys.executable,
