@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -61,3 +64,14 @@ def test_the_build_is_kept_per_sources_torch_and_vector_width(monkeypatch, tmp_p
 @pytest.mark.parametrize("name", ["decode_attention", "masked_softmax", "rms_norm", "rms_norm_backward", "silu_mul"])
 def test_the_built_library_registers_every_kernel(native_kernels, name):
     assert hasattr(native_kernels, name)
+
+
+def test_without_a_ninja_on_path_the_wheels_goes_on_it(monkeypatch, tmp_path):
+    import ninja
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH with no ninja on it
+    native.use_ninja_wheel()
+    assert os.environ["PATH"].split(os.pathsep) == [ninja.BIN_DIR, str(tmp_path)]
+    assert shutil.which("ninja") is not None
+    native.use_ninja_wheel()  # found now: PATH is left alone
+    assert os.environ["PATH"].split(os.pathsep) == [ninja.BIN_DIR, str(tmp_path)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -59,6 +60,7 @@ def native_ops():
     if flags is None:
         return _unavailable(f"torch runs this CPU's kernels at {capability()}, without AVX2")
     directory = build_directory()
+    use_ninja_wheel()
     try:
         from torch.utils import cpp_extension
 
@@ -84,6 +86,18 @@ def native_ops():
         errors = [line for line in lines if "error:" in line]  # the compiler's first complaint, else the last line
         return _unavailable((errors or lines[-1:] or [type(error).__name__])[0].strip())
     return torch.ops.polo_native
+
+
+def use_ninja_wheel() -> None:
+    """Put the `ninja` wheel's binary (a polo dependency) on PATH when no other ninja is there: torch's extension
+    builder runs `ninja` by name, and a venv's bin/ is not on PATH when its python is called directly (`make`)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join(filter(None, (ninja.BIN_DIR, os.environ.get("PATH"))))
 
 
 def _unavailable(reason: str) -> None:
