@@ -27,6 +27,7 @@ import torch
 __all__ = ["native_ops", "build_directory"]
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the build key
 
 # The compiler flags of each vector width torch's own CPU kernels are built for (ATen's CPU_CAPABILITY):
 # the same ISA, so ATen's Vectorized types take their AVX-512 / AVX2 forms, not the scalar fallback.
@@ -44,7 +45,7 @@ def capability() -> str:
 def build_directory() -> Path:
     """Return where this machine's build lives: `$POLO_CACHE/native/<sources, torch, capability>`."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.name.encode() + source.read_bytes())
     digest.update(f"{torch.__version__} {capability()} {sys.version_info[:2]}".encode())
     root = Path(os.environ.get("POLO_CACHE", Path.home() / ".cache" / "polo")).expanduser()

@@ -19,6 +19,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "vectors.h"
+
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -26,7 +28,6 @@
 
 namespace {
 
-using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kMaxHeadsPerKv = 16;  // query heads that share one key/value head (SmolLM2: 3; Llama 3 8B: 4)
 
 // Copy d elements of `source` (float or bf16) into `out` as floats.
@@ -41,19 +42,12 @@ inline void load_row(const scalar_t* source, float* out, int64_t d) {
 
 inline float horizontal_sum(const fVec& x) { return x.reduce_add(); }
 
-constexpr int64_t kPair = 2 * fVec::size();  // elements taken per step: one bf16 vector, two float ones
+constexpr int64_t kPair = kStep;
 
 // Load kPair elements at `source` as two float vectors (converted from bf16 in registers).
 template <typename scalar_t>
 inline void load_pair(const scalar_t* source, fVec& low, fVec& high) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    low = fVec::loadu(source);
-    high = fVec::loadu(source + fVec::size());
-  } else {
-    auto [a, b] = at::vec::convert_to_float<scalar_t>(at::vec::Vectorized<scalar_t>::loadu(source));
-    low = a;
-    high = b;
-  }
+  Pair<scalar_t>::load(source, kStep, low, high);
 }
 
 // scores[j * stride] = scale · q_j · key (+ bias) for the `heads` queries q_j (heads × d, fp32); key in memory.
@@ -169,14 +163,7 @@ struct FastTask {
     for (int j = 0; j < N; ++j) {
       const fVec n(norm[j]);
       for (int c = 0; c < DV; ++c) {
-        const fVec a = o[j][2 * c] * n, b = o[j][2 * c + 1] * n;
-        scalar_t* target = out + j * d + c * kPair;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          a.store(target);
-          b.store(target + fVec::size());
-        } else {
-          at::vec::convert_from_float<scalar_t>(a, b).store(target);
-        }
+        Pair<scalar_t>::store(out + j * d + c * kPair, kStep, o[j][2 * c] * n, o[j][2 * c + 1] * n);
       }
     }
   }

@@ -14,6 +14,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "vectors.h"
+
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -21,47 +23,24 @@
 
 namespace {
 
-using fVec = at::vec::Vectorized<float>;
-constexpr int64_t kWidth = fVec::size();
+constexpr int64_t kWidth = kV;
 
-// n elements of `source` into out[0, padded) as floats (zeros past n); padded is n rounded up to kWidth.
+// n elements of `source` into out[0, n rounded up to kStep) as floats (zeros past n).
 template <typename scalar_t>
 inline void to_float(const scalar_t* source, float* out, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    int64_t i = 0;
-    for (; i + kWidth <= n; i += kWidth) fVec::loadu(source + i).store(out + i);
-    if (i < n) fVec::loadu(source + i, n - i).store(out + i);
-  } else {
-    using bVec = at::vec::Vectorized<scalar_t>;
-    for (int64_t i = 0; i < n; i += bVec::size()) {
-      const int64_t count = std::min<int64_t>(bVec::size(), n - i);
-      const bVec v = count == bVec::size() ? bVec::loadu(source + i) : bVec::loadu(source + i, count);
-      auto [low, high] = at::vec::convert_to_float<scalar_t>(v);
-      low.store(out + i);
-      if (count > kWidth) high.store(out + i + kWidth);
-    }
+  fVec low, high;
+  for (int64_t i = 0; i < n; i += kStep) {
+    Pair<scalar_t>::load(source + i, n - i, low, high);
+    low.store(out + i);
+    high.store(out + i + kV);
   }
 }
 
 // The first n floats of `source` into `out`, rounded to scalar_t.
 template <typename scalar_t>
 inline void from_float(const float* source, scalar_t* out, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    int64_t i = 0;
-    for (; i + kWidth <= n; i += kWidth) fVec::loadu(source + i).store(out + i);
-    if (i < n) fVec::loadu(source + i).store(out + i, n - i);
-  } else {
-    using bVec = at::vec::Vectorized<scalar_t>;
-    for (int64_t i = 0; i < n; i += bVec::size()) {
-      const int64_t count = std::min<int64_t>(bVec::size(), n - i);
-      const fVec high = count > kWidth ? fVec::loadu(source + i + kWidth) : fVec(0.f);
-      const bVec v = at::vec::convert_from_float<scalar_t>(fVec::loadu(source + i), high);
-      if (count == bVec::size()) {
-        v.store(out + i);
-      } else {
-        v.store(out + i, count);
-      }
-    }
+  for (int64_t i = 0; i < n; i += kStep) {
+    Pair<scalar_t>::store(out + i, n - i, fVec::loadu(source + i), fVec::loadu(source + i + kV));
   }
 }
 
