@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import string
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,24 @@ def native_kernels():
             pytest.fail("a C++ compiler is here, but polo's native CPU kernels did not build (stderr says why)")
         pytest.skip("no C++ compiler here: polo's native CPU kernels cannot be built")
     return ops
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def load_benchmark():
+    """Return `load(name)`, which loads benchmarks/<name>.py as a module; benchmarks/ (where the scripts import
+    bench_common from) is on sys.path while the test module runs."""
+    sys.path.insert(0, str(BENCHMARKS))
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    try:
+        yield load
+    finally:
+        sys.path.remove(str(BENCHMARKS))

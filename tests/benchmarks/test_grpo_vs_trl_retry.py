@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def grpo_vs_trl():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("grpo_vs_trl", BENCHMARKS / "grpo_vs_trl.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def grpo_vs_trl(load_benchmark):
+    return load_benchmark("grpo_vs_trl")
 
 
 def test_a_retried_run_finds_no_earlier_attempt_in_its_directory(grpo_vs_trl, tmp_path, monkeypatch):
