@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import string
 import sys
@@ -115,9 +114,9 @@ def native_kernels():
     (with the reason shown) only where there is no compiler, the CPU has no AVX2, or `POLO_NATIVE=0`
     turns them off.
     """
-    from polo.kernels.cpu.native import CAPABILITY_FLAGS, capability, native_ops
+    from polo.kernels.cpu.native import CAPABILITY_FLAGS, capability, native_ops, wanted
 
-    if os.environ.get("POLO_NATIVE", "1") == "0":
+    if not wanted():
         pytest.skip("POLO_NATIVE=0: polo's native CPU kernels are off")
     if capability() not in CAPABILITY_FLAGS:
         pytest.skip(f"torch runs this CPU's kernels at {capability()}, without AVX2: polo builds no native kernels")

@@ -17,6 +17,14 @@ def test_polo_native_0_turns_them_off_without_a_word(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_polo_native_value_other_than_0_or_1_is_named_in_one_line_and_leaves_them_on(monkeypatch, capsys):
+    monkeypatch.setenv("POLO_NATIVE", "off")
+    assert native.wanted() is True
+    assert capsys.readouterr().err == "polo: POLO_NATIVE='off' is neither 0 nor 1; native CPU kernels stay on\n"
+    monkeypatch.setenv("POLO_NATIVE", "0")
+    assert native.wanted() is False
+
+
 def test_a_failed_build_gives_one_line_naming_the_compilers_complaint(monkeypatch, tmp_path, capsys):
     from torch.utils import cpp_extension
 

@@ -52,10 +52,19 @@ def build_directory() -> Path:
     return root / "native" / digest.hexdigest()[:16]
 
 
+def wanted() -> bool:
+    """Return whether `POLO_NATIVE` (unset, 1 or 0) asks for the native kernels; another value gets one line on
+    stderr and counts as unset."""
+    value = os.environ.get("POLO_NATIVE", "1").strip()
+    if value not in ("0", "1"):
+        print(f"polo: POLO_NATIVE={value!r} is neither 0 nor 1; native CPU kernels stay on", file=sys.stderr)
+    return value != "0"
+
+
 @functools.cache
 def native_ops():
     """Return `torch.ops.polo_native` (built or loaded once per process), or None with one line on stderr saying why."""
-    if os.environ.get("POLO_NATIVE", "1") == "0":
+    if not wanted():
         return None
     flags = CAPABILITY_FLAGS.get(capability())
     if flags is None:
