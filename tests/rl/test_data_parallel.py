@@ -55,7 +55,8 @@ def with_pythonpath(directory: Path) -> dict[str, str]:
 
 
 def torchrun(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
-    env = {**with_pythonpath(WORKER.parent), "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT) prints every thread's Python stack into the failure's stderr
+    env = {**with_pythonpath(WORKER.parent), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     command = [
         sys.executable,
         "-m",

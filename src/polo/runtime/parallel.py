@@ -25,6 +25,7 @@ data-parallel loop are the same code.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 
@@ -93,6 +94,11 @@ def leave_process_group(finished: bool) -> None:
     an active exception", SIGABRT; seen in a two-process `polo train` under the full test suite). A
     run that stopped on an error skips it: the other rank may never get there.
     """
+    # Garbage held in reference cycles (a sharded model's DTensors and hooks, its device mesh) is freed here, on this
+    # thread, while the interpreter is whole. Left to the collection at exit, a tensor that dies then can take the
+    # group down with it during finalisation, when gloo's worker threads can no longer take the GIL; a thread that
+    # tries is unwound mid-call and the process aborts as above (seen again after the barrier, once in a full suite).
+    gc.collect()
     if finished:
         barrier()
     dist.destroy_process_group()
