@@ -157,6 +157,7 @@ def test_fp32_linears_are_packed_only_where_measured_faster_and_without_autocast
     matmul (MKL's, at half oneDNN's rate on an AMD EPYC), never under bf16 autocast; outputs agree to rounding.
     The reference's scoring forward packs fp32 layers alone."""
     import polo.kernels as kernels
+    from polo.kernels.cpu import linear as cpu_linear
     from polo.runtime.device import Compute
     from polo.runtime.rates import MatmulRates, pack_linear_weight
 
@@ -173,7 +174,7 @@ def test_fp32_linears_are_packed_only_where_measured_faster_and_without_autocast
             (900.0, Compute.named("bf16"), 0),  # autocast recasts the inputs: a packed fp32 weight would skip it
         ):
             rates = MatmulRates(fp32=200.0, bf16=150.0, cached=True, fp32_packed=packed_rate)
-            monkeypatch.setattr(kernels, "cached_rates", lambda rates=rates: rates)
+            monkeypatch.setattr(cpu_linear, "cached_rates", lambda rates=rates: rates)
             kernels.packed_fp32_pays.cache_clear()  # asked once per process: ask again with these rates
             with kernels.prepacked_linears(model, 3, compute):
                 assert len([m for m in linears if "forward" in vars(m)]) == expected

@@ -37,7 +37,14 @@ import torch
 
 from polo import core
 from polo.config import config_to_dict
-from polo.kernels import LogprobSettings, supports_fused_logprobs, token_logprobs, use_fast_attention, use_lean_layers
+from polo.kernels import (
+    LogprobSettings,
+    supports_fused_logprobs,
+    token_logprobs,
+    use_fast_attention,
+    use_lean_layers,
+    use_onednn_linears,
+)
 from polo.models.family import cache_keyword
 from polo.models.hub import HeldOut, ModelCard, check_push, publish
 from polo.models.loading import recompute_scope, setup_activation_checkpointing
@@ -258,6 +265,7 @@ def prepare_model(model: torch.nn.Module, compute: Compute, gradient_checkpointi
     model = model.to(compute.device)
     use_fast_attention(model, compute)
     use_lean_layers(model)
+    use_onednn_linears(model, compute)
     masters = master_weights(model, compute)
     setup_activation_checkpointing(model, gradient_checkpointing, compute.available_memory())
     return Trainee(model, compute, masters)

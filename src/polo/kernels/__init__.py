@@ -8,6 +8,8 @@ its inputs), and never names a device itself:
                                            SDPA, which torch dispatches to flash / memory-efficient kernels
     prepacked_linears(model, rows, compute)  CPU: oneDNN-prepacked bf16 linears (fp32 where measured faster)
     prepacked_scoring_linears(model, rows, compute)  CPU, fp32 runs: the reference forward through packed fp32
+    use_onednn_linears(model, compute)     CPU, fp32 runs: training linears (forward and both gradients) through
+                                           oneDNN where it measured faster than torch's fp32 matmul
     contiguous_head_input(model)           any device: the LM head's input made contiguous
     use_lean_layers(model)                 any device: RMSNorms and SwiGLU MLPs that keep a fraction of their
                                            activations for backward (polo.kernels.lean), same outputs
@@ -29,7 +31,6 @@ Every choice changes speed only; the maths is the same on every path (tests/kern
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -37,7 +38,7 @@ from polo.kernels.cpu import attention as _cpu_attention
 from polo.kernels.cpu import linear as _cpu_linear
 from polo.kernels.cpu import shared_prompt as _cpu_shared_prompt
 from polo.kernels.cpu.kv_cache import can_share_prompt, sampling_cache, share_prompt
-from polo.kernels.cpu.linear import contiguous_head_input
+from polo.kernels.cpu.linear import contiguous_head_input, packed_fp32_pays
 from polo.kernels.cpu.shared_prompt import (
     PrefixSplit,
     SharedPromptBatch,
@@ -54,7 +55,7 @@ from polo.kernels.logprobs import (
     token_logprobs,
 )
 from polo.runtime.device import Compute
-from polo.runtime.rates import cache_key, cached_rates
+from polo.runtime.rates import cache_key
 
 __all__ = [
     "LogprobSettings",
@@ -76,6 +77,7 @@ __all__ = [
     "token_logprobs",
     "use_fast_attention",
     "use_lean_layers",
+    "use_onednn_linears",
     "without_padding",
 ]
 
@@ -134,12 +136,16 @@ def prepacked_scoring_linears(
     return contextlib.nullcontext()
 
 
-@functools.cache
-def packed_fp32_pays(key: str) -> bool:
-    """Return whether this machine (`key`: `polo.runtime.rates.cache_key`) measured oneDNN's packed fp32 matmul faster
-    than torch's own, asked once per process: the sampler asks every rollout, and a cache that cannot be written
-    would otherwise cost a measurement each time."""
-    return cached_rates().packed_fp32_faster
+def use_onednn_linears(model: torch.nn.Module, compute: Compute) -> int:
+    """Route `model`'s fp32 linear layers through oneDNN for training and scoring; return how many were routed.
+
+    On the CPU, in an fp32 run, where this CPU's rates (`polo.runtime.rates`) measured oneDNN's fp32
+    matmul faster than torch's own (`packed_fp32_pays`; `polo.kernels.cpu.linear.OneDnnLinear`).
+    Elsewhere nothing: bf16 matmuls already go through oneDNN, and cuBLAS is the fast path on a GPU.
+    """
+    if compute.device_type == "cpu" and compute.precision == "fp32" and packed_fp32_pays(cache_key()):
+        return _cpu_linear.use_onednn_linears(model)
+    return 0
 
 
 def shares_prompts(model: torch.nn.Module, cache) -> bool:

@@ -34,6 +34,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.autograd.function import once_differentiable
 
+from polo.kernels.cpu.linear import onednn_fp32_pays, onednn_linear
+
 __all__ = [
     "ChunkedTokenLogprobs",
     "LogprobSettings",
@@ -91,12 +93,21 @@ def _tile_buffers(rows: int, cols: int, compute_dtype: torch.dtype, acc_dtype: t
     return raw, torch.empty(size, dtype=acc_dtype, device=device), torch.empty(size, dtype=acc_dtype, device=device)
 
 
-def _tile_logits(h: torch.Tensor, w_block: torch.Tensor, buffers: tuple, inv_t: float) -> torch.Tensor:
-    """Return z/T for one tile, (rows, cols) in the accumulation dtype, written into the tile buffers."""
+def _through_onednn(device: torch.device, compute_dtype: torch.dtype) -> bool:
+    """Return whether the tiles' fp32 matmuls go through oneDNN: on a CPU that measured it faster than torch's fp32
+    matmul (`polo.kernels.cpu.linear.onednn_fp32_pays`; there, 2.1x the rate at these shapes)."""
+    return device.type == "cpu" and compute_dtype == torch.float32 and onednn_fp32_pays()
+
+
+def _tile_logits(h: torch.Tensor, w_block: torch.Tensor, buffers: tuple, inv_t: float, onednn: bool) -> torch.Tensor:
+    """Return z/T for one tile, (rows, cols) in the accumulation dtype, written into the tile buffers (a fresh tensor
+    from oneDNN with `onednn`, which has no output argument)."""
     raw, z_buffer, _ = buffers
     rows, cols = h.shape[0], w_block.shape[0]
     z = z_buffer[: rows * cols].view(rows, cols)
-    if raw is None:
+    if onednn:
+        z = onednn_linear(h, w_block)
+    elif raw is None:
         torch.mm(h, w_block.T, out=z)
     else:
         z.copy_(torch.mm(h, w_block.T, out=raw[: rows * cols].view(rows, cols)))
@@ -161,8 +172,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             h_all = hidden.to(compute_dtype)  # one cast of (N, d) and of (V, d), not one per tile
             w = weight.to(compute_dtype)
             buffers = _tile_buffers(min(chunk_size, n), min(vocab_block, vocab), compute_dtype, acc_dtype, device)
+            onednn = _through_onednn(device, compute_dtype)
             for t0, t1, v0, v1 in _tiles(n, vocab, chunk_size, vocab_block):
-                z = _tile_logits(h_all[t0:t1], w[v0:v1], buffers, inv_t)
+                z = _tile_logits(h_all[t0:t1], w[v0:v1], buffers, inv_t, onednn)
                 local = targets[t0:t1] - v0
                 hit = ((local >= 0) & (local < v1 - v0)).nonzero().squeeze(1)
                 if hit.numel():
@@ -219,9 +231,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             # matmuls then run once over all N tokens, writing into their outputs, instead of once per
             # token chunk with a cast and an add of each partial (which had cost 0.45 s of a 5.6 s update).
             block_grad_z = torch.empty((n, min(vocab_block, vocab)), dtype=compute_dtype, device=device)
+            onednn = _through_onednn(device, compute_dtype)
+            h_t = h_all.t().contiguous() if onednn and need_weight else None  # (d, N): ∂W's right operand, once
             for t0, t1, v0, v1 in _tiles(n, vocab, chunk_size, vocab_block):
                 # grad_z = g/T · (onehot(y) − p) with p = exp(z/T − lse), built in the tile's buffer.
-                z = _tile_logits(h_all[t0:t1], w[v0:v1], buffers, inv_t)
+                z = _tile_logits(h_all[t0:t1], w[v0:v1], buffers, inv_t, onednn)
                 grad_z = z.sub_(lse[t0:t1, None]).exp_().mul_(neg_g[t0:t1, None])
                 local = targets[t0:t1] - v0
                 hit = ((local >= 0) & (local < v1 - v0)).nonzero().squeeze(1)
@@ -232,20 +246,36 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 if t1 < n:
                     continue
                 # The block's last token chunk: its gradients are complete.
-                if need_hidden:
-                    if compute_dtype == acc_dtype:
-                        grad_hidden.addmm_(block, w[v0:v1])
-                    else:
-                        grad_hidden += block @ w[v0:v1]
-                if need_weight:
-                    target = grad_weight[v0:v1]
-                    if target.dtype == compute_dtype:
-                        torch.mm(block.T, h_all, out=target)
-                    else:
-                        target.copy_(block.T @ h_all)
+                block_weight = None if grad_weight is None else grad_weight[v0:v1]
+                _block_gradients(block, w[v0:v1], h_all, h_t, grad_hidden, block_weight, onednn)
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, grad_weight, None, None
+
+
+def _block_gradients(block, w_block, h_all, h_t, grad_hidden, grad_weight, onednn: bool) -> None:
+    """Add one vocabulary block's part of ∂h (grad_hidden += grad_z · W_block) and write its ∂W (grad_weight =
+    grad_zᵀ · h), each where asked for (not None).
+
+    block (N, cols) is grad_z in the compute dtype, w_block (cols, d), h_all (N, d), grad_hidden
+    (N, d) in the accumulation dtype, grad_weight (cols, d). With `onednn` the products go
+    through `onednn_linear` (x · yᵀ, no output argument; h_t is h_all transposed, (d, N)), else
+    torch's matmuls write into the outputs.
+    """
+    if grad_hidden is not None:
+        if onednn:
+            grad_hidden += onednn_linear(block, w_block.t())
+        elif grad_hidden.dtype == block.dtype:
+            grad_hidden.addmm_(block, w_block)
+        else:
+            grad_hidden += block @ w_block
+    if grad_weight is not None:
+        if onednn:
+            grad_weight.copy_(onednn_linear(block.t(), h_t))
+        elif grad_weight.dtype == block.dtype:
+            torch.mm(block.T, h_all, out=grad_weight)
+        else:
+            grad_weight.copy_(block.T @ h_all)
 
 
 def _default_compute_dtype(hidden: torch.Tensor) -> torch.dtype:

@@ -21,7 +21,7 @@ from polo.data.environments import sampler_for
 from polo.data.hf import check_same_datasets, passed_datasets_note
 from polo.generation.cpu_sampler import rollout
 from polo.generation.rollouts import Sampler
-from polo.kernels import use_fast_attention, use_lean_layers
+from polo.kernels import use_fast_attention, use_lean_layers, use_onednn_linears
 from polo.models.hub import check_push
 from polo.models.loading import frozen_copy, load_policy, resolve_model_path, setup_activation_checkpointing
 from polo.models.lora import add_adapters, freeze_base_dtype, load_adapters
@@ -155,6 +155,7 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
     }.values():  # faster attention, leaner layers, same maths (polo.kernels)
         use_fast_attention(module, compute)
         use_lean_layers(module)
+        use_onednn_linears(module, compute)
     return model, tokenizer, reference
 
 

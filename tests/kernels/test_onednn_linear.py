@@ -1,0 +1,158 @@
+"""fp32 training linears through oneDNN: the same outputs and gradients as torch's, installed only where they pay."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import polo.kernels as kernels
+from polo.kernels.cpu import linear
+from polo.models.loading import enable_activation_checkpointing
+from polo.runtime.device import Compute
+from polo.runtime.rates import packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN matmul op")
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    """A 2-layer Llama wide enough (hidden 64, MLP 128) for its projections to qualify; k/v (64 -> 32) do not."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_linear_gives_torchs_output_and_gradients(bias):
+    generator = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(96, 160, bias=bias)
+    x = torch.randn(3, 40, 96, generator=generator)[:, ::2]  # a strided view, as attention outputs can be
+    grad = torch.randn(3, 20, 160, generator=generator)
+    results = []
+    for forward in (
+        lambda v: torch.nn.functional.linear(v, layer.weight, layer.bias),
+        lambda v: linear.OneDnnLinear.apply(v, layer.weight, layer.bias),
+    ):
+        layer.zero_grad(set_to_none=True)
+        v = x.clone().requires_grad_(True)
+        out = forward(v)
+        out.backward(grad)
+        results.append((out.detach(), v.grad, layer.weight.grad, layer.bias.grad if bias else None))
+    for expected, got in zip(*results, strict=True):
+        if expected is None:
+            assert got is None
+            continue
+        assert got.shape == expected.shape and got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_linear_skips_the_gradients_nobody_asked_for():
+    layer = torch.nn.Linear(80, 80)
+    layer.weight.requires_grad_(False)  # a frozen base layer (LoRA)
+    x = torch.randn(5, 80, requires_grad=True)
+    linear.OneDnnLinear.apply(x, layer.weight, layer.bias).sum().backward()
+    assert layer.weight.grad is None and layer.bias.grad is not None and x.grad is not None
+
+
+def test_use_onednn_linears_routes_only_wide_fp32_linears_and_not_twice():
+    model = tiny_llama()
+    routed = linear.use_onednn_linears(model)
+    names = {name for name, module in model.named_modules() if getattr(module, "_polo_onednn", False)}
+    # per layer q, o (64 x 64), gate, up, down (64 x 128); the LM head (64 -> 96); k, v (64 -> 32) are too narrow
+    assert routed == len(names) == 2 * 5 + 1
+    assert not any(name.endswith(("k_proj", "v_proj")) for name in names)
+    assert linear.use_onednn_linears(model) == routed  # counted again, not wrapped twice
+    bf16 = tiny_llama().to(torch.bfloat16)
+    assert linear.use_onednn_linears(bf16) == 0
+
+
+def test_a_routed_model_trains_as_torchs_does_with_and_without_recomputation():
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    results = []
+    for routed in (False, True):
+        for checkpointing in (False, True):
+            model = tiny_llama()
+            if routed:
+                linear.use_onednn_linears(model)
+            if checkpointing:
+                enable_activation_checkpointing(model)
+            model.train()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    reference_loss, reference_grads = results[0]
+    for loss, grads in results[1:]:
+        torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=1e-6)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_routed_layer_falls_back_to_torch_under_autocast_and_for_other_dtypes():
+    model = tiny_llama()
+    linear.use_onednn_linears(model)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(4, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16  # autocast's cast, as F.linear has it
+    with pytest.raises(RuntimeError):  # float64 input on fp32 weights: torch's own error, not a oneDNN one
+        layer(x.double())
+
+
+def test_sampling_and_scoring_take_a_routed_layer_over_for_their_block_and_give_it_back():
+    model = tiny_llama()
+    linear.use_onednn_linears(model)
+    layer = model.model.layers[0].mlp.down_proj
+    routed_forward = layer.forward
+    with linear.prepacked_linears(model, 8, fp32=True, bf16=False):
+        assert layer.forward is not routed_forward
+    assert layer.forward == routed_forward and layer._polo_onednn
+    plain = torch.nn.Linear(64, 64)
+    with linear.prepacked_linears(plain, 8, fp32=True, bf16=False, on_call=True):
+        assert "forward" in plain.__dict__
+    assert "forward" not in plain.__dict__  # a layer with no forward of its own gets none
+
+
+@pytest.mark.parametrize(
+    ("precision", "pays", "expected"), [("fp32", True, 11), ("fp32", False, 0), ("bf16_master", True, 0)]
+)
+def test_the_facade_routes_fp32_runs_only_where_onednn_measured_faster(monkeypatch, precision, pays, expected):
+    monkeypatch.setattr(kernels, "packed_fp32_pays", lambda key: pays)
+    model = tiny_llama()
+    if precision == "bf16_master":
+        model = model.to(torch.bfloat16)
+    assert kernels.use_onednn_linears(model, Compute.named(precision)) == expected
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_the_tiled_log_probs_through_onednn_give_torchs_values_and_gradients(monkeypatch, with_entropy):
+    from polo.kernels import logprobs
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 64, generator=generator)
+    weight = torch.randn(300, 64, generator=generator) * 0.3
+    targets = torch.randint(0, 300, (37,), generator=generator)
+    # tiles of 16 tokens x 128 words: three vocabulary blocks, the last one short, and a short last chunk
+    settings = logprobs.LogprobSettings(
+        temperature=0.7, with_entropy=with_entropy, chunk_size=16, vocab_block=128, compute_dtype=torch.float32
+    )
+    results, calls, real = [], [], logprobs.onednn_linear
+    monkeypatch.setattr(logprobs, "onednn_linear", lambda *args: calls.append(1) or real(*args))
+    for onednn in (False, True):
+        monkeypatch.setattr(logprobs, "onednn_fp32_pays", lambda onednn=onednn: onednn)
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        values, entropy = logprobs.ChunkedTokenLogprobs.apply(h, w, targets, settings)
+        values.sum().backward()
+        results.append((values.detach(), entropy, h.grad, w.grad))
+        # 9 tiles forward, 9 again in backward, and each of 3 vocabulary blocks' two gradients
+        assert len(calls) == (9 + 9 + 3 * 2 if onednn else 0)
+    expected = torch.log_softmax(hidden @ weight.T / 0.7, dim=-1).gather(1, targets[:, None]).squeeze(1)
+    torch.testing.assert_close(results[0][0], expected, rtol=1e-5, atol=1e-5)
+    for plain, through_onednn in zip(*results, strict=True):
+        torch.testing.assert_close(through_onednn, plain, rtol=1e-5, atol=1e-5)
