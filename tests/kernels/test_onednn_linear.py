@@ -30,11 +30,12 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_onednn_linear_gives_torchs_output_and_gradients(bias):
+@pytest.mark.parametrize(("inputs", "outputs"), [(96, 160), (160, 96)])
+def test_onednn_linear_gives_torchs_output_and_gradients(bias, inputs, outputs):
     generator = torch.Generator().manual_seed(0)
-    layer = torch.nn.Linear(96, 160, bias=bias)
-    x = torch.randn(3, 40, 96, generator=generator)[:, ::2]  # a strided view, as attention outputs can be
-    grad = torch.randn(3, 20, 160, generator=generator)
+    layer = torch.nn.Linear(inputs, outputs, bias=bias)
+    x = torch.randn(3, 40, inputs, generator=generator)[:, ::2]  # a strided view, as attention outputs can be
+    grad = torch.randn(3, 20, outputs, generator=generator)
     results = []
     for forward in (
         lambda v: torch.nn.functional.linear(v, layer.weight, layer.bias),
@@ -142,7 +143,8 @@ def test_the_tiled_log_probs_through_onednn_give_torchs_values_and_gradients(mon
     settings = logprobs.LogprobSettings(
         temperature=0.7, with_entropy=with_entropy, chunk_size=16, vocab_block=128, compute_dtype=torch.float32
     )
-    results, calls, real = [], [], logprobs.onednn_linear
+    results, calls = [], []
+    real = logprobs.onednn_linear
     monkeypatch.setattr(logprobs, "onednn_linear", lambda *args: calls.append(1) or real(*args))
     for onednn in (False, True):
         monkeypatch.setattr(logprobs, "onednn_fp32_pays", lambda onednn=onednn: onednn)

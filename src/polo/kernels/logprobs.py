@@ -232,7 +232,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             # token chunk with a cast and an add of each partial (which had cost 0.45 s of a 5.6 s update).
             block_grad_z = torch.empty((n, min(vocab_block, vocab)), dtype=compute_dtype, device=device)
             onednn = _through_onednn(device, compute_dtype)
-            h_t = h_all.t().contiguous() if onednn and need_weight else None  # (d, N): ∂W's right operand, once
+            h_t = h_all.t().contiguous() if onednn and need_weight else None  # (d, N), for every block's ∂W
             for t0, t1, v0, v1 in _tiles(n, vocab, chunk_size, vocab_block):
                 # grad_z = g/T · (onehot(y) − p) with p = exp(z/T − lse), built in the tile's buffer.
                 z = _tile_logits(h_all[t0:t1], w[v0:v1], buffers, inv_t, onednn)
@@ -259,8 +259,12 @@ def _block_gradients(block, w_block, h_all, h_t, grad_hidden, grad_weight, onedn
 
     block (N, cols) is grad_z in the compute dtype, w_block (cols, d), h_all (N, d), grad_hidden
     (N, d) in the accumulation dtype, grad_weight (cols, d). With `onednn` the products go
-    through `onednn_linear` (x · yᵀ, no output argument; h_t is h_all transposed, (d, N)), else
-    torch's matmuls write into the outputs.
+    through `onednn_linear` (h_t, h_all transposed (d, N), is then given), else torch's matmuls write into
+    the outputs.
+
+    ∂W_block through oneDNN is taken as (hᵀ · grad_z)ᵀ: oneDNN copies a transposed input before it
+    multiplies, and grad_zᵀ (4,096 x N) is the larger operand to transpose. Measured at N = 2,160,
+    d = 576: 33 ms against 43 for grad_zᵀ · h (MKL's fp32 mm: 51).
     """
     if grad_hidden is not None:
         if onednn:
@@ -271,7 +275,7 @@ def _block_gradients(block, w_block, h_all, h_t, grad_hidden, grad_weight, onedn
             grad_hidden += block @ w_block
     if grad_weight is not None:
         if onednn:
-            grad_weight.copy_(onednn_linear(block.t(), h_t))
+            grad_weight.copy_(onednn_linear(h_t, block.t()).t())
         elif grad_weight.dtype == block.dtype:
             torch.mm(block.T, h_all, out=grad_weight)
         else:
