@@ -75,6 +75,28 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+def tiny_llama(seed: int = 0, **config):
+    """Return a random 2-layer Llama (hidden 32, MLP 64, 4 heads over 2 kv heads, vocabulary 97, tied embeddings)
+    built in memory; `config` overrides any LlamaConfig field."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    defaults = {
+        "vocab_size": 97,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "bos_token_id": None,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "tie_word_embeddings": True,
+    }
+    return LlamaForCausalLM(LlamaConfig(**{**defaults, **config}))
+
+
 def tiny_rl_config(model_dir, output_dir, **sections) -> dict:
     """Return a `polo train` config: a few GRPO steps on one-digit sums for the tiny model; `sections` update its
     sections."""

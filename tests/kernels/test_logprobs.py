@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import tiny_llama
 from polo.kernels.logprobs import (
     ChunkedTokenLogprobs,
     LogprobSettings,
@@ -167,26 +168,6 @@ def test_shape_errors_are_clear():
 
 
 # --- Hugging Face integration -------------------------------------------------------------
-
-
-def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=None,
-        eos_token_id=1,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
 
 
 def left_padded_batch(prompt_lengths=(6, 3, 1), prompt_width=6, completion_len=5, vocab=97, seed=0):

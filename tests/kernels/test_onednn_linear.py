@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import polo.kernels as kernels
+from conftest import tiny_llama
 from polo.kernels.cpu import linear
 from polo.models.loading import enable_activation_checkpointing
 from polo.runtime.device import Compute
@@ -13,20 +13,9 @@ from polo.runtime.rates import packing_available
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN matmul op")
 
 
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+def wide_llama(seed: int = 0):
     """A 2-layer Llama wide enough (hidden 64, MLP 128) for its projections to qualify; k/v (64 -> 32) do not."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    return tiny_llama(seed, hidden_size=64, intermediate_size=128, tie_word_embeddings=False)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -63,23 +52,23 @@ def test_onednn_linear_skips_the_gradients_nobody_asked_for():
 
 
 def test_use_onednn_linears_routes_only_wide_fp32_linears_and_not_twice():
-    model = tiny_llama()
+    model = wide_llama()
     routed = linear.use_onednn_linears(model)
     names = {name for name, module in model.named_modules() if getattr(module, "_polo_onednn", False)}
-    # per layer q, o (64 x 64), gate, up, down (64 x 128); the LM head (64 -> 96); k, v (64 -> 32) are too narrow
+    # per layer q, o (64 x 64), gate, up, down (64 x 128); the LM head (64 -> 97); k, v (64 -> 32) are too narrow
     assert routed == len(names) == 2 * 5 + 1
     assert not any(name.endswith(("k_proj", "v_proj")) for name in names)
     assert linear.use_onednn_linears(model) == routed  # counted again, not wrapped twice
-    bf16 = tiny_llama().to(torch.bfloat16)
+    bf16 = wide_llama().to(torch.bfloat16)
     assert linear.use_onednn_linears(bf16) == 0
 
 
 def test_a_routed_model_trains_as_torchs_does_with_and_without_recomputation():
-    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
     results = []
     for routed in (False, True):
         for checkpointing in (False, True):
-            model = tiny_llama()
+            model = wide_llama()
             if routed:
                 linear.use_onednn_linears(model)
             if checkpointing:
@@ -96,7 +85,7 @@ def test_a_routed_model_trains_as_torchs_does_with_and_without_recomputation():
 
 
 def test_a_routed_layer_falls_back_to_torch_under_autocast_and_for_other_dtypes():
-    model = tiny_llama()
+    model = wide_llama()
     linear.use_onednn_linears(model)
     layer = model.model.layers[0].mlp.up_proj
     x = torch.randn(4, 64)
@@ -107,7 +96,7 @@ def test_a_routed_layer_falls_back_to_torch_under_autocast_and_for_other_dtypes(
 
 
 def test_sampling_and_scoring_take_a_routed_layer_over_for_their_block_and_give_it_back():
-    model = tiny_llama()
+    model = wide_llama()
     linear.use_onednn_linears(model)
     layer = model.model.layers[0].mlp.down_proj
     routed_forward = layer.forward
@@ -125,7 +114,7 @@ def test_sampling_and_scoring_take_a_routed_layer_over_for_their_block_and_give_
 )
 def test_the_facade_routes_fp32_runs_only_where_onednn_measured_faster(monkeypatch, precision, pays, expected):
     monkeypatch.setattr(kernels, "packed_fp32_pays", lambda key: pays)
-    model = tiny_llama()
+    model = wide_llama()
     if precision == "bf16_master":
         model = model.to(torch.bfloat16)
     assert kernels.use_onednn_linears(model, Compute.named(precision)) == expected
