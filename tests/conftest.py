@@ -30,8 +30,9 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def build_tiny_model(directory: Path, seed: int = 0) -> Path:
-    """Save a 2-layer Llama with a character tokenizer (chat template, EOS <|im_end|>) to `directory`."""
+def build_tiny_model(directory: Path, seed: int = 0, **sizes) -> Path:
+    """Save a 2-layer Llama with a character tokenizer (chat template, EOS <|im_end|>) to `directory`; `sizes`
+    override its LlamaConfig (hidden_size=64, say)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -50,20 +51,20 @@ def build_tiny_model(directory: Path, seed: int = 0) -> Path:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=None,
-        eos_token_id=vocab["<|im_end|>"],
-        pad_token_id=vocab["<|im_end|>"],
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(config)
+    config = {
+        "vocab_size": len(vocab),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "bos_token_id": None,
+        "eos_token_id": vocab["<|im_end|>"],
+        "pad_token_id": vocab["<|im_end|>"],
+        "tie_word_embeddings": True,
+    }
+    model = LlamaForCausalLM(LlamaConfig(**{**config, **sizes}))
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import polo.kernels as kernels
-from conftest import tiny_llama
+from conftest import build_tiny_model, tiny_llama, tiny_rl_config
 from polo.kernels.cpu import linear
 from polo.models.loading import enable_activation_checkpointing
 from polo.runtime.device import Compute
@@ -104,7 +104,7 @@ def test_sampling_and_scoring_take_a_routed_layer_over_for_their_block_and_give_
         assert layer.forward is not routed_forward
     assert layer.forward == routed_forward and layer._polo_onednn
     plain = torch.nn.Linear(64, 64)
-    with linear.prepacked_linears(plain, 8, fp32=True, bf16=False, on_call=True):
+    with linear.prepacked_linears(plain, 8, fp32=True, bf16=False):
         assert "forward" in plain.__dict__
     assert "forward" not in plain.__dict__  # a layer with no forward of its own gets none
 
@@ -147,3 +147,55 @@ def test_the_tiled_log_probs_through_onednn_give_torchs_values_and_gradients(mon
     torch.testing.assert_close(results[0][0], expected, rtol=1e-5, atol=1e-5)
     for plain, through_onednn in zip(*results, strict=True):
         torch.testing.assert_close(through_onednn, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_an_fp32_run_trains_and_scores_its_reference_through_onednn_where_it_pays(tmp_path, monkeypatch):
+    """`polo train` in fp32 on a CPU that measured oneDNN faster: the update's linears and log-prob tiles (with
+    gradient) and the KL reference's forward (without) all run through oneDNN, and the run learns as a run does."""
+    import json
+
+    import polo
+    from polo.kernels import logprobs
+    from polo.rl import step
+    from polo.runtime.rates import MatmulRates
+
+    rates = MatmulRates(fp32=200.0, bf16=150.0, cached=True, fp32_packed=450.0)
+    monkeypatch.setattr(linear, "cached_rates", lambda: rates)
+    linear.packed_fp32_pays.cache_clear()
+    phases, phase, real_product, real_score = [], ["other"], linear.onednn_linear, step.score_completions
+
+    def counted(where):
+        def product(*args):
+            phases.append((where, phase[0]))
+            return real_product(*args)
+
+        return product
+
+    def scoring(*args, **kwargs):  # the reference's forward (beta > 0, one update epoch: nothing else is scored)
+        phase[0] = "reference"
+        try:
+            return real_score(*args, **kwargs)
+        finally:
+            phase[0] = "other"
+
+    monkeypatch.setattr(linear, "onednn_linear", counted("layers"))
+    monkeypatch.setattr(logprobs, "onednn_linear", counted("head"))
+    monkeypatch.setattr(step, "score_completions", scoring)
+    model_dir = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128)
+    config = tiny_rl_config(
+        model_dir,
+        tmp_path / "run",
+        algorithm={"group_size": 4, "beta": 0.04},
+        train={"steps": 2},
+        output={"save_every": 0, "plots": False, "report_to": []},
+        eval={"before": False, "after": False},
+    )
+    try:
+        polo.train(config)
+    finally:
+        linear.packed_fp32_pays.cache_clear()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(row["loss"])) for row in rows)
+    # the layers and the head, in the reference's forward and in the update
+    assert {(where, when) for where in ("layers", "head") for when in ("reference", "other")} <= set(phases)

@@ -7,7 +7,6 @@ its inputs), and never names a device itself:
                                            shared prompts, GQA without copies); CUDA: transformers'
                                            SDPA, which torch dispatches to flash / memory-efficient kernels
     prepacked_linears(model, rows, compute)  CPU: oneDNN-prepacked bf16 linears (fp32 where measured faster)
-    prepacked_scoring_linears(model, rows, compute)  CPU, fp32 runs: the reference forward through packed fp32
     use_onednn_linears(model, compute)     CPU, fp32 runs: training linears (forward and both gradients) through
                                            oneDNN where it measured faster than torch's fp32 matmul
     contiguous_head_input(model)           any device: the LM head's input made contiguous
@@ -66,7 +65,6 @@ __all__ = [
     "common_prefix_length",
     "contiguous_head_input",
     "prepacked_linears",
-    "prepacked_scoring_linears",
     "sampling_cache",
     "share_prompt",
     "share_prompts",
@@ -117,27 +115,9 @@ def prepacked_linears(model: torch.nn.Module, batch_hint: int, compute: Compute)
     return contextlib.nullcontext()
 
 
-def prepacked_scoring_linears(
-    model: torch.nn.Module, batch_hint: int, compute: Compute
-) -> contextlib.AbstractContextManager:
-    """Return the context in which a frozen model's no-grad scoring forward (the KL reference) multiplies fastest.
-
-    fp32 runs on a CPU where oneDNN's packed fp32 matmul was measured faster than torch's own
-    (`packed_fp32_pays`): at 2,048 rows it ran at 449-483 against 204-209 GFLOP/s on an AMD EPYC. bf16
-    layers are left as they are: packed, they were no faster at those rows (739-964 against 767-905).
-    The output layer is left alone where scoring reads its weight in tiles (`supports_fused_logprobs`):
-    its packed copy (113 MB for SmolLM2-135M) would never be used. Each layer packs its weight when
-    called and drops it after (`on_call`), so the packed copies do not add up to a model's worth.
-    """
-    if compute.device_type == "cpu" and compute.precision == "fp32" and packed_fp32_pays(cache_key()):
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        skip = (head,) if head is not None and supports_fused_logprobs(model) else ()
-        return _cpu_linear.prepacked_linears(model, batch_hint, fp32=True, bf16=False, skip=skip, on_call=True)
-    return contextlib.nullcontext()
-
-
 def use_onednn_linears(model: torch.nn.Module, compute: Compute) -> int:
-    """Route `model`'s fp32 linear layers through oneDNN for training and scoring; return how many were routed.
+    """Route `model`'s fp32 linear layers through oneDNN for training and scoring (the KL reference's forward too);
+    return how many were routed.
 
     On the CPU, in an fp32 run, where this CPU's rates (`polo.runtime.rates`) measured oneDNN's fp32
     matmul faster than torch's own (`packed_fp32_pays`; `polo.kernels.cpu.linear.OneDnnLinear`).

@@ -18,7 +18,6 @@ from polo import core
 from polo.config import Config
 from polo.generation.episodes import episode_metrics
 from polo.generation.rollouts import Decoding, Rollouts
-from polo.kernels import prepacked_scoring_linears
 from polo.models.lora import merged_for_sampling, reference_scope
 from polo.models.scoring import completion_logprobs
 from polo.rl.batching import (
@@ -324,10 +323,6 @@ def completion_rows(batch: Batch, advantages: torch.Tensor) -> list[dict]:
     ]
 
 
-# About how many token rows a scoring forward multiplies at once, for oneDNN's packed layout (a hint only).
-REFERENCE_ROWS_HINT = 1024
-
-
 def score_before_update(run: Run, rollouts: Rollouts) -> PreUpdateScores:
     """Return the reference log-probs, the old log-probs and the critic's old values the step needs.
 
@@ -341,10 +336,7 @@ def score_before_update(run: Run, rollouts: Rollouts) -> PreUpdateScores:
     )
     scores = PreUpdateScores()
     if alg.beta > 0:
-        with (
-            reference_scope(run.model, run.reference),  # the LoRA policy itself, adapters off
-            prepacked_scoring_linears(run.reference, REFERENCE_ROWS_HINT, run.compute),
-        ):
+        with reference_scope(run.model, run.reference):  # the LoRA policy itself, adapters off
             scores.reference_logprobs = score_completions(
                 run.reference, rollouts, micro_batch_size, run.compute, temperature
             )

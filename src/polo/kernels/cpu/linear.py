@@ -56,15 +56,8 @@ def _can_prepack() -> bool:
     return packing_available() and cpu_supports_bf16()
 
 
-def _pack_and_multiply(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """Return x · weightᵀ (+ bias) through a packed copy of `weight` made for this call alone."""
-    return packed_linear(x, packed=pack_linear_weight(weight.detach(), rows), bias=bias)
-
-
 @contextlib.contextmanager
-def prepacked_linears(
-    model, batch_hint: int, fp32: bool = False, bf16: bool = True, skip: tuple = (), on_call: bool = False
-):
+def prepacked_linears(model, batch_hint: int, fp32: bool = False, bf16: bool = True):
     """Within the block, `model`'s bf16 CPU linear layers (with `bf16`) and fp32 ones (with `fp32`) multiply with
     weights packed once for oneDNN. A shard of an FSDP model (a DTensor) is left alone: its forward gathers the whole
     weight.
@@ -82,12 +75,11 @@ def prepacked_linears(
     which on a 2-core AMD EPYC ran at ~215 GFLOP/s where oneDNN's packed kernel ran at ~490 (1,024
     rows; torch 2.13). At decode sizes: 64 rows x 576 -> 1,536 took 243 µs against 587, the LM head
     (576 -> 49,152) 9.1 ms against 30.3. The sums are taken in another order, so fp32 outputs differ
-    from `F.linear`'s in the last bits (~1e-4 absolute on outputs of size ~10). The modules in `skip`
-    are left as they are.
+    from `F.linear`'s in the last bits (~1e-4 absolute on outputs of size ~10).
 
-    With `on_call`, a layer packs its weight when called and drops it after: for a forward that
-    calls each layer once (scoring one micro-batch) the same packing work, with one layer's packed
-    copy alive at a time instead of the model's (~430 MB of fp32 copies for SmolLM2-135M).
+    A scoring forward (the KL reference: thousands of rows, each layer called once) gains nothing
+    from packing ahead; its fp32 layers go through `OneDnnLinear`, which this block takes over and
+    gives back.
     """
     patched = []
     dtypes = ({torch.bfloat16} if bf16 and _can_prepack() else set()) | ({torch.float32} if fp32 else set())
@@ -96,23 +88,16 @@ def prepacked_linears(
             weight = getattr(module, "weight", None)
             if (
                 type(module) is torch.nn.Linear
-                and not any(module is other for other in skip)
                 and weight.dtype in dtypes
                 and weight.device.type == "cpu"
                 and not is_dtensor(weight)
             ):
                 bias = module.bias.detach() if module.bias is not None else None
-                if on_call:
-                    if pack_linear_weight(weight.detach()[:1], batch_hint) is None:  # can this build pack it at all
-                        raise RuntimeError("oneDNN cannot pack this weight")
-                    forward = functools.partial(_pack_and_multiply, weight=weight, bias=bias, rows=batch_hint)
-                else:
-                    packed = pack_linear_weight(weight.detach(), batch_hint)
-                    if packed is None:
-                        raise RuntimeError("oneDNN cannot pack this weight")
-                    forward = functools.partial(packed_linear, packed=packed, bias=bias)
+                packed = pack_linear_weight(weight.detach(), batch_hint)
+                if packed is None:
+                    raise RuntimeError("oneDNN cannot pack this weight")
                 patched.append((module, module.__dict__.get("forward")))
-                module.forward = forward
+                module.forward = functools.partial(packed_linear, packed=packed, bias=bias)
     except RuntimeError:  # an op this build cannot run: sample with the plain layers
         _restore(patched)
         patched = []
@@ -202,8 +187,7 @@ def use_onednn_linears(model: torch.nn.Module) -> int:
     Left alone: a shard of an FSDP model (a DTensor, whose forward gathers the weight), layers with
     fewer than `ONEDNN_MIN_FEATURES` inputs or outputs, other dtypes, and builds without oneDNN's
     matmul op. Already routed layers are counted again, not wrapped twice. The sampler's
-    `prepacked_linears` and the reference's packed scoring take a layer over for their block and
-    give this forward back after.
+    `prepacked_linears` takes a layer over for its block and gives this forward back after.
     """
     if not packing_available():
         return 0
