@@ -127,9 +127,10 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Return x · weightᵀ (+ bias) through oneDNN's matmul: x (..., in), weight (out, in) -> (..., out).
 
     The weight is not packed ahead: oneDNN reorders it within the call, which at training sizes
-    (thousands of rows) costs little against the matmul itself. A transposed view is taken as it is,
-    as a weight or as a 2-d input: oneDNN reads the strides, where a copy first had cost more
-    (2,160 rows, 576 -> 1,536: ∂x 8.5 against 10.2 ms with Wᵀ copied, ∂W 11.1 against 12.7 with gᵀ and xᵀ).
+    (thousands of rows) costs little against the matmul itself. A transposed view is passed as it is:
+    as the weight, oneDNN reads its strides while it reorders; as a 2-d input, the op copies it
+    itself. Copying both here first had cost more (2,160 rows, 576 -> 1,536: ∂x 8.5 against 10.2 ms
+    with Wᵀ copied, ∂W 11.1 against 12.7 with gᵀ and xᵀ).
     """
     return torch.ops.mkldnn._linear_pointwise(x if x.dim() == 2 else x.contiguous(), weight, bias, "none", [], "")
 
@@ -140,7 +141,7 @@ class OneDnnLinear(torch.autograd.Function):
     forward(x (..., in), weight (out, in), bias (out,) or None) -> (..., out). Backward, with
     g = ∂L/∂y as (rows, out): ∂L/∂x = g · W, ∂L/∂W = gᵀ · x, ∂L/∂b = Σ_rows g. Each gradient is
     one oneDNN call on transposed views (Wᵀ is (in, out); gᵀ and xᵀ are (out, rows) and
-    (in, rows)), whose strides oneDNN reads.
+    (in, rows)); see `onednn_linear` for what each view costs.
 
     Why by hand: torch's CPU wheels multiply fp32 with MKL's sgemm, which on a 2-core AMD EPYC
     ran at ~190-215 GFLOP/s where oneDNN ran at 300-490 for the same products (SmolLM2-135M's
