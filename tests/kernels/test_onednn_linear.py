@@ -109,6 +109,49 @@ def test_sampling_and_scoring_take_a_routed_layer_over_for_their_block_and_give_
     assert "forward" not in plain.__dict__  # a layer with no forward of its own gets none
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampling_multiplies_q_k_v_and_gate_up_as_one_matmul_each_with_the_same_outputs(monkeypatch, dtype):
+    if dtype is torch.bfloat16 and not linear._can_prepack():
+        pytest.skip("this CPU has no native bf16: bf16 weights are not packed")
+    model = wide_llama().to(dtype).eval()
+    ids = torch.randint(2, 97, (3, 7), generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = linear.packed_linear
+    monkeypatch.setattr(linear, "packed_linear", lambda x, **kw: calls.append(x.shape) or real(x, **kw))
+    options = {"fp32": dtype is torch.float32, "bf16": dtype is torch.bfloat16}
+    with torch.no_grad():
+        with linear.prepacked_linears(model, 3, **options):
+            merged = model(ids).logits
+        merged_calls = list(calls)
+        calls.clear()
+        monkeypatch.setattr(linear, "MERGED_PROJECTIONS", ())
+        with linear.prepacked_linears(model, 3, **options):
+            apart = model(ids).logits
+    # Per layer: q+k+v, o, gate+up, down merged, against 7 matmuls apart; then the LM head.
+    assert len(merged_calls) == 2 * 4 + 1 and len(calls) == 2 * 7 + 1
+    torch.testing.assert_close(merged, apart, **({"rtol": 1e-5, "atol": 1e-5} if dtype is torch.float32 else {}))
+    torch.testing.assert_close(merged.float(), model(ids).logits.float(), rtol=0.05, atol=0.05)  # no block: plain
+
+
+def test_a_merged_projection_called_with_another_input_runs_its_own_weight_and_is_given_back_after():
+    model = wide_llama().eval()
+    attention = model.model.layers[0].self_attn
+    x, y = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    with torch.no_grad():
+        expected = {name: getattr(attention, name)(y) for name in ("q_proj", "k_proj", "v_proj")}
+        with linear.prepacked_linears(model, 2, fp32=True, bf16=False):
+            assert "forward" in attention.k_proj.__dict__
+            attention.q_proj(x)  # the merged product for x
+            k_other = attention.k_proj(y)  # another input: k's own weight
+            k_x = attention.k_proj(x)  # x's slice, kept from the merged product
+            v_x = attention.v_proj(x)
+        torch.testing.assert_close(k_other, expected["k_proj"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k_x, attention.k_proj(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v_x, attention.v_proj(x), rtol=1e-5, atol=1e-5)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert "forward" not in getattr(attention, name).__dict__
+
+
 @pytest.mark.parametrize(
     ("precision", "pays", "expected"), [("fp32", True, 11), ("fp32", False, 0), ("bf16_master", True, 0)]
 )

@@ -77,23 +77,37 @@ def prepacked_linears(model, batch_hint: int, fp32: bool = False, bf16: bool = T
     (576 -> 49,152) 9.1 ms against 30.3. The sums are taken in another order, so fp32 outputs differ
     from `F.linear`'s in the last bits (~1e-4 absolute on outputs of size ~10).
 
+    Sibling projections that read one input (`MERGED_PROJECTIONS`: q, k, v; gate, up) are packed as
+    one matrix and multiplied once; each layer still returns its own output.
+
     A scoring forward (the KL reference: thousands of rows, each layer called once) gains nothing
     from packing ahead; its fp32 layers go through `OneDnnLinear`, which this block takes over and
     gives back.
     """
     patched = []
     dtypes = ({torch.bfloat16} if bf16 and _can_prepack() else set()) | ({torch.float32} if fp32 else set())
+
+    def packable(module) -> bool:
+        weight = getattr(module, "weight", None)
+        return (
+            type(module) is torch.nn.Linear
+            and weight.dtype in dtypes
+            and weight.device.type == "cpu"
+            and not is_dtensor(weight)
+        )
+
     try:
+        merged = set()
+        for parent in model.modules():
+            for names in MERGED_PROJECTIONS:
+                layers = [getattr(parent, name, None) for name in names]
+                if all(packable(layer) for layer in layers) and _mergeable(layers):
+                    patched.extend(_merge_projections(layers, batch_hint))
+                    merged.update(layers)
         for module in model.modules():
-            weight = getattr(module, "weight", None)
-            if (
-                type(module) is torch.nn.Linear
-                and weight.dtype in dtypes
-                and weight.device.type == "cpu"
-                and not is_dtensor(weight)
-            ):
+            if module not in merged and packable(module):
                 bias = module.bias.detach() if module.bias is not None else None
-                packed = pack_linear_weight(weight.detach(), batch_hint)
+                packed = pack_linear_weight(module.weight.detach(), batch_hint)
                 if packed is None:
                     raise RuntimeError("oneDNN cannot pack this weight")
                 patched.append((module, module.__dict__.get("forward")))
@@ -105,6 +119,69 @@ def prepacked_linears(model, batch_hint: int, fp32: bool = False, bf16: bool = T
         yield
     finally:
         _restore(patched)
+
+
+# Sibling projections that read the same input, multiplied as one packed matmul while sampling (the names every
+# Llama-like family in transformers uses). At 32 rows on a 2-core AMD EPYC (family 25, bf16 ~420 GFLOP/s), 30 layers
+# of SmolLM2-135M per decode step: q, k, v 5.43 ms apart against 3.79 merged; gate, up 11.09 against 10.21 (the same
+# bf16 outputs bit for bit there). Alone, k and v (576 -> 192) ran at ~120 GFLOP/s, under half the wide layers' rate.
+MERGED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _mergeable(layers: list) -> bool:
+    """Return whether `layers` (plain linears) can be one matmul: one input width and dtype, biases on all or none."""
+    first = layers[0]
+    return all(
+        layer.in_features == first.in_features
+        and layer.weight.dtype is first.weight.dtype
+        and (layer.bias is None) == (first.bias is None)
+        for layer in layers
+    ) and len({id(layer) for layer in layers}) == len(layers)
+
+
+class _MergedOutputs:
+    """The last merged product: the input it was taken for and the slices the other layers have not yet returned."""
+
+    def __init__(self):
+        self.input, self.slices = None, {}
+
+
+def _merge_projections(layers: list, batch_hint: int) -> list:
+    """Pack `layers`' weights as one (Σ out, in) matrix and make the first layer's call compute every layer's output.
+
+    The first layer returns its own columns of the product and keeps the others' until they are asked
+    for with the same input tensor; a call with any other input runs that layer's own weight. Returns
+    the (module, previous forward) pairs for `_restore`.
+    """
+    weights = torch.cat([layer.weight.detach() for layer in layers])
+    biases = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
+    packed = pack_linear_weight(weights, batch_hint)
+    if packed is None:
+        raise RuntimeError("oneDNN cannot pack this weight")
+    bounds = [0]
+    for layer in layers:
+        bounds.append(bounds[-1] + layer.out_features)
+    state = _MergedOutputs()
+    patched = [(layer, layer.__dict__.get("forward")) for layer in layers]
+
+    def first(x: torch.Tensor) -> torch.Tensor:
+        product = packed_linear(x, packed=packed, bias=biases)
+        columns = [product[..., start:end] for start, end in zip(bounds, bounds[1:])]
+        state.input, state.slices = x, dict(enumerate(columns[1:], start=1))
+        return columns[0]
+
+    def other(x: torch.Tensor, index: int, layer: torch.nn.Linear) -> torch.Tensor:
+        if state.input is x and index in state.slices:
+            out = state.slices.pop(index)
+            if not state.slices:
+                state.input = None  # let the input go once every slice is handed out
+            return out
+        return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+    layers[0].forward = first
+    for index, layer in enumerate(layers[1:], start=1):
+        layer.forward = functools.partial(other, index=index, layer=layer)
+    return patched
 
 
 def _restore(patched: list) -> None:
