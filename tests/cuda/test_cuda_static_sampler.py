@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import tiny_llama
+
 pytestmark = pytest.mark.cuda
 
 PROMPTS = ["What is 1 + 2?", "A much longer prompt, so the others are left-padded: 17 * 3 = ", "x"]
@@ -107,3 +109,54 @@ def test_the_captured_step_gives_the_eager_steps_tokens_and_is_reused(cuda_polic
     )  # the kept decoder, its graph replayed
     assert torch.equal(again.completion_ids, captured.completion_ids)
     assert dict(model.__dict__["_polo_static_decoders"]) == decoders  # nothing was built anew
+
+
+def test_the_training_runs_model_samples_captured_over_a_full_vocabulary(tiny_model_dir):
+    """What `polo train` samples with on a GPU, which the greedy tests above missed: polo's lean layers, activation
+    checkpointing, bf16 autocast, temperature 1 over SmolLM2's 49,152-token vocabulary. On an H200 this failed at
+    each of them in turn (docs/gpu.md); it draws valid, varied tokens that repeat under one seed."""
+    from polo.generation import static_sampler
+    from polo.generation.prompts import tokenize_prompts
+    from polo.generation.rollouts import Decoding
+    from polo.generation.stopping import Stopping
+    from polo.kernels.lean import use_lean_layers
+    from polo.models.loading import enable_activation_checkpointing, load_policy
+    from polo.runtime.device import Compute
+
+    _, tokenizer = load_policy(str(tiny_model_dir))
+    vocab = 49_152
+    model = tiny_llama(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    compute = Compute.named("bf16", torch.device("cuda", torch.cuda.current_device()))
+    model = model.to(compute.device)
+    assert use_lean_layers(model) > 0
+    enable_activation_checkpointing(model)
+    model.eval()
+    prompt_ids, prompt_mask = (tensor.to(compute.device) for tensor in tokenize_prompts(tokenizer, PROMPTS))
+    never = (vocab + 7,)  # no row stops, so every row draws every token
+
+    def draw(seed: int) -> torch.Tensor:
+        decoding = Decoding(MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, generator=compute.generator(seed))
+        ids, mask, _ = static_sampler.generate(
+            model,
+            prompt_ids,
+            prompt_mask,
+            decoding,
+            Stopping(never, tokenizer.pad_token_id),
+            compute=compute,
+            samples_per_prompt=8,
+        )
+        assert bool(mask.all())
+        return ids
+
+    first, again, other = draw(1), draw(1), draw(2)
+    assert first.shape == (len(PROMPTS) * 8, MAX_NEW_TOKENS) and first.device == compute.device
+    assert int(first.min()) >= 0 and int(first.max()) < vocab
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert len({tuple(row) for row in first.tolist()}) == first.shape[0]  # a random model: every row its own
+    assert all(shape.captured for shape, _ in model.__dict__["_polo_static_decoders"])

@@ -213,6 +213,71 @@ def test_the_compiled_decode_step_never_recompiles_and_draws_what_eager_draws(ti
     assert compiled[0].shape == (4, 10)
 
 
+def test_a_compiled_step_traces_lean_layers_and_a_checkpointed_model_in_any_number_of_decoders(
+    tiny_model_dir, monkeypatch
+):
+    """The training run's model (polo's lean norms and MLPs, activation checkpointing on, the embeddings hooked as
+    transformers 5.17's checkpointing hooks them) compiles whole, and a process may build more decoders (graphs) than
+    Dynamo's recompile limit; each draws what the eager step draws, from the caller's generator."""
+    import torch._dynamo
+
+    from polo.kernels.lean import use_lean_layers
+    from polo.models.loading import enable_activation_checkpointing
+
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    assert use_lean_layers(model) > 0
+    model.enable_input_require_grads()  # what transformers 5.17's gradient_checkpointing_enable does
+    enable_activation_checkpointing(model)
+    model.eval()
+    never = [model.config.vocab_size + 7]
+    settings = options(model, tokenizer, temperature=1.0, max_new_tokens=6, stop_ids=never)
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # a second decoder would exceed it
+    bucket = static_sampler.LENGTH_BUCKET
+    for group_size in (1, 2):  # two decode shapes: two decoders, two graphs of one method
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, PROMPTS[:2])
+        compiled = static_sampler.generate(
+            model, prompt_ids, prompt_mask, capture=True, samples_per_prompt=group_size, **seeded(settings, 6)
+        )
+        padded_ids, padded_mask = static_sampler.left_pad(prompt_ids, prompt_mask, bucket, tokenizer.pad_token_id)
+        eager = static_sampler.generate(
+            model, padded_ids, padded_mask, capture=False, samples_per_prompt=group_size, **seeded(settings, 6)
+        )
+        for ours, theirs in zip(compiled, eager):
+            assert torch.equal(ours, theirs)
+        assert compiled[0].shape == (2 * group_size, 6)
+    assert sum(shape.captured for shape, _ in model.__dict__["_polo_static_decoders"]) == 2
+    torch._dynamo.reset()
+
+
+def test_the_cache_holds_values_in_their_own_dtype_under_autocast(tiny_model_dir, monkeypatch):
+    """Under bf16 autocast the keys come out of the rotary embedding in fp32 and the values in bf16. A transformers
+    that allocates both in the keys' dtype (5.17) made the first value write fail; the sampler keeps each in its own."""
+    from transformers.cache_utils import StaticLayer
+
+    from polo.runtime.device import Compute
+
+    allocate = StaticLayer.lazy_initialization
+
+    def as_keys(layer, key_states, value_states):  # transformers 5.17: the values in the keys' dtype
+        allocate(layer, key_states, value_states.to(key_states.dtype))
+
+    monkeypatch.setattr(StaticLayer, "lazy_initialization", as_keys)
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    model.eval()
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, PROMPTS)
+    settings = options(model, tokenizer, samples_per_prompt=2)
+    autocast = Compute.named("bf16")
+    static = static_sampler.generate(model, prompt_ids, prompt_mask, compute=autocast, **settings)
+    cpu = cpu_sampler.generate(model, prompt_ids, prompt_mask, compute=autocast, **settings)
+    for ours, theirs in zip(static, cpu):
+        assert torch.equal(ours, theirs)
+    (decoder,) = model.__dict__["_polo_static_decoders"].values()
+    assert {(layer.keys.dtype, layer.values.dtype) for layer in decoder.cache.layers} == {
+        (torch.float32, torch.bfloat16)
+    }
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_captured_on_cuda_greedy_equals_transformers_generate(tiny_model_dir, family):

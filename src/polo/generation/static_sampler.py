@@ -14,10 +14,11 @@ samples), laid out for a GPU:
   step, which would re-trace a captured step.
 - **Sampling on the device** (`polo.generation.sampling.sample_on_device`), and the only host
   synchronisation is the check whether every row has finished, every `CHECK_EVERY` tokens.
-- **Captured on CUDA.** The decode step is compiled with `torch.compile(mode="reduce-overhead",
-  fullgraph=True, dynamic=False)` (CUDA graphs); on the CPU it runs eager, which is how its logic
-  is tested against the CPU sampler and `transformers.generate`. Prompts are left-padded to a
-  multiple of `LENGTH_BUCKET` when captured, so a few graphs serve batches of any prompt length.
+- **Captured on CUDA.** The decode step's forward is compiled with `torch.compile(mode="reduce-overhead",
+  fullgraph=True, dynamic=False)` (CUDA graphs) and the draw runs eagerly after it; on the CPU the
+  step runs eager, which is how its logic is tested against the CPU sampler and `transformers.generate`.
+  Prompts are left-padded to a multiple of `LENGTH_BUCKET` when captured, so a few graphs serve
+  batches of any prompt length.
   A decoder (cache, buffers, compiled step) is kept per model and shape and reused by later calls.
 """
 
@@ -39,6 +40,7 @@ from polo.runtime.device import CPU, Compute
 CHECK_EVERY = 8  # tokens between two "has every row finished?" checks (the only host synchronisation)
 LENGTH_BUCKET = 64  # captured decoders pad prompts to a multiple of this, so few shapes (graphs) are ever built
 KEPT_DECODERS = 8  # decoders (cache + graph) kept per model, the least recently used dropped first
+RECOMPILE_LIMIT = 256  # graphs of the decode step one process may build (one per decoder; Dynamo's default is 8)
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,29 @@ def full_length_cache(model, cache_len: int, device: torch.device):
     odd = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
     if odd:
         raise ValueError(f"the static sampler lays out full and sliding-window attention only; this model has {odd}")
+    for layer in layers:
+        _values_in_their_own_dtype(layer)
     cache.layers = layers
     return cache
+
+
+def _values_in_their_own_dtype(layer) -> None:
+    """Make `layer` (a `StaticLayer`) allocate its values in the values' dtype, not the keys'.
+
+    Under bf16 autocast the two differ: the projections give bf16, and the rotary embedding's fp32
+    cos/sin promote the keys back to fp32. Some transformers releases (5.17, seen on an H200)
+    allocate both in the keys' dtype, and the first value write then fails in `index_copy_`.
+    """
+    allocate = layer.lazy_initialization
+
+    def lazy_initialization(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        allocate(key_states, value_states)
+        if layer.values.dtype != value_states.dtype:
+            layer.values = torch.zeros_like(layer.values, dtype=value_states.dtype)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(layer.values)  # written in place by a captured step
+
+    layer.lazy_initialization = lazy_initialization
 
 
 class StaticDecoder:
@@ -109,10 +132,18 @@ class StaticDecoder:
         buffers = (self.tokens, self.positions, self.finished, self.column, self.completion_ids, self.completion_mask)
         for buffer in (*buffers, self.attention_mask):
             torch._dynamo.mark_static_address(buffer)  # mutated in place by the graph: CUDA graphs need fixed addresses
-        self.step = self._decode_step
+        self.forward = self._next_logits
         if shape.captured:
             mode = "reduce-overhead" if compute.is_cuda else None
-            self.step = torch.compile(self._decode_step, fullgraph=True, dynamic=False, mode=mode)
+            compiled = torch.compile(self._next_logits, fullgraph=True, dynamic=False, mode=mode)
+
+            def forward() -> torch.Tensor:
+                # Every decoder compiles the same method once (its own graph: `self` differs), so the default
+                # limit of 8 recompiles per code object would fail a process that has made more decoders than that.
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    return compiled()
+
+            self.forward = forward
 
     @torch.no_grad()
     def start(
@@ -150,8 +181,17 @@ class StaticDecoder:
         self.generator = generator
         self._take(logits.repeat_interleave(group_size, dim=0))
 
-    def _decode_step(self) -> None:
-        """Return nothing: run the model on each row's last token, draw the next (fixed shapes, in place, no sync)."""
+    def step(self) -> None:
+        """Return nothing: run the model on each row's last token, draw the next (fixed shapes, in place, no sync).
+
+        Only the model's forward is captured; the draw runs eagerly after it, a handful of kernels
+        with no host read. Inductor (torch 2.11, on an H200) failed to generate the vocabulary-wide
+        cumulative sum that the draw needs, and eager sampling also draws from `decoding.generator`.
+        """
+        self._take(self.forward())
+
+    def _next_logits(self) -> torch.Tensor:
+        """Return each row's next-token logits (rows, vocab), the cache written at `positions`, which advance by 1."""
         logits = self.model(
             input_ids=self.tokens[:, None],
             attention_mask=self.attention_mask,
@@ -160,7 +200,7 @@ class StaticDecoder:
             **{self.cache_keyword: self.cache},
         ).logits[:, -1]
         self.positions.add_(1)
-        self._take(logits)
+        return logits
 
     def _take(self, logits: torch.Tensor) -> None:
         """Return nothing: draw a token per row from `logits` (rows, vocab); finished rows write pad, masked."""
@@ -233,8 +273,7 @@ def generate(
 
     Shapes: prompt (prompts, prompt_len) -> completion (batch, longest completion), truncated (batch,),
     batch = prompts x `samples_per_prompt`, a prompt's samples in consecutive rows. `capture` (default:
-    on CUDA) compiles the decode step; `decoding.generator` is used only when it is not captured (a
-    compiled step draws from the device's default generator).
+    on CUDA) compiles the decode step's forward; the draws come from `decoding.generator` either way.
     """
     if decoding.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {decoding.max_new_tokens}")
@@ -257,7 +296,7 @@ def generate(
     model.eval()
     try:
         with compute.autocast():
-            decoder.start(prompt_ids, prompt_mask, samples_per_prompt, None if capture else decoding.generator)
+            decoder.start(prompt_ids, prompt_mask, samples_per_prompt, decoding.generator)
             decoder.decode(stopping.strings)
     finally:
         model.train(was_training)

@@ -55,8 +55,15 @@ def torch_path():
 
 
 def _native(*tensors: torch.Tensor):
-    """Return polo's native ops for CPU float32 / bfloat16 `tensors` outside `torch_path()`, else None."""
-    if _TORCH_ONLY.get() or any(t.device.type != "cpu" or t.dtype not in _NATIVE_DTYPES for t in tensors):
+    """Return polo's native ops for CPU float32 / bfloat16 `tensors` outside `torch_path()`, else None.
+
+    None inside a `torch.compile` region (the static sampler's captured decode step): the native ops
+    are opaque to the compiler, and Dynamo cannot read the context variable. The device is looked at
+    before the context variable for the same reason.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    if any(t.device.type != "cpu" or t.dtype not in _NATIVE_DTYPES for t in tensors) or _TORCH_ONLY.get():
         return None
     return native_ops()  # built or loaded on first use, cached; None where it cannot build or POLO_NATIVE=0
 

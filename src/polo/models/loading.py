@@ -350,6 +350,11 @@ def enable_activation_checkpointing(model: torch.nn.Module, above_tokens: int | 
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if getattr(model, "_require_grads_hook", None) is not None:
+        # Some transformers releases (5.17) also hook the embeddings to make their output require grad, which
+        # only reentrant checkpointing needs. The hook runs in every forward, sampling too, and a compiled
+        # decode step cannot trace it (Dynamo does not support `requires_grad_`, seen on an H200).
+        model.disable_input_require_grads()
     model.polo_recompute_above = above_tokens
 
 
