@@ -41,6 +41,8 @@ CHECK_EVERY = 8  # tokens between two "has every row finished?" checks (the only
 LENGTH_BUCKET = 64  # captured decoders pad prompts to a multiple of this, so few shapes (graphs) are ever built
 KEPT_DECODERS = 8  # decoders (cache + graph) kept per model, the least recently used dropped first
 RECOMPILE_LIMIT = 256  # graphs of the decode step one process may build (one per decoder; Dynamo's default is 8)
+# Dynamo's name for that limit: `recompile_limit` in recent torch (2.11, 2.13), `cache_size_limit` in older ones (2.6).
+_RECOMPILE_LIMIT_NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ class StaticDecoder:
             def forward() -> torch.Tensor:
                 # Every decoder compiles the same method once (its own graph: `self` differs), so the default
                 # limit of 8 recompiles per code object would fail a process that has made more decoders than that.
-                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT_NAME: RECOMPILE_LIMIT}):
                     return compiled()
 
             self.forward = forward
