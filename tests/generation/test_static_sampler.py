@@ -228,6 +228,7 @@ def test_a_compiled_step_traces_lean_layers_and_a_checkpointed_model_in_any_numb
     assert use_lean_layers(model) > 0
     model.enable_input_require_grads()  # what transformers 5.17's gradient_checkpointing_enable does
     enable_activation_checkpointing(model)
+    assert getattr(model, "_require_grads_hook", None) is None  # non-reentrant checkpointing does without it
     model.eval()
     never = [model.config.vocab_size + 7]
     settings = options(model, tokenizer, temperature=1.0, max_new_tokens=6, stop_ids=never)
