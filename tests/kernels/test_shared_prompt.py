@@ -267,3 +267,54 @@ def logprobs_entropy_grads(model, batch, **options) -> tuple:
     logprobs, entropy = completion_logprobs(model, *batch, with_entropy=True, **options)
     (logprobs * batch[3]).sum().backward()
     return logprobs.detach(), entropy, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def groups_with_a_common_prefix(vocab: int, group_size: int = 3, prefix: int = 5, rests=(2, 0, 4), seed: int = 2):
+    """Groups of `group_size` rows whose prompts open with the same `prefix` tokens and then differ (`rests` more)."""
+    prompt_ids, prompt_mask, _, _ = prefixed_batch(
+        vocab, prefix=prefix, rests=rests, completion_lengths=rests, seed=seed
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    lengths = torch.randint(1, 6, (len(rests) * group_size,), generator=generator)
+    completion_ids = torch.randint(3, vocab, (len(lengths), 5), generator=generator)
+    completion_mask = (torch.arange(5)[None, :] < lengths[:, None]).long()
+    return (
+        prompt_ids.repeat_interleave(group_size, dim=0),
+        prompt_mask.repeat_interleave(group_size, dim=0),
+        completion_ids.masked_fill(completion_mask == 0, 0),
+        completion_mask,
+    )
+
+
+def test_groups_whose_prompts_open_alike_run_the_common_prefix_once(tiny_model_dir, monkeypatch):
+    """GRPO groups behind one system prompt: the trunk runs that prefix once, with the log-probs and gradients of
+    separate rows."""
+    model, _ = load_policy(str(tiny_model_dir))
+    batch = groups_with_a_common_prefix(model.config.vocab_size)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
+    shared = share_prompts(*batch, 3)
+    exact = without_padding(shared, row_multiple=1)
+    every_group = without_padding(shared, row_multiple=1, common_prefix=False)
+    real = int(prompt_mask[::3].sum() + completion_mask.sum())
+    assert every_group.input_ids.shape == (1, real)
+    assert exact.input_ids.shape == (1, real - 2 * 5)  # the two later groups' 5 prefix tokens are not run again
+    expected = []  # the row: the prefix once, each group's rest of prompt and its completions
+    for group in range(3):
+        first = group * 3
+        expected += prompt_ids[first][prompt_mask[first].bool()].tolist()[5 if group else 0 :]
+        for row in range(first, first + 3):
+            expected += completion_ids[row][completion_mask[row].bool()].tolist()
+    assert exact.input_ids[0].tolist() == expected
+
+    ran = []
+    real_without_padding = scoring.without_padding
+    monkeypatch.setattr(scoring, "without_padding", lambda s: ran.append(real_without_padding(s)) or ran[-1])
+    plain = logprobs_entropy_grads(model, batch, group_size=3)  # transformers' SDPA: separate rows
+    assert use_polo_attention(model)
+    prefixed = logprobs_entropy_grads(model, batch, group_size=3)
+    assert len(ran) == 1 and ran[0].input_ids.shape[1] == -(-(real - 10) // 8) * 8
+    mask = completion_mask.bool()
+    torch.testing.assert_close(prefixed[0][mask], plain[0][mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prefixed[1][mask], plain[1][mask], rtol=1e-5, atol=1e-5)
+    for name, grad in plain[2].items():
+        torch.testing.assert_close(prefixed[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -246,7 +246,9 @@ def split_common_prefix(
 ROW_MULTIPLE = 8
 
 
-def without_padding(shared: SharedPromptBatch, row_multiple: int = ROW_MULTIPLE) -> SharedPromptBatch:
+def without_padding(
+    shared: SharedPromptBatch, row_multiple: int = ROW_MULTIPLE, common_prefix: bool = True
+) -> SharedPromptBatch:
     """Return the same batch as one row of its real tokens only, for a model whose attention reads the layout's blocks.
 
     The shared layout pads every prompt to the longest and every completion to the longest; the
@@ -257,15 +259,30 @@ def without_padding(shared: SharedPromptBatch, row_multiple: int = ROW_MULTIPLE)
     `layout.block_position`). The log-probs are those of the padded layout; the demo's update runs
     1,777 tokens instead of 2,480. Only for polo's attention: any other ignores the layout.
 
+    With `common_prefix`, the groups' prompts that open alike (a system prompt, a worked example:
+    `common_prefix_length`) hold that prefix once in the row: every group's prompt block gathers the same
+    real tokens there (the gather's backward sums their gradients over the groups, as G separate
+    prompts would). The prefix attends only to itself, so each group's copy of its output is the
+    same, and the row keeps the first group's. For r1_zero_arith's 8 groups (a 90-token prefix of
+    104-token prompts) the update runs 2,890 instead of 3,520 tokens a step.
+
     The row ends with up to `row_multiple` - 1 filler tokens (id 0, position 0) so that its length is a
     multiple of `row_multiple`: attention gives them zeros and reads nothing from them, no prediction
     reads them, so they change no log-prob and no gradient.
     """
     groups, length = shared.input_ids.shape
     device = shared.input_ids.device
-    block_position = shared.real_tokens.reshape(-1).nonzero().squeeze(1)  # (T,)
+    owned, prefix_positions = shared.real_tokens.reshape(-1), None
+    if common_prefix and groups > 1:
+        prefix_positions = group_prefix_positions(shared)
+        if prefix_positions is not None:  # the later groups read the first group's prefix tokens
+            owned = owned.clone()
+            owned[prefix_positions[1:].reshape(-1)] = False
+    block_position = owned.nonzero().squeeze(1)  # (T,)
     token_index = torch.zeros(groups * length, dtype=torch.long, device=device)
     token_index[block_position] = torch.arange(block_position.shape[0], device=device)
+    if prefix_positions is not None:
+        token_index[prefix_positions[1:]] = token_index[prefix_positions[:1]]
     layout = SharedAttentionLayout(
         shared.layout.prompt_len,
         shared.layout.group_size,
@@ -287,6 +304,24 @@ def without_padding(shared: SharedPromptBatch, row_multiple: int = ROW_MULTIPLE)
         predictor_index=token_index[shared.predictor_index],
         layout=layout,
     )
+
+
+def group_prefix_positions(shared: SharedPromptBatch) -> torch.Tensor | None:
+    """Return the flat layout positions (groups, K) of the K leading real prompt tokens all groups share, or None.
+
+    Each group's prompt sits left-padded in the first P columns of its row of the layout; None when
+    the prompts share no prefix or their masks are not plain left padding.
+    """
+    groups, length = shared.input_ids.shape
+    prompt_len = shared.layout.prompt_len
+    prompt_mask = shared.real_tokens[:, :prompt_len]
+    prefix = common_prefix_length(shared.input_ids[:, :prompt_len], prompt_mask)
+    if prefix == 0:
+        return None
+    device = shared.input_ids.device
+    first = prompt_len - prompt_mask.long().sum(1)  # (groups,) each prompt's first real column
+    columns = first[:, None] + torch.arange(prefix, device=device)[None]
+    return torch.arange(groups, device=device)[:, None] * length + columns
 
 
 def shared_attention(
