@@ -15,7 +15,14 @@ import torch
 from polo.generation.rollouts import Decoding, Rollouts, one_turn_rollouts
 from polo.generation.sampling import sample_next_token
 from polo.generation.stopping import Stopping
-from polo.kernels import contiguous_head_input, prepacked_linears, sampling_cache, share_prompt, shares_prompts
+from polo.kernels import (
+    contiguous_head_input,
+    lean_decode_step,
+    prepacked_linears,
+    sampling_cache,
+    share_prompt,
+    shares_prompts,
+)
 from polo.models.family import cache_keyword
 from polo.models.scoring import position_ids_from_mask
 from polo.runtime.device import CPU, Compute
@@ -118,6 +125,7 @@ def generate(
     was_training = model.training
     model.eval()
     rows = DecodeRows(batch, max_new_tokens, stopping.pad_id, device)
+    lean_step = lean_decode_step(model, cache, compute)
     with compute.autocast(), contiguous_head_input(model), prepacked_linears(model, batch, compute):
         logits, attention_mask = prefill(model, prompt_ids, attention_mask, cache)
         spread_prompts(cache, with_cache, attention_mask, samples_per_prompt, shared)
@@ -143,13 +151,16 @@ def generate(
                 shared = False
                 inputs, attention_mask, next_position = inputs[keep], attention_mask[keep], next_position[keep]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(inputs), 1)], dim=1)
-            logits = model(
-                input_ids=inputs[:, None],
-                attention_mask=None if shared else attention_mask,  # shared: the prompts' padding is in the cache
-                position_ids=next_position[:, None],
-                **with_cache,
-                use_cache=True,
-            ).logits[:, -1]
+            if lean_step is not None:  # the same logits without the forward's wrappers (polo.kernels.cpu.decode)
+                logits = lean_step(inputs, next_position, None if shared else attention_mask)
+            else:
+                logits = model(
+                    input_ids=inputs[:, None],
+                    attention_mask=None if shared else attention_mask,  # shared: the prompts' padding is in the cache
+                    position_ids=next_position[:, None],
+                    **with_cache,
+                    use_cache=True,
+                ).logits[:, -1]
             next_position = next_position + 1
     model.train(was_training)
     return rows.result()

@@ -21,6 +21,9 @@ its inputs), and never names a device itself:
                                            chunked lm_head log-probs (polo.kernels.logprobs): plain torch
                                            on the inputs' device, never full fp32 logits on any device
     sampling_cache(model, capacity)        the preallocated KV cache of the CPU sampler
+    lean_decode_step(model, cache, compute)  CPU: a decode step over that cache that calls the layers' parts
+                                           directly (polo.kernels.cpu.decode), the forward's logits bit for bit;
+                                           None for other models and devices
     shares_prompts, share_prompt           whether that cache can hold each prompt once for its group of
                                            samples (polo's attention reads it once a decode step), and doing so
 
@@ -36,6 +39,7 @@ import torch
 from polo.kernels.cpu import attention as _cpu_attention
 from polo.kernels.cpu import linear as _cpu_linear
 from polo.kernels.cpu import shared_prompt as _cpu_shared_prompt
+from polo.kernels.cpu.decode import lean_decoder
 from polo.kernels.cpu.kv_cache import can_share_prompt, sampling_cache, share_prompt
 from polo.kernels.cpu.linear import contiguous_head_input, packed_fp32_pays
 from polo.kernels.cpu.shared_prompt import (
@@ -64,6 +68,7 @@ __all__ = [
     "completion_logprobs_fused",
     "common_prefix_length",
     "contiguous_head_input",
+    "lean_decode_step",
     "prepacked_linears",
     "sampling_cache",
     "share_prompt",
@@ -126,6 +131,18 @@ def use_onednn_linears(model: torch.nn.Module, compute: Compute) -> int:
     if compute.device_type == "cpu" and compute.precision == "fp32" and packed_fp32_pays(cache_key()):
         return _cpu_linear.use_onednn_linears(model)
     return 0
+
+
+def lean_decode_step(model: torch.nn.Module, cache, compute: Compute):
+    """Return `step(tokens, positions, attention_mask) -> logits` decoding `model` over `cache` (`sampling_cache`)
+    without its forward's wrappers, or None where only the forward decodes (`polo.kernels.cpu.decode.lean_decoder`).
+
+    CPU only: on CUDA the static sampler captures the whole step instead.
+    """
+    if compute.device_type != "cpu":
+        return None
+    decoder = lean_decoder(model, cache)
+    return None if decoder is None else decoder.step
 
 
 def shares_prompts(model: torch.nn.Module, cache) -> bool:
