@@ -2,7 +2,8 @@
 
 The floor is the least work a step needs, at the best rate this machine offers, as in
 benchmarks/grpo_vs_trl.py:
-- T, the step's `floor_tokens` metric: each group's prompt once, and the completions;
+- T, the step's `floor_tokens` metric: each group's prompt once (the opening all its prompts share
+  once), and the completions;
 - (2 sampling + 6 x update epochs + 2 reference scoring where beta > 0) x N x T FLOPs, N the model's
   parameters (tied embeddings once);
 - at the fastest of the bf16, fp32 and oneDNN-packed fp32 2048^3 matmul rates, measured now, on a

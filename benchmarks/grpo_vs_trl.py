@@ -25,7 +25,8 @@ quiet before each run and runs again any run during which they used the CPU (--r
 
 The compute floor is FLOPs / rate with FLOPs = (6 + 2 + 2) * N * T per step (policy update,
 reference forward, sampling), N the parameter count, T the least tokens the step needs: each
-group's prompt once (the shared-prompt layout) plus the completions of its 32 sequences (median
+group's prompt once (the shared-prompt layout), the opening all its prompts share (the chat
+template's system prompt) once, plus the completions of its 32 sequences (median
 over polo's timed steps), and rate the faster of the measured bf16 and fp32 2048^3 matmul rates
 on this machine (both are printed, with the precision each trainer used).
 
@@ -169,6 +170,12 @@ def step_prompts(config, tokenizer, steps: int):
 # children
 
 
+def least_prompt_tokens(prompts: list[list[int]]) -> int:
+    """Return the prompt tokens a step must run: every prompt's own, the prefix they all open with counted once."""
+    shared = len(os.path.commonprefix(prompts)) if len(prompts) > 1 else 0
+    return sum(len(ids) for ids in prompts) - (len(prompts) - 1) * shared
+
+
 def run_polo(steps: int, out_dir: Path, lora: bool = False, device: str = "cpu", job: str = "bench") -> dict:
     from transformers import AutoTokenizer
 
@@ -185,13 +192,15 @@ def run_polo(steps: int, out_dir: Path, lora: bool = False, device: str = "cpu",
     # Prompt tokens per step (for T when the metrics do not give it).
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin_model(MODEL)))
     _, _, prompts = step_prompts(config, tokenizer, steps)
-    prompt_lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    prompt_lengths = [len(ids) for ids in prompt_ids]
     prompt_tokens = [
         group_size * sum(prompt_lengths[s * prompts_per_step : (s + 1) * prompts_per_step]) for s in range(steps)
     ]
-    # The least work: each group's prompt once (the shared-prompt layout), then its completions.
+    # The least work: each group's prompt once (the shared-prompt layout), the opening all the step's prompts
+    # share (the chat template's system prompt) once, then the completions (polo.rl.step.least_tokens).
     shared_prompt_tokens = [
-        sum(prompt_lengths[s * prompts_per_step : (s + 1) * prompts_per_step]) for s in range(steps)
+        least_prompt_tokens(prompt_ids[s * prompts_per_step : (s + 1) * prompts_per_step]) for s in range(steps)
     ]
     del tokenizer
 
@@ -823,7 +832,8 @@ def print_polo_against_trl(
         return step_ratio, rss_ratio, floor_fraction
     rate_bf16, rate_fp32, rate_packed = rates
     polo_median = summary["polo"]["median"]
-    # The floor is the least work at the best rate this machine offers: every group's prompt counted once,
+    # The floor is the least work at the best rate this machine offers: every group's prompt counted once (and the
+    # opening all of a step's prompts share, once),
     # and the fastest of the measured kernels: bf16, fp32 and oneDNN's packed fp32 (a floor_fraction above 1
     # would be a bug in the floor).
     tokens = median([t for result in results["polo"] for t in result["floor_tokens"][1:]])
@@ -833,8 +843,9 @@ def print_polo_against_trl(
     floor = flops / best_rate
     floor_fraction = floor / polo_median
     print(
-        f"compute floor: N = {n_params:,} parameters, T = {tokens:,.0f} tokens per step (each group's prompt once + "
-        f"the completions; median of polo's timed steps), 10*N*T = {flops / 1e12:.2f} TFLOP at the faster measured "
+        f"compute floor: N = {n_params:,} parameters, T = {tokens:,.0f} tokens per step (each group's prompt once, "
+        f"their common opening once, the completions; median of polo's timed steps), "
+        f"10*N*T = {flops / 1e12:.2f} TFLOP at the faster measured "
         f"rate, {best_dtype} {best_rate / 1e9:,.1f} GFLOP/s (bf16 {rate_bf16 / 1e9:,.1f}, fp32 {rate_fp32 / 1e9:,.1f}, "
         f"fp32 oneDNN-packed {rate_packed / 1e9:,.1f}) "
         f"= {floor:.2f} s = {floor_fraction:.1%} of polo's median step"

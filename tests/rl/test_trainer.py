@@ -91,9 +91,10 @@ def test_train_writes_metrics_checkpoints_and_plots(tiny_model_dir, tmp_path):
     for row in rows:  # the step's real tokens, once per update epoch (2), over the update's time alone
         tokens = row["tokens_per_second"] * row["time/step"]
         assert tokens > 0 and row["update_tokens_per_second"] * row["time/update"] == pytest.approx(2 * tokens)
-        # the 8 completions + each of the 2 groups' prompt once, where every row's prompt counts in `tokens`
+        # the 8 completions + each of the 2 groups' prompt once (where every row's prompt counts in `tokens`), less
+        # the chat template's opening both prompts share, counted once (`test_the_floor_counts_a_shared_prefix_once`)
         completions = 8 * row["completion_length/mean"]
-        assert row["floor_tokens"] == pytest.approx(completions + (tokens - completions) / 4)
+        assert completions < row["floor_tokens"] < completions + (tokens - completions) / 4
     assert all(row["kl"] >= 0 for row in rows)
     assert rows[-1]["kl"] > 0  # the policy has moved away from the reference
     assert (
@@ -307,3 +308,17 @@ def test_kl_is_zero_while_the_policy_equals_the_reference(tiny_model_dir, tmp_pa
         ["algorithm.beta=0.1"],
     )
     assert result.metrics[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_floor_counts_a_shared_prefix_once():
+    from polo.rl.step import least_tokens
+
+    # two groups of 3 rows: prompts of 5 and 4 real tokens (left-padded), the first 3 alike; completions 2 + 3 + 1 each
+    prompt_ids = torch.tensor([[7, 8, 9, 4, 5]] * 3 + [[0, 7, 8, 9, 6]] * 3)
+    prompt_mask = (prompt_ids != 0).long()
+    completion_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]] * 2)
+    assert least_tokens(prompt_ids, prompt_mask, completion_mask, 3) == 12 + (5 + 4) - 3
+    different = prompt_ids.clone()
+    different[3:, 1] = 3  # the second group's prompt opens otherwise: nothing shared across the groups
+    assert least_tokens(different, prompt_mask, completion_mask, 3) == 12 + 9
+    assert least_tokens(prompt_ids[:3], prompt_mask[:3], completion_mask[:3], 3) == 6 + 5  # one group

@@ -18,6 +18,7 @@ from polo import core
 from polo.config import Config
 from polo.generation.episodes import episode_metrics
 from polo.generation.rollouts import Decoding, Rollouts
+from polo.kernels import common_prefix_length
 from polo.models.lora import merged_for_sampling, reference_scope
 from polo.models.scoring import completion_logprobs
 from polo.rl.batching import (
@@ -410,10 +411,7 @@ def rl_step(run: Run, step: int) -> StepResult:
     # Real prompt + completion tokens of every row (no padding), once per pass over the batch: what
     # an SFT step's tokens_per_second counts (polo.finetune.fit), so the two rates compare.
     real_tokens = float(rollouts.completion_mask.sum() + rollouts.prompt_mask.sum())
-    # The least a step must run through the model: each group's prompt once, and the completions
-    # (the compute floor of benchmarks/grpo_vs_trl.py and benchmarks/demo_floor.py).
     group = rollouts.group_size if len(rollouts) % max(rollouts.group_size, 1) == 0 else 1
-    floor_tokens = float(rollouts.completion_mask.sum() + rollouts.prompt_mask[::group].sum())
     metrics = {
         **sampled.metrics,
         "advantage/abs_mean": core.masked_mean(advantages.abs(), rollouts.model_token_mask).item(),
@@ -423,7 +421,7 @@ def rl_step(run: Run, step: int) -> StepResult:
         "time/step": total_time,
         "tokens_per_second": real_tokens / max(total_time, 1e-9),
         "update_tokens_per_second": real_tokens * alg.update_epochs / max(timings["update"], 1e-9),
-        "floor_tokens": floor_tokens,
+        "floor_tokens": least_tokens(rollouts.prompt_ids, rollouts.prompt_mask, rollouts.completion_mask, group),
         **memory_metrics(run.compute),  # the device's peak since the last step (CUDA only)
     }
     if update_batch.returns is not None:
@@ -435,3 +433,17 @@ def rl_step(run: Run, step: int) -> StepResult:
     if completions is not None:  # every rank's, for a tracker's completions table
         result.completions = [row for part in parallel.gather_objects(completions) for row in part]
     return result
+
+
+def least_tokens(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor, group: int
+) -> float:
+    """Return the fewest tokens a step must run through the model: the completions, each group's prompt once, and
+    the prefix all the groups' prompts open with (a system prompt) once: the compute floor's T
+    (benchmarks/grpo_vs_trl.py, benchmarks/demo_floor.py).
+
+    prompt_ids, prompt_mask (batch, P) left-padded; completion_mask (batch, C); groups of `group` consecutive rows.
+    """
+    prompts, masks = prompt_ids[::group], prompt_mask[::group]
+    shared = common_prefix_length(prompts, masks) if prompts.shape[0] > 1 else 0
+    return float(completion_mask.sum() + masks.sum() - (prompts.shape[0] - 1) * shared)
