@@ -76,26 +76,35 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+# The sizes of the in-memory tiny models: 2 layers, hidden 32, MLP 64, 4 heads over 2 kv heads, vocabulary 97.
+TINY_SIZES = {
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+
+
 def tiny_llama(seed: int = 0, **config):
-    """Return a random 2-layer Llama (hidden 32, MLP 64, 4 heads over 2 kv heads, vocabulary 97, tied embeddings)
-    built in memory; `config` overrides any LlamaConfig field."""
+    """Return a random Llama of `TINY_SIZES` (tied embeddings) built in memory; `config` overrides any LlamaConfig
+    field."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    defaults = {
-        "vocab_size": 97,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-        "bos_token_id": None,
-        "eos_token_id": 1,
-        "pad_token_id": 0,
-        "tie_word_embeddings": True,
-    }
+    defaults = {**TINY_SIZES, "bos_token_id": None, "eos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": True}
     return LlamaForCausalLM(LlamaConfig(**{**defaults, **config}))
+
+
+def tiny_qwen2(seed: int = 0, **config):
+    """Return a random Qwen2 of `TINY_SIZES` (biases on q/k/v, an untied head) built in memory; `config` overrides
+    any Qwen2Config field."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**{**TINY_SIZES, "tie_word_embeddings": False, **config}))
 
 
 def tiny_rl_config(model_dir, output_dir, **sections) -> dict:

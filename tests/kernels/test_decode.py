@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import tiny_llama, tiny_qwen2
 from polo.generation import cpu_sampler
 from polo.generation.rollouts import Decoding
 from polo.generation.stopping import Stopping
@@ -16,23 +16,10 @@ from polo.models.scoring import position_ids_from_mask
 from polo.runtime.device import CPU, Compute
 
 
-def tiny_qwen2(seed: int = 0, **config):
-    """Return a random 2-layer Qwen2 (biases on q/k/v, untied head) built in memory."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    defaults = {
-        "vocab_size": 97,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-        "tie_word_embeddings": False,
-    }
-    model = Qwen2ForCausalLM(Qwen2Config(**{**defaults, **config}))
-    with torch.no_grad():  # random biases, so that a step that dropped them would differ
+def biased_qwen2():
+    """Return `tiny_qwen2` with random q/k/v biases, so that a step that dropped them would differ."""
+    model = tiny_qwen2()
+    with torch.no_grad():
         for layer in model.model.layers:
             for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 projection.bias.normal_(0, 0.5)
@@ -108,7 +95,7 @@ def decode_logits(model, ids, mask, group: int, steps: int, lean: bool, compact_
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("group", "compact_at"), [(1, None), (4, None), (4, 3)])
 def test_the_lean_step_gives_the_forwards_logits_bit_for_bit(family, dtype, group, compact_at):
-    model = prepared(tiny_llama() if family == "llama" else tiny_qwen2(), dtype)
+    model = prepared(tiny_llama() if family == "llama" else biased_qwen2(), dtype)
     ids, mask = prompts()
     forward = decode_logits(model, ids, mask, group, steps=6, lean=False, compact_at=compact_at)
     lean = decode_logits(model, ids, mask, group, steps=6, lean=True, compact_at=compact_at)
@@ -146,20 +133,6 @@ def test_models_outside_the_known_families_decode_through_their_forward():
     sdpa = tiny_llama().eval()  # transformers' own attention: the forward's kernels are not polo's
     assert lean_decoder(sdpa, cache(sdpa)) is None
 
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    sliding = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=97,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            use_sliding_window=True,
-            sliding_window=4,
-            max_window_layers=0,
-        )
-    )
+    sliding = tiny_qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=0)
     sliding = prepared(sliding, torch.float32)
     assert lean_decoder(sliding, cache(sliding)) is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import tiny_llama, tiny_qwen2
 from polo.kernels.logprobs import (
     ChunkedTokenLogprobs,
     LogprobSettings,
@@ -358,7 +358,7 @@ def test_no_fused_path_when_something_sits_between_trunk_and_head():
 
 
 def other_families():
-    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(
@@ -375,17 +375,7 @@ def other_families():
             attn_pdrop=0.0,
         )
     )
-    qwen2_untied = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=97,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        )
-    )
+    qwen2_untied = tiny_qwen2(num_hidden_layers=1)
     return {"gpt2": gpt2, "qwen2_untied": qwen2_untied}
 
 

@@ -55,17 +55,7 @@ void add_rms_norm_kernel(const X* h, const X* r, const float* w, O* out, X* sum,
         a1 = at::vec::fmadd(hi, hi, a1);
       }
       const float s = 1.f / std::sqrt((a0 + a1).reduce_add() / static_cast<float>(d) + eps);
-      const fVec sv(s);
-      O* orow = out + row * d;
-      for (int64_t i = 0; i < d; i += kStep) {
-        fVec wlo, whi;
-        Pair<X>::load(sr + i, d - i, lo, hi);
-        Pair<float>::load(w + i, d - i, wlo, whi);
-        lo = lo * sv;
-        hi = hi * sv;
-        Pair<X>::round(lo, hi);
-        Pair<O>::store(orow + i, d - i, lo * wlo, hi * whi);
-      }
+      scaled_row(static_cast<const X*>(sr), w, out + row * d, s, d);
     }
   });
 }

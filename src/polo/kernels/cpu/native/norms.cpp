@@ -55,17 +55,7 @@ void rms_norm_kernel(const X* x, const float* w, O* out, float* rstd, int64_t ro
       }
       const float s = 1.f / std::sqrt((a0 + a1).reduce_add() / static_cast<float>(d) + eps);
       rstd[r] = s;
-      const fVec sv(s);
-      O* orow = out + r * d;
-      for (int64_t i = 0; i < d; i += kStep) {
-        fVec wlo, whi;
-        Pair<X>::load(xr + i, d - i, lo, hi);
-        Pair<float>::load(w + i, d - i, wlo, whi);
-        lo = lo * sv;
-        hi = hi * sv;
-        Pair<X>::round(lo, hi);  // x̂ in x's dtype, then the product with the weight
-        Pair<O>::store(orow + i, d - i, lo * wlo, hi * whi);
-      }
+      scaled_row(xr, w, out + r * d, s, d);
     }
   });
 }

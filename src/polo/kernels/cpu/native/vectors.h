@@ -1,5 +1,5 @@
-// The vector loads and stores every polo native kernel shares: float32 or bf16 in memory, float32 in
-// registers. Included by the kernels' .cpp files (each keeps its own copy: an anonymous namespace).
+// The vector loads and stores every polo native kernel shares (float32 or bf16 in memory, float32 in
+// registers), and the row scaling of its two RMSNorms. Included by the kernels' .cpp files (each keeps its own copy: an anonymous namespace).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -87,5 +87,21 @@ struct Pair<at::BFloat16> {
     hi = round_to_bf16(hi);
   }
 };
+
+// RMSNorm's output for one row of d values at x: o(w · x(x · s)), s the row's 1 / rms, x(·) x's rounding, o(·) the
+// output's (norms.cpp's rms_norm, decode_step.cpp's add_rms_norm).
+template <typename X, typename O>
+inline void scaled_row(const X* x, const float* w, O* out, float s, int64_t d) {
+  const fVec sv(s);
+  fVec lo, hi, wlo, whi;
+  for (int64_t i = 0; i < d; i += kStep) {
+    Pair<X>::load(x + i, d - i, lo, hi);
+    Pair<float>::load(w + i, d - i, wlo, whi);
+    lo = lo * sv;
+    hi = hi * sv;
+    Pair<X>::round(lo, hi);  // x̂ in x's dtype, then the product with the weight
+    Pair<O>::store(out + i, d - i, lo * wlo, hi * whi);
+  }
+}
 
 }  // namespace
