@@ -151,7 +151,7 @@ def generate(
                 shared = False
                 inputs, attention_mask, next_position = inputs[keep], attention_mask[keep], next_position[keep]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(inputs), 1)], dim=1)
-            if lean_step is not None:  # the same logits without the forward's wrappers (polo.kernels.cpu.decode)
+            if lean_step is not None:  # the same logits without the forward's wrappers (polo.kernels.lean_decode_step)
                 logits = lean_step(inputs, next_position, None if shared else attention_mask)
             else:
                 logits = model(
