@@ -1,12 +1,17 @@
-"""Lean RMSNorm and SwiGLU product: transformers' outputs bit for bit, its gradients, fewer saved activations."""
+"""Lean RMSNorm, SwiGLU product and down projection: transformers' outputs bit for bit, its gradients, fewer saved
+activations; norm outputs recomputed in backward."""
+
+import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from polo.kernels import use_lean_layers
-from polo.kernels.lean import LeanRMSNorm, SiluMul, torch_path
-from polo.models.loading import load_policy
+from polo.kernels import norm_outputs_recomputed, use_lean_layers
+from polo.kernels.lean import LeanRMSNorm, SiluMul, SwiGLUDown, torch_path
+from polo.models.loading import enable_activation_checkpointing, load_policy
 
 
 def saved_bytes(run) -> int:
@@ -87,3 +92,95 @@ def test_a_norm_that_computes_something_else_keeps_its_forward():
             norm.weight.uniform_(0.5, 1.5)
     assert use_lean_layers(norms) == 1
     assert getattr(norms[0], "_polo_lean", False) and not getattr(norms[1], "_polo_lean", False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("native", [False, True])
+def test_swiglu_down_is_the_down_projection_of_the_product_bit_for_bit(dtype, native):
+    torch.manual_seed(0)
+    gate, up = (torch.randn(2, 7, 48).to(dtype).requires_grad_(True) for _ in range(2))
+    down = torch.nn.Linear(48, 24, bias=False).to(dtype)
+    grad = torch.randn(2, 7, 24).to(dtype)
+    results = []
+    for forward in (lambda: down(SiluMul.apply(gate, up)), lambda: SwiGLUDown.apply(gate, up, down.weight)):
+        with contextlib.nullcontext() if native else torch_path():
+            out = forward()
+            results.append((out.detach(), *torch.autograd.grad(out, (gate, up, down.weight), grad)))
+    for plain, fused in zip(*results, strict=True):
+        assert torch.equal(fused, plain)
+
+
+def test_swiglu_down_passes_gradcheck_and_keeps_less_than_the_down_projection():
+    torch.manual_seed(0)
+    gate, up = (torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    weight = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(SwiGLUDown.apply, (gate, up, weight))
+    plain = saved_bytes(lambda: torch.nn.functional.linear(SiluMul.apply(gate, up), weight))
+    fused = saved_bytes(lambda: SwiGLUDown.apply(gate, up, weight))
+    assert fused == plain - gate.numel() * gate.element_size()  # the product is not kept
+
+
+def test_a_down_projection_that_is_not_a_plain_linear_keeps_its_own_forward(tiny_model_dir):
+    model, _ = load_policy(str(tiny_model_dir))
+    use_lean_layers(model)
+    mlp = model.model.layers[0].mlp
+    calls = []
+    mlp.down_proj.register_forward_hook(
+        lambda *_: calls.append(1)
+    )  # a hook (as a LoRA or a profiler adds) sees its call
+    model(input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
+    assert calls == [1]
+
+
+def norm_outputs_alive(model, ids, scope) -> tuple[list[bool], dict]:
+    """Run a forward of `model` within `scope`; return whether each attention norm's output is still held once the
+    forward is over (while its graph is), and the parameters' gradients of the backward that follows."""
+    outputs = []
+    hooks = [
+        layer.input_layernorm.register_forward_hook(lambda _m, _i, out: outputs.append(weakref.ref(out)))
+        for layer in model.model.layers
+    ]
+    with scope():
+        loss = model(input_ids=ids).logits.float().pow(2).mean()
+    gc.collect()
+    alive = [ref() is not None for ref in outputs]
+    loss.backward()
+    for hook in hooks:
+        hook.remove()
+    return alive, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_norm_outputs_are_recomputed_in_backward_with_the_same_gradients(tiny_model_dir, checkpointed):
+    model, _ = load_policy(str(tiny_model_dir))
+    use_lean_layers(model)
+    model.to(torch.bfloat16)
+    if checkpointed:
+        enable_activation_checkpointing(model)
+        model.train()
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    kept, plain = norm_outputs_alive(model, ids, contextlib.nullcontext)
+    model.zero_grad(set_to_none=True)
+    freed, scoped = norm_outputs_alive(model, ids, norm_outputs_recomputed)
+    layers = model.config.num_hidden_layers
+    if checkpointed:  # checkpointed layers keep only their inputs, within the scope or not
+        assert kept == freed == [False] * layers
+    else:
+        assert kept == [True] * layers and freed == [False] * layers  # the projections kept the norm's output
+    for name, grad in plain.items():
+        assert torch.equal(scoped[name], grad), name
+
+
+def test_a_norm_output_changed_in_place_is_kept_as_it_is_now():
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(8)
+    use_lean_layers(torch.nn.ModuleList([norm]))
+    x, weight = torch.randn(3, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for scope in (contextlib.nullcontext, norm_outputs_recomputed):
+        with scope():
+            hidden = norm(x)
+            hidden.mul_(2)  # the norm's output is no longer what recomputing it gives
+            out = torch.nn.functional.linear(hidden, weight)
+        grads.append(torch.autograd.grad(out.sum(), weight)[0])
+    assert torch.equal(grads[1], grads[0])

@@ -12,6 +12,8 @@ its inputs), and never names a device itself:
     contiguous_head_input(model)           any device: the LM head's input made contiguous
     use_lean_layers(model)                 any device: RMSNorms and SwiGLU MLPs that keep a fraction of their
                                            activations for backward (polo.kernels.lean), same outputs
+    norm_outputs_recomputed()              any device: within, a lean norm's output kept for backward by the
+                                           projections after it is recomputed from what the norm keeps
     sharing_pays(..., device)              CPU: the shared-prompt cost model; CUDA: plain rows
     share_prompts, attends_blockwise       the shared-prompt layout and whether attention skips its blocks
     without_padding                        the layout's real tokens as one row, for attention that skips blocks
@@ -50,7 +52,7 @@ from polo.kernels.cpu.shared_prompt import (
     split_common_prefix,
     without_padding,
 )
-from polo.kernels.lean import use_lean_layers
+from polo.kernels.lean import norm_outputs_recomputed, use_lean_layers
 from polo.kernels.logprobs import (
     LogprobSettings,
     completion_logprobs_fused,
@@ -66,6 +68,7 @@ __all__ = [
     "SharedPromptBatch",
     "attends_blockwise",
     "completion_logprobs_fused",
+    "norm_outputs_recomputed",
     "common_prefix_length",
     "contiguous_head_input",
     "lean_decode_step",

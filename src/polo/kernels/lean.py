@@ -30,12 +30,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import types
+import weakref
 
 import torch
 
 from polo.kernels.cpu.native import native_ops
 
-__all__ = ["LeanRMSNorm", "SiluMul", "torch_path", "use_lean_layers"]
+__all__ = ["LeanRMSNorm", "SiluMul", "SwiGLUDown", "norm_outputs_recomputed", "torch_path", "use_lean_layers"]
 
 _TORCH_ONLY = contextvars.ContextVar("polo_lean_torch_only", default=False)
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -102,6 +103,9 @@ class LeanRMSNorm(torch.autograd.Function):
         out, rstd = rms_norm(hidden, weight, eps) if ops is None else ops.rms_norm(hidden, weight, eps)
         ctx.save_for_backward(hidden, rstd, weight)
         ctx.native = ops is not None
+        recipes = _RECIPES.get()
+        if recipes is not None:
+            recipes.register(out, _NormRecipe(hidden, rstd, weight, eps, ops is not None, out._version))
         return out
 
     @staticmethod
@@ -137,15 +141,152 @@ class SiluMul(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         if ctx.native and grad_output.dtype == gate.dtype:
             return native_ops().silu_mul_backward(grad_output, gate, up, list(ctx.needs_input_grad))
-        grad_gate = grad_up = None
-        if ctx.needs_input_grad[0]:
-            # aten's silu_backward: dy · σ(x)·(1 + x·(1 − σ(x))) in one pass, in fp32 for bf16 inputs (the
-            # same formula as separate ops took seven passes over the (tokens, m) tensors: 7.1 ms a layer
-            # of the demo's update, 1,808 tokens x 1,536)
-            grad_gate = torch.ops.aten.silu_backward(grad_output * up, gate)
-        if ctx.needs_input_grad[1]:
-            grad_up = grad_output * torch.nn.functional.silu(gate)
-        return grad_gate, grad_up
+        return silu_mul_grads(grad_output, gate, up, ctx.needs_input_grad)
+
+
+def silu_mul_grads(grad_output: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, needs) -> tuple:
+    """Return (dgate, dup) of silu(gate) · up on torch's ops, None where `needs` (two bools) says no; all (..., m)."""
+    grad_gate = grad_up = None
+    if needs[0]:
+        # aten's silu_backward: dy · σ(x)·(1 + x·(1 − σ(x))) in one pass, in fp32 for bf16 inputs (the
+        # same formula as separate ops took seven passes over the (tokens, m) tensors: 7.1 ms a layer
+        # of the demo's update, 1,808 tokens x 1,536)
+        grad_gate = torch.ops.aten.silu_backward(grad_output * up, gate)
+    if needs[1]:
+        grad_up = grad_output * torch.nn.functional.silu(gate)
+    return grad_gate, grad_up
+
+
+class SwiGLUDown(torch.autograd.Function):
+    """down(silu(gate) · up) for a bias-free down projection, weight (out, m); gate, up (..., m); out (..., out).
+
+    The down projection's own backward would keep its input, the product h = silu(gate) · up (3 KB a
+    token per layer at SmolLM2's 1,536-wide bf16 MLP, a sixth of what a layer keeps). This saves gate
+    and up alone, which the product's backward needs anyway, and recomputes h in backward: natively
+    in the same pass as dgate and du, where h costs one more store. Backward, as torch's linear and
+    `SiluMul` compute it, product by product:
+        dh = dy · weight        dweight = (hᵀ · dy)ᵀ        dgate, dup = SiluMul's backward of dh
+    """
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ops = _native_product(gate, up)
+        product = torch.nn.functional.silu(gate) * up if ops is None else ops.silu_mul(gate, up)
+        ctx.save_for_backward(gate, up, weight)
+        ctx.native = ops is not None
+        return torch.nn.functional.linear(product, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        gate, up, weight = ctx.saved_tensors
+        rows = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_product = rows.mm(weight).view(gate.shape)
+        needs = list(ctx.needs_input_grad[:2])
+        if ctx.native and grad_product.dtype == gate.dtype:
+            grad_gate, grad_up, product = native_ops().silu_mul_backward_with_product(grad_product, gate, up, needs)
+        else:
+            product = torch.nn.functional.silu(gate) * up
+            grad_gate, grad_up = silu_mul_grads(grad_product, gate, up, needs)
+        grad_weight = None
+        if ctx.needs_input_grad[2]:
+            grad_weight = product.reshape(-1, product.shape[-1]).t().mm(rows).t()
+        return grad_gate, grad_up, grad_weight
+
+
+def _fuses_down(down: torch.nn.Module, gate: torch.Tensor) -> bool:
+    """Return whether `SwiGLUDown` computes what `down(product)` would: a plain bias-free `nn.Linear` (no LoRA
+    wrapper, no replaced forward, no hooks) in the product's dtype, outside autocast."""
+    return (
+        type(down) is torch.nn.Linear
+        and down.bias is None
+        and type(down.weight.detach()) is torch.Tensor  # not a sharded (DTensor) weight
+        and "forward" not in vars(down)
+        and not (down._forward_hooks or down._forward_pre_hooks)
+        and down.weight.dtype == gate.dtype
+        and not torch.is_autocast_enabled(gate.device.type)
+    )
+
+
+class _NormRecipe:
+    """What recomputes a lean RMSNorm's output: its input, per-token rstd and weight (all kept by the norm itself)."""
+
+    __slots__ = ("hidden", "rstd", "weight", "eps", "native", "version", "geometry")
+
+    def __init__(self, hidden, rstd, weight, eps: float, native: bool, version: int = 0, geometry=None):
+        self.hidden, self.rstd, self.weight, self.eps, self.native = hidden, rstd, weight, eps, native
+        self.version, self.geometry = version, geometry
+
+    def output(self) -> torch.Tensor:
+        """Return the norm's output again, bit for bit (the same kernel on the same operands)."""
+        ops = native_ops() if self.native else None
+        if ops is None:
+            return rms_norm(self.hidden, self.weight, self.eps)[0]
+        return ops.rms_norm(self.hidden, self.weight, self.eps)[0]
+
+
+class _NormOutputs:
+    """The saved-tensor hooks of `norm_outputs_recomputed`: a registry of the scope's norm outputs, by storage."""
+
+    def __init__(self):
+        self.outputs: dict[int, tuple[weakref.ref, _NormRecipe]] = {}
+        self.last: tuple[_NormRecipe, torch.Tensor] | None = None  # the latest recomputed output (q, k and v share it)
+
+    def register(self, out: torch.Tensor, recipe: _NormRecipe) -> None:
+        if out.is_contiguous() and out.storage_offset() == 0:
+            self.outputs[out.untyped_storage().data_ptr()] = (weakref.ref(out), recipe)
+
+    def pack(self, tensor: torch.Tensor):
+        if not self.outputs or tensor.layout != torch.strided:
+            return tensor
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (a functional or fake tensor)
+            return tensor
+        entry = self.outputs.get(storage.data_ptr())
+        if entry is None:
+            return tensor
+        out = entry[0]()
+        recipe = entry[1]
+        if out is None or out.untyped_storage().nbytes() != storage.nbytes() or out.dtype != tensor.dtype:
+            return tensor  # a norm output that is gone, its memory now someone else's
+        if tensor._version != recipe.version:
+            return tensor  # changed in place since the norm wrote it: keep what is there now
+        geometry = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), out.shape)
+        return _NormRecipe(
+            recipe.hidden, recipe.rstd, recipe.weight, recipe.eps, recipe.native, recipe.version, geometry
+        )
+
+    def unpack(self, packed):
+        if not isinstance(packed, _NormRecipe):
+            return packed
+        size, stride, offset, shape = packed.geometry
+        if self.last is None or self.last[0].hidden is not packed.hidden or self.last[0].weight is not packed.weight:
+            self.last = (packed, packed.output().reshape(shape))
+        return self.last[1].as_strided(size, stride, offset)
+
+
+_RECIPES: contextvars.ContextVar[_NormOutputs | None] = contextvars.ContextVar("polo_norm_outputs", default=None)
+
+
+@contextlib.contextmanager
+def norm_outputs_recomputed():
+    """Within: the output of a lean RMSNorm that a later op keeps for backward is kept as the norm's own saved
+    tensors instead, and recomputed in backward.
+
+    The projections after a norm (q, k and v after the attention's; gate and up after the MLP's) keep
+    its output for their weight gradients: 1.2 KB a token each at SmolLM2's 576-wide bf16 hidden
+    states, 2.3 KB of the ~17 KB a decoder layer keeps. The norm keeps its input and an fp32 rstd
+    per token anyway, from which the output comes back bit for bit in one pass (~0.1 ms for 2,000
+    tokens). torch's saved-tensor hooks do the swap; a tensor saved inside an activation-checkpointed
+    layer goes to the checkpoint's own hooks, which are innermost, and never reaches these.
+    """
+    outputs = _NormOutputs()
+    token = _RECIPES.set(outputs)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(outputs.pack, outputs.unpack):
+            yield
+    finally:
+        _RECIPES.reset(token)
 
 
 def _lean_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -162,6 +303,8 @@ def _lean_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():  # nothing to keep for a backward: the product alone
         ops = _native_product(gate, up)
         return self.down_proj(torch.nn.functional.silu(gate) * up if ops is None else ops.silu_mul(gate, up))
+    if _fuses_down(self.down_proj, gate):
+        return SwiGLUDown.apply(gate, up, self.down_proj.weight)
     return self.down_proj(SiluMul.apply(gate, up))
 
 

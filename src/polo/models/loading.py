@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from polo.kernels import norm_outputs_recomputed
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -403,18 +405,20 @@ def recompute_scope(model: torch.nn.Module, tokens: int):
     exceeds the threshold `enable_activation_checkpointing` was given; without one, as set up.
 
     The decision is taken in the forward (non-reentrant checkpointing records it in the graph), so
-    the scope needs to cover the forward only.
+    the scope needs to cover the forward only. Within it too, the lean norms' outputs that the
+    projections after them keep for backward are recomputed there (`polo.kernels.norm_outputs_recomputed`).
     """
-    above = recompute_above(model)
-    if above is None:
-        yield
-        return
-    layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
-    saved = [m.gradient_checkpointing for m in layers]
-    for layer in layers:
-        layer.gradient_checkpointing = tokens > above
-    try:
-        yield
-    finally:
-        for layer, flag in zip(layers, saved, strict=True):
-            layer.gradient_checkpointing = flag
+    with norm_outputs_recomputed():
+        above = recompute_above(model)
+        if above is None:
+            yield
+            return
+        layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+        saved = [m.gradient_checkpointing for m in layers]
+        for layer in layers:
+            layer.gradient_checkpointing = tokens > above
+        try:
+            yield
+        finally:
+            for layer, flag in zip(layers, saved, strict=True):
+                layer.gradient_checkpointing = flag

@@ -13,7 +13,8 @@
 //   rms_norm_backward: x̂ = x · rstd, gn = o(dy · w), dx = x(rstd · (gn − x̂ · Σ(gn · x̂) / d)),
 //                      dw = Σ_rows o(dy · x(x̂)) in fp32, per chunk of rows, the chunks added in order
 //   silu_mul:          t(t(g / (1 + exp(−g))) · u)
-//   silu_mul_backward: dg = t(t(dy · u) · σ · (1 + g · (1 − σ))), σ = 1 / (1 + exp(−g)); du = t(dy · t(silu(g)))
+//   silu_mul_backward: dg = t(t(dy · u) · σ · (1 + g · (1 − σ))), σ = 1 / (1 + exp(−g)); du = t(dy · t(silu(g)));
+//                      silu_mul_backward_with_product also returns silu_mul(g, u), bit for bit the forward's
 // where x(·), o(·) and t(·) round to the dtype of x, of the output (x's and the weight's promoted:
 // also grad_out's) and of gate/up. Float32 and bfloat16; any leading shape, the last dim contiguous
 // (other inputs are made contiguous).
@@ -209,7 +210,7 @@ void silu_mul_kernel(const T* gate, const T* up, T* out, int64_t n) {
 }
 
 template <typename T>
-void silu_mul_backward_kernel(const T* dy, const T* gate, const T* up, T* dgate, T* dup, int64_t n) {
+void silu_mul_backward_kernel(const T* dy, const T* gate, const T* up, T* dgate, T* dup, T* product, int64_t n) {
   const fVec one(1.f);
   at::parallel_for(0, (n + kStep - 1) / kStep, std::max<int64_t>(1, kGrainElements / kStep), [=](int64_t b, int64_t e) {
     fVec dlo, dhi, glo, ghi, ulo, uhi;
@@ -217,18 +218,19 @@ void silu_mul_backward_kernel(const T* dy, const T* gate, const T* up, T* dgate,
       Pair<T>::load(dy + i, n - i, dlo, dhi);
       Pair<T>::load(gate + i, n - i, glo, ghi);
       const fVec elo = one + glo.neg().exp(), ehi = one + ghi.neg().exp();
+      if (dgate != nullptr || product != nullptr) Pair<T>::load(up + i, n - i, ulo, uhi);
       if (dgate != nullptr) {
-        Pair<T>::load(up + i, n - i, ulo, uhi);
         fVec plo = dlo * ulo, phi = dhi * uhi;  // dy · up, in T as torch's product is
         Pair<T>::round(plo, phi);
         const fVec sig_lo = one / elo, sig_hi = one / ehi;
         Pair<T>::store(dgate + i, n - i, plo * sig_lo * (one + glo * (one - sig_lo)),
                        phi * sig_hi * (one + ghi * (one - sig_hi)));
       }
-      if (dup != nullptr) {
+      if (dup != nullptr || product != nullptr) {
         fVec slo = glo / elo, shi = ghi / ehi;  // silu(gate) as the forward rounds it
         Pair<T>::round(slo, shi);
-        Pair<T>::store(dup + i, n - i, dlo * slo, dhi * shi);
+        if (dup != nullptr) Pair<T>::store(dup + i, n - i, dlo * slo, dhi * shi);
+        if (product != nullptr) Pair<T>::store(product + i, n - i, slo * ulo, shi * uhi);  // silu_mul's output
       }
     }
   });
@@ -253,30 +255,47 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
+// The gradients silu_mul_backward returns and, with `product`, silu_mul's forward output as well, recomputed in
+// the same pass (a backward that did not keep the product, such as polo.kernels.lean.SwiGLUDown's, needs it).
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>> silu_mul_backward_impl(
+    const at::Tensor& grad_out, const at::Tensor& gate, const at::Tensor& up, std::array<bool, 2> needs, bool product,
+    const char* name) {
+  check_silu_mul(gate, up, name);
+  TORCH_CHECK(grad_out.sizes() == gate.sizes() && grad_out.scalar_type() == gate.scalar_type(), name,
+              ": grad_out must have gate's shape and dtype");
+  const auto dy = grad_out.contiguous();
+  const auto g = gate.contiguous();
+  const auto u = up.contiguous();
+  std::optional<at::Tensor> dgate, dup, out;
+  if (needs[0]) dgate = at::empty(g.sizes(), g.options());
+  if (needs[1]) dup = at::empty(g.sizes(), g.options());
+  if (product) out = at::empty(g.sizes(), g.options());
+  if (!needs[0] && !needs[1] && !product) return {dgate, dup, out};
+  if (g.scalar_type() == at::kFloat) {
+    silu_mul_backward_kernel(dy.data_ptr<float>(), g.data_ptr<float>(), u.data_ptr<float>(),
+                             dgate ? dgate->data_ptr<float>() : nullptr, dup ? dup->data_ptr<float>() : nullptr,
+                             out ? out->data_ptr<float>() : nullptr, g.numel());
+  } else {
+    silu_mul_backward_kernel(dy.data_ptr<at::BFloat16>(), g.data_ptr<at::BFloat16>(), u.data_ptr<at::BFloat16>(),
+                             dgate ? dgate->data_ptr<at::BFloat16>() : nullptr,
+                             dup ? dup->data_ptr<at::BFloat16>() : nullptr,
+                             out ? out->data_ptr<at::BFloat16>() : nullptr, g.numel());
+  }
+  return {dgate, dup, out};
+}
+
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> silu_mul_backward(const at::Tensor& grad_out,
                                                                                    const at::Tensor& gate,
                                                                                    const at::Tensor& up,
                                                                                    std::array<bool, 2> needs) {
-  check_silu_mul(gate, up, "silu_mul_backward");
-  TORCH_CHECK(grad_out.sizes() == gate.sizes() && grad_out.scalar_type() == gate.scalar_type(),
-              "silu_mul_backward: grad_out must have gate's shape and dtype");
-  const auto dy = grad_out.contiguous();
-  const auto g = gate.contiguous();
-  const auto u = up.contiguous();
-  std::optional<at::Tensor> dgate, dup;
-  if (needs[0]) dgate = at::empty(g.sizes(), g.options());
-  if (needs[1]) dup = at::empty(g.sizes(), g.options());
-  if (!needs[0] && !needs[1]) return {dgate, dup};
-  if (g.scalar_type() == at::kFloat) {
-    silu_mul_backward_kernel(dy.data_ptr<float>(), g.data_ptr<float>(), u.data_ptr<float>(),
-                             dgate ? dgate->data_ptr<float>() : nullptr, dup ? dup->data_ptr<float>() : nullptr,
-                             g.numel());
-  } else {
-    silu_mul_backward_kernel(dy.data_ptr<at::BFloat16>(), g.data_ptr<at::BFloat16>(), u.data_ptr<at::BFloat16>(),
-                             dgate ? dgate->data_ptr<at::BFloat16>() : nullptr,
-                             dup ? dup->data_ptr<at::BFloat16>() : nullptr, g.numel());
-  }
+  auto [dgate, dup, unused] = silu_mul_backward_impl(grad_out, gate, up, needs, false, "silu_mul_backward");
   return {dgate, dup};
+}
+
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, at::Tensor> silu_mul_backward_with_product(
+    const at::Tensor& grad_out, const at::Tensor& gate, const at::Tensor& up, std::array<bool, 2> needs) {
+  auto [dgate, dup, product] = silu_mul_backward_impl(grad_out, gate, up, needs, true, "silu_mul_backward_with_product");
+  return {dgate, dup, *product};
 }
 
 }  // namespace
@@ -288,6 +307,9 @@ TORCH_LIBRARY_FRAGMENT(polo_native, m) {
       "Tensor?)");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("silu_mul_backward(Tensor grad_out, Tensor gate, Tensor up, bool[2] needs) -> (Tensor?, Tensor?)");
+  m.def(
+      "silu_mul_backward_with_product(Tensor grad_out, Tensor gate, Tensor up, bool[2] needs) -> (Tensor?, Tensor?, "
+      "Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(polo_native, CPU, m) {
@@ -295,4 +317,5 @@ TORCH_LIBRARY_IMPL(polo_native, CPU, m) {
   m.impl("rms_norm_backward", rms_norm_backward);
   m.impl("silu_mul", silu_mul);
   m.impl("silu_mul_backward", silu_mul_backward);
+  m.impl("silu_mul_backward_with_product", silu_mul_backward_with_product);
 }
