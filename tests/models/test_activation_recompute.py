@@ -84,8 +84,8 @@ def test_gradients_are_the_same_recomputed_or_kept(tiny_model_dir):
 
 
 def test_setting_takes_true_false_auto_and_names_the_choices_otherwise():
-    assert load_config({}).train.gradient_checkpointing is True
-    assert load_config({"train": {"gradient_checkpointing": "auto"}}).train.gradient_checkpointing == "auto"
+    assert load_config({}).train.gradient_checkpointing == "auto"
+    assert load_config({"train": {"gradient_checkpointing": True}}).train.gradient_checkpointing is True
     assert load_config({"train": {"gradient_checkpointing": False}}).train.gradient_checkpointing is False
     with pytest.raises(ConfigError, match="train.gradient_checkpointing: 'sometimes' is not one of true, false, auto"):
         load_config({"train": {"gradient_checkpointing": "sometimes"}})

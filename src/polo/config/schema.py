@@ -124,7 +124,7 @@ def device_setting() -> Any:
     return setting("auto", help=DEVICE_HELP)
 
 
-def gradient_checkpointing_setting(default: bool | str = True) -> Any:
+def gradient_checkpointing_setting(default: bool | str) -> Any:
     """Return the `train.gradient_checkpointing` field every training command shares (polo.models.loading)."""
     return setting(
         default,
@@ -408,7 +408,9 @@ class TrainConfig(OptimizerConfig):
     )
     device: str = device_setting()
     threads: int | None = threads_setting()
-    gradient_checkpointing: bool | str = gradient_checkpointing_setting()
+    # auto: an RL step's micro-batches are short (a few thousand tokens), and recomputing them cost 10-15 % of a
+    # step where memory was plentiful (benchmarks/grpo_vs_trl.py); a micro-batch too large for memory still recomputes
+    gradient_checkpointing: bool | str = gradient_checkpointing_setting("auto")
     on_reward_error: str = setting(
         "raise",
         help="a reward function that raises: raise (stop, naming the function and the sample) | zero (score 0, "
