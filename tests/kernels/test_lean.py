@@ -9,8 +9,10 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from conftest import tiny_llama, tiny_qwen2
 from polo.kernels import norm_outputs_recomputed, use_lean_layers
-from polo.kernels.lean import LeanRMSNorm, SiluMul, SwiGLUDown, torch_path
+from polo.kernels.cpu.native import native_ops
+from polo.kernels.lean import LeanRMSNorm, Rotary, SiluMul, SwiGLUDown, torch_path
 from polo.models.loading import enable_activation_checkpointing, load_policy
 
 
@@ -64,8 +66,9 @@ def test_lean_layers_keep_the_model_outputs_and_gradients_with_fewer_saved_activ
     plain, _ = load_policy(str(tiny_model_dir))
     lean, _ = load_policy(str(tiny_model_dir))
     layers = plain.config.num_hidden_layers
-    assert use_lean_layers(lean) == 2 * layers + 1 + layers  # two norms a layer, the final norm, one MLP a layer
-    assert use_lean_layers(lean) == 3 * layers + 1  # a second call wraps nothing twice
+    attentions = layers if native_ops() is not None else 0  # the rotary embedding's kernel is native
+    assert use_lean_layers(lean) == 2 * layers + 1 + layers + attentions  # two norms a layer, the final norm, the MLPs
+    assert use_lean_layers(lean) == 3 * layers + 1 + attentions  # a second call wraps nothing twice
     ids = torch.randint(3, plain.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     outputs = {}
     for name, model in (("plain", plain), ("lean", lean)):
@@ -184,3 +187,74 @@ def test_a_norm_output_changed_in_place_is_kept_as_it_is_now():
             out = torch.nn.functional.linear(hidden, weight)
         grads.append(torch.autograd.grad(out.sum(), weight)[0])
     assert torch.equal(grads[1], grads[0])
+
+
+needs_native = pytest.mark.skipif(native_ops() is None, reason="polo's native CPU kernels do not build here")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("halves_alike", [True, False])
+def test_rotary_is_transformers_rotary_embedding_bit_for_bit_both_ways(dtype, halves_alike):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(0)
+    rows, heads, dim = 11, 3, 16
+    angles = torch.rand(rows, dim // 2 if halves_alike else dim, generator=generator) * 6
+    angles = torch.cat((angles, angles), -1) if halves_alike else angles  # transformers' are alike; any pair works
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    states = torch.randn(rows, heads, dim, generator=generator).to(dtype)
+    grad = torch.randn(rows, heads, dim, generator=generator).to(dtype)
+    results = []
+    for rotate in (
+        lambda q: apply_rotary_pos_emb(q, q, cos, sin, unsqueeze_dim=1)[0],  # cos, sin (rows, 1, d) there
+        lambda q: Rotary.apply(q, cos[:, None], sin[:, None]),
+    ):
+        q = states.clone().requires_grad_(True)
+        out = rotate(q)
+        out.backward(grad)
+        results.append((out.detach(), q.grad))
+    (out, dq), (native_out, native_dq) = results
+    assert torch.equal(native_out, out)
+    assert torch.equal(native_dq, dq)
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lean_attention_keeps_the_model_outputs_and_gradients_bit_for_bit(family, dtype, monkeypatch):
+    model = (tiny_llama if family == "llama" else tiny_qwen2)().to(dtype)
+    use_lean_layers(model)
+    attentions = [layer.self_attn for layer in model.model.layers]
+    assert all(getattr(attention, "_polo_lean", False) for attention in attentions)
+    calls = []
+    rotary = Rotary.apply
+    monkeypatch.setattr(Rotary, "apply", staticmethod(lambda *args: calls.append(1) or rotary(*args)))
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    results = []
+    for _ in ("lean", "own"):
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, use_cache=False).logits
+        logits.float().pow(2).mean().backward()
+        results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        for attention in attentions:  # the second time round, every attention runs its module's own forward
+            vars(attention).pop("forward", None)
+    assert len(calls) == 2 * len(attentions)  # q and k of each layer, the first time round only
+    (lean_logits, lean_grads), (logits, grads) = results
+    assert torch.equal(lean_logits, logits)
+    for name, grad in grads.items():
+        assert torch.equal(lean_grads[name], grad), name
+
+
+@needs_native
+def test_an_attention_call_with_a_cache_runs_the_module_forward(monkeypatch):
+    model = tiny_llama()
+    use_lean_layers(model)
+    calls = []
+    rotary = Rotary.apply
+    monkeypatch.setattr(Rotary, "apply", staticmethod(lambda *args: calls.append(1) or rotary(*args)))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=False)  # the rotary kernel for q and for k, a layer
+        assert len(calls) == 2 * model.config.num_hidden_layers
+        model.generate(input_ids=torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False)
+    assert len(calls) == 2 * model.config.num_hidden_layers  # sampling with a cache went through the module

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import types
 import weakref
 
@@ -36,8 +37,10 @@ import torch
 
 from polo.kernels.cpu.native import native_ops
 
-__all__ = ["LeanRMSNorm", "SiluMul", "SwiGLUDown", "norm_outputs_recomputed", "torch_path", "use_lean_layers"]
+__all__ = ["LeanRMSNorm", "Rotary", "SiluMul", "SwiGLUDown", "norm_outputs_recomputed", "torch_path", "use_lean_layers"]
 
+# An attention module's parts that `_lean_attention_forward` calls: Llama's and Qwen2's (no q/k norms).
+_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "config", "attention_dropout")
 _TORCH_ONLY = contextvars.ContextVar("polo_lean_torch_only", default=False)
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -289,6 +292,90 @@ def norm_outputs_recomputed():
         _RECIPES.reset(token)
 
 
+class Rotary(torch.autograd.Function):
+    """The rotary position embedding of queries or keys in one native call each way; states (rows, heads, d), cos and
+    sin (rows, 1, d).
+
+    forward: x(x(q · cos) + x(rot(q) · sin)), rot(q) = [−q₂, q₁] over the halves of d, the roundings of
+    the five ops transformers runs (decode_step.cpp). The map is linear in q, and its transpose is the
+    same kernel with sin′ = [−sin₂, −sin₁]:
+        dq₁ = g₁ · cos₁ + g₂ · sin₂        dq₂ = g₂ · cos₂ − g₁ · sin₁
+    one rounding per product and one for their sum, as torch's backward of those ops rounds. Saves cos and
+    sin only (shared by every layer), where the ops keep nothing more either.
+    """
+
+    @staticmethod
+    def forward(ctx, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return native_ops().rotary(states, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        half = sin.shape[-1] // 2
+        turned = torch.cat((sin[..., half:], sin[..., :half]), dim=-1).neg()
+        return native_ops().rotary(grad_output, cos, turned), None, None
+
+
+def _lean_attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+    """A Llama / Qwen2 attention's forward with the rotary embedding in `Rotary`; the module's own forward wherever
+    polo's native kernels do not run, and for any call with a cache (sampling, where polo's decode step has its own)."""
+    own = type(self).forward
+    if position_embeddings is None or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        return own(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+    cos, sin = position_embeddings
+    if cos.dtype != hidden_states.dtype or _native(hidden_states, cos, sin) is None:
+        return own(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    kwargs = {key: value for key, value in kwargs.items() if key not in ("cache", "past_key_values")}  # both None
+    lead = hidden_states.shape[:-1]  # (batch, length)
+    rows = lead.numel()
+    cos = cos.expand(*lead, -1).reshape(rows, 1, -1)
+    sin = sin.expand(*lead, -1).reshape(rows, 1, -1)
+
+    def heads(projection, rotate: bool) -> torch.Tensor:  # (batch, heads, length, head_dim), as the module lays them
+        states = projection(hidden_states).view(rows, -1, self.head_dim)
+        if rotate:
+            states = Rotary.apply(states, cos, sin)
+        return states.view(*lead, -1, self.head_dim).transpose(1, 2)
+
+    eager = getattr(sys.modules[type(self).__module__], "eager_attention_forward", None)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    window = {"sliding_window": self.sliding_window} if hasattr(self, "sliding_window") else {}
+    out, weights = attend(
+        self,
+        heads(self.q_proj, True),
+        heads(self.k_proj, True),
+        heads(self.v_proj, False),
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **window,
+        **kwargs,
+    )
+    return self.o_proj(out.reshape(*lead, -1).contiguous()), weights
+
+
+def _attention_computes_the_same(module: torch.nn.Module) -> bool:
+    """Return whether `_lean_attention_forward` gives `module`'s own output bit for bit on a random (2, 5, hidden)
+    input with random angles, polo's native kernels running (they round as torch's ops do)."""
+    parameter = next(module.parameters(), None)
+    width = getattr(module.q_proj, "in_features", None)
+    if parameter is None or width is None or parameter.device.type != "cpu" or native_ops() is None:
+        return False
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.randn(2, 5, width, generator=generator).to(parameter.dtype)
+    angles = torch.rand(2, 5, module.head_dim, generator=generator) * 6.0
+    embeddings = (angles.cos().to(parameter.dtype), angles.sin().to(parameter.dtype))
+    try:
+        with torch.no_grad():
+            own = type(module).forward(module, probe, embeddings, None)[0]
+            return torch.equal(own, _lean_attention_forward(module, probe, embeddings, None)[0])
+    except (RuntimeError, TypeError, AttributeError, ValueError):
+        return False
+
+
 def _lean_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():  # sampling and scoring: the same maths, without an autograd node per call
         ops = _native_norm(hidden_states, self.weight)
@@ -341,6 +428,12 @@ def use_lean_layers(model: torch.nn.Module) -> int:
             lean, width = _lean_norm_forward, module.weight.shape[-1]
         elif all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             lean, width = _lean_mlp_forward, getattr(module.gate_proj, "in_features", None)
+        elif all(hasattr(module, name) for name in _ATTENTION_PARTS) and not hasattr(module, "q_norm"):
+            if _attention_computes_the_same(module):
+                module.forward = types.MethodType(_lean_attention_forward, module)
+                module._polo_lean = True
+                swapped += 1
+            continue
         else:
             continue
         if _computes_the_same(module, lean, width):
