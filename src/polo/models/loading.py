@@ -362,10 +362,13 @@ def enable_activation_checkpointing(model: torch.nn.Module, above_tokens: int | 
 
 # Bytes of activations one decoder layer keeps for backward, per token and per unit of the hidden size,
 # when nothing is recomputed. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-# Transformer Models", eq. 1 without the attention-score term) count 34 for 16-bit activations; measured
-# for SmolLM2-135M under bf16_master (peak RSS of one 2,161-token micro-batch with and without
-# recomputation, 5.53 against 3.67 GB, over 30 layers x 576): 50.
-ACTIVATION_BYTES_PER_UNIT = 50
+# Transformer Models", eq. 1 without the attention-score term) count 34 for 16-bit activations. Measured
+# for SmolLM2-135M under bf16_master with polo's lean layers (polo.kernels.lean: the norms' outputs and
+# the down projection's input recomputed), as the live heap at the update's peak (glibc's mallinfo2) on
+# the bench job (~2,150 tokens a micro-batch, 30 layers x 576), without and with recomputation: 3,818
+# against 3,077 MiB: 21 a unit, 23 with the layer inputs that recomputation keeps too; 24 leaves a little
+# room. (Before the lean layers, from peak RSS: 50.)
+ACTIVATION_BYTES_PER_UNIT = 24
 # `auto` recomputes a micro-batch whose activations would take more than this share of the memory
 # available when the run starts.
 AUTO_RECOMPUTE_SHARE = 0.25
