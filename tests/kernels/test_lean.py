@@ -258,3 +258,16 @@ def test_an_attention_call_with_a_cache_runs_the_module_forward(monkeypatch):
         assert len(calls) == 2 * model.config.num_hidden_layers
         model.generate(input_ids=torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False)
     assert len(calls) == 2 * model.config.num_hidden_layers  # sampling with a cache went through the module
+
+
+def test_rotary_embedding_of_mixed_dtypes_is_transformers_own():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from polo.kernels.lean import rotary_embedding
+
+    generator = torch.Generator().manual_seed(0)
+    angles = torch.rand(7, 8, generator=generator).repeat(1, 2) * 6
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    states = torch.randn(7, 3, 16, generator=generator)  # fp32, as a LoRA projection over bf16 weights returns
+    expected = apply_rotary_pos_emb(states, states, cos, sin, unsqueeze_dim=1)[0]
+    assert torch.equal(rotary_embedding(states, cos[:, None], sin[:, None]), expected)

@@ -317,6 +317,15 @@ class Rotary(torch.autograd.Function):
         return native_ops().rotary(grad_output, cos, turned), None, None
 
 
+def rotary_embedding(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Return states · cos + rot(states) · sin, states (rows, heads, d), cos and sin (rows, 1, d): `Rotary` where the
+    native kernel takes the dtypes, else torch's ops in transformers' order (a LoRA projection may return fp32)."""
+    if states.dtype == cos.dtype == sin.dtype and _native(states, cos, sin) is not None:
+        return Rotary.apply(states, cos, sin)
+    half = states.shape[-1] // 2
+    return states * cos + torch.cat((-states[..., half:], states[..., :half]), dim=-1) * sin
+
+
 def _lean_attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
     """A Llama / Qwen2 attention's forward with the rotary embedding in `Rotary`; the module's own forward wherever
     polo's native kernels do not run, and for any call with a cache (sampling, where polo's decode step has its own)."""
@@ -337,7 +346,7 @@ def _lean_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
     def heads(projection, rotate: bool) -> torch.Tensor:  # (batch, heads, length, head_dim), as the module lays them
         states = projection(hidden_states).view(rows, -1, self.head_dim)
         if rotate:
-            states = Rotary.apply(states, cos, sin)
+            states = rotary_embedding(states, cos, sin)
         return states.view(*lead, -1, self.head_dim).transpose(1, 2)
 
     eager = getattr(sys.modules[type(self).__module__], "eager_attention_forward", None)
@@ -365,8 +374,8 @@ def _attention_computes_the_same(module: torch.nn.Module) -> bool:
     if parameter is None or width is None or parameter.device.type != "cpu" or native_ops() is None:
         return False
     generator = torch.Generator(device="cpu").manual_seed(0)
-    probe = torch.randn(2, 5, width, generator=generator).to(parameter.dtype)
-    angles = torch.rand(2, 5, module.head_dim, generator=generator) * 6.0
+    probe = torch.randn(2, 5, width, generator=generator, device="cpu").to(parameter.dtype)
+    angles = torch.rand(2, 5, module.head_dim, generator=generator, device="cpu") * 6.0
     embeddings = (angles.cos().to(parameter.dtype), angles.sin().to(parameter.dtype))
     try:
         with torch.no_grad():
