@@ -96,10 +96,7 @@ def test_a_stop_signal_is_a_request_shared_by_nested_requests_and_a_second_one_s
         assert not fresh.requested
         signal.raise_signal(signal.SIGHUP)
         assert fresh.signum == signal.SIGHUP
-    assert (
-        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        and signal.getsignal(signal.SIGINT) is interrupt
-    )
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is interrupt
 
 
 def test_a_stopped_run_says_where_it_stopped_and_exits_with_its_status(tmp_path):
