@@ -150,3 +150,13 @@ def test_a_run_with_auto_recomputes_above_its_threshold_and_learns_the_same(
     assert kept.keys() == recomputed.keys()
     for name, weight in kept.items():
         torch.testing.assert_close(recomputed[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_host_memory_is_shared_among_the_processes_torchrun_starts_on_the_host(monkeypatch):
+    import polo.runtime.device as device
+
+    monkeypatch.setattr(device, "host_available_memory", lambda: 8 * 2**30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert device.Compute(torch.device("cpu")).available_memory() == 8 * 2**30
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four ranks on this host: a quarter each
+    assert device.Compute(torch.device("cpu")).available_memory() == 2 * 2**30

@@ -290,6 +290,7 @@ def norm_outputs_recomputed():
             yield
     finally:
         _RECIPES.reset(token)
+        outputs.outputs.clear()  # packing is over: the graph holds what it packed; let the norms' tensors go with it
 
 
 class Rotary(torch.autograd.Function):

@@ -93,13 +93,19 @@ class Compute:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def available_memory(self) -> int | None:
-        """Return the bytes of memory free for this run on its device (None: unknown): the GPU's free memory, or
-        the host's available memory, capped by a cgroup (container) limit."""
+        """Return the bytes of memory free for this process on its device (None: unknown): the GPU's free memory, or
+        the host's available memory, capped by a cgroup (container) limit and shared among the processes torchrun
+        started on this host (`LOCAL_WORLD_SIZE`)."""
         if self.is_cuda:
             return int(torch.cuda.mem_get_info(self.device)[0])
         if self.device.type != "cpu":
             return None
-        return host_available_memory()
+        available = host_available_memory()
+        try:
+            local_processes = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+        except ValueError:
+            local_processes = 1
+        return None if available is None else available // local_processes
 
     def generator(self, seed: int | None = None) -> torch.Generator:
         """Return a torch.Generator on the run's device (seeded when `seed` is given)."""
