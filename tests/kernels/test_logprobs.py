@@ -432,3 +432,56 @@ def test_a_mask_scores_only_its_tokens_and_gives_the_same_values_and_gradients()
     torch.testing.assert_close(hidden.grad, expected_grads[0])
     torch.testing.assert_close(weight.grad, expected_grads[1])
     assert torch.all(hidden.grad[~real] == 0)
+
+
+@pytest.mark.parametrize(
+    "dtype, autocast, onednn",
+    [
+        (torch.float32, False, False),
+        (torch.bfloat16, False, False),
+        (torch.float32, True, False),
+        (torch.float32, False, True),
+    ],
+)
+def test_kept_logits_give_the_recomputed_values_and_gradients_bit_for_bit(monkeypatch, dtype, autocast, onednn):
+    """The forward's kept logits (KEPT_LOGITS_BYTES) stand in for backward's recompute exactly, on every matmul path,
+    and are dropped once backward has used them."""
+    import polo.kernels.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "_through_onednn", lambda device, dtype: onednn)
+    hidden, weight, targets, upstream = random_case(seq=300, vocab=900, d=32, dtype=dtype)
+    settings = LogprobSettings(temperature=0.7, with_entropy=True, chunk_size=128, vocab_block=256)
+    kept_tiles = []
+    kept_tile_logits = logprobs._kept_tile_logits
+    monkeypatch.setattr(logprobs, "_kept_tile_logits", lambda *a: kept_tiles.append(1) or kept_tile_logits(*a))
+    results, contexts = [], []
+    for budget in (0, 1 << 30):
+        monkeypatch.setattr(logprobs, "KEPT_LOGITS_BYTES", budget)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logp, entropy = token_logprobs(h, w, targets, settings)
+        contexts.append(logp.grad_fn.next_functions[0][0])  # the ChunkedTokenLogprobs node, under the view
+        (logp * upstream).sum().backward()
+        results.append((logp.detach(), entropy, h.grad, w.grad))
+    assert len(kept_tiles) == 2 * 3 * 4  # forward and backward, 3 token chunks x 4 vocabulary blocks, budget > 0 only
+    for recomputed, kept in zip(*results, strict=True):
+        assert torch.equal(recomputed, kept)
+    assert contexts[1].kept is None  # spent by backward
+
+
+def test_logits_are_kept_only_where_a_backward_follows_and_they_fit(monkeypatch):
+    import polo.kernels.logprobs as logprobs
+
+    hidden, weight, targets, _ = random_case(seq=64, vocab=300, d=8)
+    sizes = []
+    blocks = logprobs._kept_blocks
+    monkeypatch.setattr(logprobs, "_kept_blocks", lambda *a: sizes.append(b := blocks(*a)) or b)
+    with torch.no_grad():
+        token_logprobs(hidden, weight.requires_grad_(), targets)  # scoring: no backward to keep them for
+    assert sizes == []
+    token_logprobs(hidden, weight.detach(), targets)  # nothing needs a gradient
+    token_logprobs(hidden, weight.requires_grad_(), targets)
+    monkeypatch.setattr(logprobs, "KEPT_LOGITS_BYTES", 64 * 300 * 4 - 1)  # one byte short of the fp32 logits
+    token_logprobs(hidden, weight, targets)
+    assert sizes[0] is None and sizes[2] is None
+    assert [tuple(block.shape) for block in sizes[1]] == [(64, 300)]
