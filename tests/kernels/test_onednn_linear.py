@@ -163,9 +163,12 @@ def test_the_facade_routes_fp32_runs_only_where_onednn_measured_faster(monkeypat
     assert kernels.use_onednn_linears(model, Compute.named(precision)) == expected
 
 
+@pytest.mark.parametrize("kept", [False, True])  # backward recomputes the tiles' logits, or takes the forward's
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_the_tiled_log_probs_through_onednn_give_torchs_values_and_gradients(monkeypatch, with_entropy):
+def test_the_tiled_log_probs_through_onednn_give_torchs_values_and_gradients(monkeypatch, with_entropy, kept):
     from polo.kernels import logprobs
+
+    monkeypatch.setattr(logprobs, "KEPT_LOGITS_BYTES", logprobs.KEPT_LOGITS_BYTES if kept else 0)
 
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 64, generator=generator)
@@ -184,8 +187,9 @@ def test_the_tiled_log_probs_through_onednn_give_torchs_values_and_gradients(mon
         values, entropy = logprobs.ChunkedTokenLogprobs.apply(h, w, targets, settings)
         values.sum().backward()
         results.append((values.detach(), entropy, h.grad, w.grad))
-        # 9 tiles forward, 9 again in backward, and each of 3 vocabulary blocks' two gradients
-        assert len(calls) == (9 + 9 + 3 * 2 if onednn else 0)
+        # 9 tiles forward, 9 again in backward unless the forward's are kept, and each of 3 vocabulary blocks' two
+        # gradients
+        assert len(calls) == ((9 if kept else 18) + 3 * 2 if onednn else 0)
     expected = torch.log_softmax(hidden @ weight.T / 0.7, dim=-1).gather(1, targets[:, None]).squeeze(1)
     torch.testing.assert_close(results[0][0], expected, rtol=1e-5, atol=1e-5)
     for plain, through_onednn in zip(*results, strict=True):

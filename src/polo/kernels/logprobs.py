@@ -154,7 +154,7 @@ def _kept_blocks(ctx, n: int, vocab: int, vocab_block: int, compute_dtype: torch
     `KEPT_LOGITS_BYTES`."""
     if device.type != "cpu" or not any(ctx.needs_input_grad[:2]):
         return None
-    if n * vocab * torch.empty((), dtype=compute_dtype).element_size() > KEPT_LOGITS_BYTES:
+    if n * vocab * compute_dtype.itemsize > KEPT_LOGITS_BYTES:
         return None
     return [
         torch.empty((n, min(v0 + vocab_block, vocab) - v0), dtype=compute_dtype, device=device)
