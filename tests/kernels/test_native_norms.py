@@ -121,6 +121,19 @@ def test_native_silu_mul_forward_and_backward_match_the_torch_path(ops, dtype, w
     assert_near(native[1], reference[1])  # σ · (1 + g · (1 − σ)) cancels near g ≈ −1.28
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_mul_reads_the_rows_of_a_merged_product_in_place(ops, dtype, width, rows):
+    """gate and up as the two halves of one (rows, 2·width) product, as a decode step's packed gate/up projection
+    leaves them: the same values as on contiguous copies, bit for bit, in a contiguous result."""
+    merged, _, _ = inputs(rows, 2 * width, dtype, seed=rows * width)
+    gate, up = merged[:, :width], merged[:, width:]
+    got = ops.silu_mul(gate, up)
+    assert got.is_contiguous() and got.shape == (rows, width) and got.dtype == dtype
+    assert torch.equal(got, ops.silu_mul(gate.contiguous(), up.contiguous()))
+
+
 @pytest.mark.parametrize("width", WIDTHS)
 def test_native_kernels_match_fp64_autograd_of_the_reference_formulas(ops, width):
     hidden, gate, grad = inputs(37, width, torch.float32, seed=width)

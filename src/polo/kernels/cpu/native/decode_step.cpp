@@ -35,8 +35,8 @@ inline bool is_native_dtype(at::ScalarType t) { return t == at::kFloat || t == a
 
 // ---- residual add + RMSNorm ----------------------------------------------------------------------
 
-template <typename X, typename O>
-void add_rms_norm_kernel(const X* h, const X* r, const float* w, O* out, X* sum, int64_t rows, int64_t d, float eps) {
+template <typename X, typename O, typename W>
+void add_rms_norm_kernel(const X* h, const X* r, const W* w, O* out, X* sum, int64_t rows, int64_t d, float eps) {
   at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const X* hr = h + row * d;
@@ -71,17 +71,21 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const 
   const auto out_type = at::result_type(hidden, weight);
   const auto h = hidden.contiguous();
   const auto r = residual.contiguous();
-  const auto w = weight.to(at::kFloat).contiguous();
   const int64_t d = hidden.size(-1), rows = d == 0 ? 0 : hidden.numel() / d;
   auto sum = at::empty(hidden.sizes(), hidden.options());
   auto out = at::empty(hidden.sizes(), hidden.options().dtype(out_type));
   const float e = static_cast<float>(eps);
+  if (out_type == at::kBFloat16) {  // bf16 states and a bf16 weight (a decode step's): the weight read as it is,
+    // not cast to a float copy first (two casts a layer per step)
+    const auto w = weight.contiguous();
+    add_rms_norm_kernel(h.data_ptr<at::BFloat16>(), r.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
+                        out.data_ptr<at::BFloat16>(), sum.data_ptr<at::BFloat16>(), rows, d, e);
+    return {out, sum};
+  }
+  const auto w = weight.to(at::kFloat).contiguous();
   if (hidden.scalar_type() == at::kFloat) {
     add_rms_norm_kernel(h.data_ptr<float>(), r.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(),
                         sum.data_ptr<float>(), rows, d, e);
-  } else if (out_type == at::kBFloat16) {
-    add_rms_norm_kernel(h.data_ptr<at::BFloat16>(), r.data_ptr<at::BFloat16>(), w.data_ptr<float>(),
-                        out.data_ptr<at::BFloat16>(), sum.data_ptr<at::BFloat16>(), rows, d, e);
   } else {
     add_rms_norm_kernel(h.data_ptr<at::BFloat16>(), r.data_ptr<at::BFloat16>(), w.data_ptr<float>(),
                         out.data_ptr<float>(), sum.data_ptr<at::BFloat16>(), rows, d, e);

@@ -194,18 +194,24 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rms_norm_backward(const at::Te
 
 // ---- SwiGLU product ------------------------------------------------------------------------------
 
+// out[i] = t(t(g / (1 + exp(−g))) · u) for i in [begin, end) of n values, on the calling thread.
+template <typename T>
+inline void silu_mul_span(const T* gate, const T* up, T* out, int64_t begin, int64_t end, int64_t n) {
+  const fVec one(1.f);
+  fVec glo, ghi, ulo, uhi;
+  for (int64_t i = begin; i < end; i += kStep) {
+    Pair<T>::load(gate + i, n - i, glo, ghi);
+    Pair<T>::load(up + i, n - i, ulo, uhi);
+    fVec slo = glo / (one + glo.neg().exp()), shi = ghi / (one + ghi.neg().exp());
+    Pair<T>::round(slo, shi);
+    Pair<T>::store(out + i, n - i, slo * ulo, shi * uhi);
+  }
+}
+
 template <typename T>
 void silu_mul_kernel(const T* gate, const T* up, T* out, int64_t n) {
-  const fVec one(1.f);
   at::parallel_for(0, (n + kStep - 1) / kStep, std::max<int64_t>(1, kGrainElements / kStep), [=](int64_t b, int64_t e) {
-    fVec glo, ghi, ulo, uhi;
-    for (int64_t i = b * kStep; i < std::min(n, e * kStep); i += kStep) {
-      Pair<T>::load(gate + i, n - i, glo, ghi);
-      Pair<T>::load(up + i, n - i, ulo, uhi);
-      fVec slo = glo / (one + glo.neg().exp()), shi = ghi / (one + ghi.neg().exp());
-      Pair<T>::round(slo, shi);
-      Pair<T>::store(out + i, n - i, slo * ulo, shi * uhi);
-    }
+    silu_mul_span(gate, up, out, b * kStep, std::min(n, e * kStep), n);
   });
 }
 
@@ -242,8 +248,33 @@ void check_silu_mul(const at::Tensor& gate, const at::Tensor& up, const char* na
   TORCH_CHECK(is_native_dtype(gate.scalar_type()), name, ": float32 or bfloat16 only");
 }
 
+// silu_mul over `rows` rows of `width` values whose rows lie `gate_row` and `up_row` elements apart (slices of one
+// merged gate/up product, as a decode step's packed projection leaves them), into a contiguous (rows, width) `out`:
+// the same values as the flat kernel on contiguous copies, without making the copies.
+template <typename T>
+void silu_mul_rows_kernel(const T* gate, int64_t gate_row, const T* up, int64_t up_row, T* out, int64_t rows,
+                          int64_t width) {
+  at::parallel_for(0, rows, grain_rows(width), [=](int64_t b, int64_t e) {
+    for (int64_t row = b; row < e; ++row) {
+      silu_mul_span(gate + row * gate_row, up + row * up_row, out + row * width, 0, width, width);
+    }
+  });
+}
+
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   check_silu_mul(gate, up, "silu_mul");
+  if (gate.dim() == 2 && gate.size(0) > 1 && gate.stride(1) == 1 && up.stride(1) == 1 &&
+      !(gate.is_contiguous() && up.is_contiguous())) {  // rows of a wider tensor: read in place
+    auto out = at::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
+    if (gate.scalar_type() == at::kFloat) {
+      silu_mul_rows_kernel(gate.data_ptr<float>(), gate.stride(0), up.data_ptr<float>(), up.stride(0),
+                           out.data_ptr<float>(), gate.size(0), gate.size(1));
+    } else {
+      silu_mul_rows_kernel(gate.data_ptr<at::BFloat16>(), gate.stride(0), up.data_ptr<at::BFloat16>(), up.stride(0),
+                           out.data_ptr<at::BFloat16>(), gate.size(0), gate.size(1));
+    }
+    return out;
+  }
   const auto g = gate.contiguous();
   const auto u = up.contiguous();
   auto out = at::empty(g.sizes(), g.options());

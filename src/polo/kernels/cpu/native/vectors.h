@@ -89,14 +89,15 @@ struct Pair<at::BFloat16> {
 };
 
 // RMSNorm's output for one row of d values at x: o(w · x(x · s)), s the row's 1 / rms, x(·) x's rounding, o(·) the
-// output's (norms.cpp's rms_norm, decode_step.cpp's add_rms_norm).
-template <typename X, typename O>
-inline void scaled_row(const X* x, const float* w, O* out, float s, int64_t d) {
+// output's (norms.cpp's rms_norm, decode_step.cpp's add_rms_norm). The weight w is read as floats from float or bf16
+// (a bf16 weight widened exactly, as a cast would).
+template <typename X, typename O, typename W = float>
+inline void scaled_row(const X* x, const W* w, O* out, float s, int64_t d) {
   const fVec sv(s);
   fVec lo, hi, wlo, whi;
   for (int64_t i = 0; i < d; i += kStep) {
     Pair<X>::load(x + i, d - i, lo, hi);
-    Pair<float>::load(w + i, d - i, wlo, whi);
+    Pair<W>::load(w + i, d - i, wlo, whi);
     lo = lo * sv;
     hi = hi * sv;
     Pair<X>::round(lo, hi);  // x̂ in x's dtype, then the product with the weight
