@@ -143,6 +143,24 @@ def measure_quietly(measure, max_wait: float, attempts: int = 5, threshold: floa
         wait_for_quiet(max_wait, threshold, log=log)
 
 
+def copy_rate(megabytes: int = 400, reps: int = 8) -> float:
+    """Return the best measured rate (bytes/s, read plus written) of copying one `megabytes` fp32 tensor into another.
+
+    A stand-in for the memory bandwidth a step's weight and activation traffic gets. A shared VM's neighbours can
+    take bandwidth while a 2048^3 matmul, which runs from its caches, hardly notices; printed beside the matmul
+    rates, it shows which kind of slowdown a run saw.
+    """
+    source = torch.ones(megabytes * 2**20 // 4)
+    target = torch.empty_like(source)
+    target.copy_(source)  # the first touch of the target's pages is not part of the rate
+    best = float("inf")
+    for _ in range(reps):
+        started = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - started)
+    return 2.0 * source.numel() * source.element_size() / best
+
+
 def matmul_rates(max_wait: float) -> tuple[float, float, float]:
     """Return the measured (bf16, fp32, oneDNN-packed fp32) 2048^3 matmul rates in FLOP/s, taken while the machine is
     quiet. On a 2-core AMD EPYC torch's fp32 matmul (MKL) ran at ~215 GFLOP/s and oneDNN's packed one at ~450."""

@@ -30,7 +30,10 @@ template's system prompt) once, plus the completions of its 32 sequences (median
 over polo's timed steps), and rate the faster of the measured bf16 and fp32 2048^3 matmul rates
 on this machine (both are printed, with the precision each trainer used). The rates are measured
 before the runs and again after them, and the floor takes the higher of the two: a shared VM's
-speed drifts (by ~15 % within an hour on a 2-core EPYC), and the second probe shows by how much.
+speed drifts (by ~15 % within an hour on a 2-core EPYC), and the second probe shows by how much. A 400 MB
+copy is timed beside each probe: a run can slow down with the matmul rate unchanged (2-core EPYC, family 25:
+the same code took 11.1 and 13.3 s a step with probes of 405-416 GFLOP/s), and the copy rate is the first thing to
+compare then.
 
 Usage:
   python benchmarks/grpo_vs_trl.py                   # 1 round, 4 steps per run (1 warm-up + 3 timed)
@@ -66,7 +69,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ForeignLoad, matmul_rates, median, mib, parameter_count, peak_rss_bytes, wait_for_quiet
+from bench_common import (
+    ForeignLoad,
+    copy_rate,
+    matmul_rates,
+    median,
+    mib,
+    parameter_count,
+    peak_rss_bytes,
+    wait_for_quiet,
+)
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS_PER_STEP = 4
@@ -735,18 +747,19 @@ def cpu_main(args) -> None:
             raise SystemExit('TRL is not installed: pip install -e ".[bench]"') from error
 
     # Measure the machine first, while nothing else runs.
-    rates = matmul_rates(args.max_wait)
+    rates, copying = matmul_rates(args.max_wait), copy_rate()
     print(
         f"matmul 2048^3 best rate: bf16 {rates[0] / 1e9:,.1f} GFLOP/s, fp32 {rates[1] / 1e9:,.1f} GFLOP/s, "
-        f"fp32 through oneDNN packed {rates[2] / 1e9:,.1f} GFLOP/s",
+        f"fp32 through oneDNN packed {rates[2] / 1e9:,.1f} GFLOP/s; 400 MB copy {copying / 1e9:,.1f} GB/s",
         flush=True,
     )
     results = measure_rounds(args, order, root)
-    after = matmul_rates(args.max_wait)
+    after, copying_after = matmul_rates(args.max_wait), copy_rate()
     print(
         f"matmul 2048^3 best rate after the runs: bf16 {after[0] / 1e9:,.1f} GFLOP/s ({after[0] / rates[0] - 1:+.1%}), "
         f"fp32 {after[1] / 1e9:,.1f} GFLOP/s ({after[1] / rates[1] - 1:+.1%}), "
-        f"fp32 through oneDNN packed {after[2] / 1e9:,.1f} GFLOP/s ({after[2] / rates[2] - 1:+.1%})",
+        f"fp32 through oneDNN packed {after[2] / 1e9:,.1f} GFLOP/s ({after[2] / rates[2] - 1:+.1%}); "
+        f"400 MB copy {copying_after / 1e9:,.1f} GB/s ({copying_after / copying - 1:+.1%})",
         flush=True,
     )
     rates = tuple(max(pair) for pair in zip(rates, after, strict=True))  # the floor at the best the machine showed
