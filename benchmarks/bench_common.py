@@ -150,7 +150,7 @@ def copy_rate(megabytes: int = 400, reps: int = 8) -> float:
     take bandwidth while a 2048^3 matmul, which runs from its caches, hardly notices; printed beside the matmul
     rates, it shows which kind of slowdown a run saw.
     """
-    source = torch.ones(megabytes * 2**20 // 4)
+    source = torch.ones(megabytes * 2**20 // 4, device="cpu")  # host memory is what it measures
     target = torch.empty_like(source)
     target.copy_(source)  # the first touch of the target's pages is not part of the rate
     best = float("inf")
