@@ -143,14 +143,14 @@ def measure_quietly(measure, max_wait: float, attempts: int = 5, threshold: floa
         wait_for_quiet(max_wait, threshold, log=log)
 
 
-def copy_rate(megabytes: int = 400, reps: int = 8) -> float:
-    """Return the best measured rate (bytes/s, read plus written) of copying one `megabytes` fp32 tensor into another.
+def copy_rate(mebibytes: int = 400, reps: int = 8) -> float:
+    """Return the best measured rate (bytes/s, read plus written) of copying a `mebibytes` MiB fp32 tensor into another.
 
     A stand-in for the memory bandwidth a step's weight and activation traffic gets. A shared VM's neighbours can
     take bandwidth while a 2048^3 matmul, which runs from its caches, hardly notices; printed beside the matmul
     rates, it shows which kind of slowdown a run saw.
     """
-    source = torch.ones(megabytes * 2**20 // 4, device="cpu")  # host memory is what it measures
+    source = torch.ones(mebibytes * 2**20 // 4, device="cpu")  # host memory is what it measures
     target = torch.empty_like(source)
     target.copy_(source)  # the first touch of the target's pages is not part of the rate
     best = float("inf")

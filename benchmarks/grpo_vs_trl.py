@@ -30,7 +30,7 @@ template's system prompt) once, plus the completions of its 32 sequences (median
 over polo's timed steps), and rate the faster of the measured bf16 and fp32 2048^3 matmul rates
 on this machine (both are printed, with the precision each trainer used). The rates are measured
 before the runs and again after them, and the floor takes the higher of the two: a shared VM's
-speed drifts (by ~15 % within an hour on a 2-core EPYC), and the second probe shows by how much. A 400 MB
+speed drifts (by ~15 % within an hour on a 2-core EPYC), and the second probe shows by how much. A 400 MiB
 copy is timed beside each probe: a run can slow down with the matmul rate unchanged (2-core EPYC, family 25:
 the same code took 11.1 and 13.3 s a step with probes of 405-416 GFLOP/s), and the copy rate is the first thing to
 compare then.
@@ -750,7 +750,7 @@ def cpu_main(args) -> None:
     rates, copying = matmul_rates(args.max_wait), copy_rate()
     print(
         f"matmul 2048^3 best rate: bf16 {rates[0] / 1e9:,.1f} GFLOP/s, fp32 {rates[1] / 1e9:,.1f} GFLOP/s, "
-        f"fp32 through oneDNN packed {rates[2] / 1e9:,.1f} GFLOP/s; 400 MB copy {copying / 1e9:,.1f} GB/s",
+        f"fp32 through oneDNN packed {rates[2] / 1e9:,.1f} GFLOP/s; 400 MiB copy {copying / 1e9:,.1f} GB/s",
         flush=True,
     )
     results = measure_rounds(args, order, root)
@@ -759,7 +759,7 @@ def cpu_main(args) -> None:
         f"matmul 2048^3 best rate after the runs: bf16 {after[0] / 1e9:,.1f} GFLOP/s ({after[0] / rates[0] - 1:+.1%}), "
         f"fp32 {after[1] / 1e9:,.1f} GFLOP/s ({after[1] / rates[1] - 1:+.1%}), "
         f"fp32 through oneDNN packed {after[2] / 1e9:,.1f} GFLOP/s ({after[2] / rates[2] - 1:+.1%}); "
-        f"400 MB copy {copying_after / 1e9:,.1f} GB/s ({copying_after / copying - 1:+.1%})",
+        f"400 MiB copy {copying_after / 1e9:,.1f} GB/s ({copying_after / copying - 1:+.1%})",
         flush=True,
     )
     rates = tuple(max(pair) for pair in zip(rates, after, strict=True))  # the floor at the best the machine showed
