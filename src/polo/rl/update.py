@@ -30,6 +30,17 @@ from polo.runtime.errors import NonFiniteLossError
 SUM_KEYS = ("kl", "entropy", "clip_low", "clip_high", "tokens", "loss", "grad_norm", "value_loss", "critic_grad_norm")
 
 
+def optimizer_steps_per_batch(config: Config) -> int:
+    """Return how many optimizer steps train on one sampled batch: `update_epochs` x `train.num_minibatches`.
+
+    When it is more than one, every step after the first trains a policy that has already moved
+    since sampling, so its importance ratio must be taken against log-probs scored under the
+    sampling policy before the update (GRPO's π_old, Shao et al. 2024 eq. 3; GSPO's, Zheng et al.
+    2025 eq. 5). With exactly one, the policy is still the sampling one and the ratio is 1.
+    """
+    return config.algorithm.update_epochs * config.train.num_minibatches
+
+
 def update_modules(model, critic: Critic | None) -> UpdateModules:
     """Return the modules policy updates run through (DDP-wrapped inside a process group; build once per run)."""
     head = critic.value_head if critic is not None else None
