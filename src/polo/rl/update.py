@@ -142,7 +142,9 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.
                 group_size=ctx.rollouts.group_size,
             )
     if ctx.train_policy:
-        loss = policy_loss_term(ctx, logprobs.float(), micro, mask, normalisers)
+        # The loss maths in fp32 at least: bf16 log-probs are widened, fp64 ones (an exact comparison) kept.
+        logprobs = logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
+        loss = policy_loss_term(ctx, logprobs, micro, mask, normalisers)
         ctx.sums["entropy"] += float((entropy * mask).sum())
     if values is not None:  # value head on the shared trunk: one backward for both losses
         head_loss = value_loss(values, ctx.batch, micro, mask, alg, normalisers)
