@@ -80,7 +80,7 @@ def test_every_optimizer_step_takes_its_ratio_against_the_sampling_policy(
         sampling_policy, batch.rollouts, 16, run.compute, run.config.sampling.temperature
     )
     mask = batch.rollouts.completion_mask.bool()
-    moved = []
+    moved, drift = [], torch.zeros(3, dtype=torch.float64)  # Σ k3(π_old ‖ π), Σ token ratio, tokens
     assert len(record["logprobs"]) == len(record["old"]) == len(record["rows"])
     for rows, logprobs, old in zip(record["rows"], record["logprobs"], record["old"]):
         width = logprobs.shape[1]
@@ -88,9 +88,22 @@ def test_every_optimizer_step_takes_its_ratio_against_the_sampling_policy(
         # The ratio's denominator is the sampling policy's log-prob, whichever optimizer step this is.
         torch.testing.assert_close(old[valid], sampled[valid], rtol=0.0, atol=1e-5)
         moved.append(float((logprobs - sampled)[valid].abs().max()))
+        log_ratio = (logprobs - old)[valid].double()
+        drift += torch.stack(
+            [(log_ratio.exp() - 1 - log_ratio).sum(), log_ratio.exp().sum(), log_ratio.new_tensor(1.0) * valid.sum()]
+        )
     # The check has teeth: the first minibatch trains the sampling policy itself, and every micro-batch after the
     # first optimizer step trains a policy that has moved since sampling.
     first_minibatch = 4 // num_minibatches
     assert all(change < 1e-5 for change in moved[:first_minibatch]), moved
     assert all(change > 1e-3 for change in moved[first_minibatch:]), moved
-    assert "clip_fraction/high" in metrics
+    # The step's row says how far the update moved from the sampling policy: the k3 estimate of KL(π_old ‖ π) and the
+    # mean importance ratio over every micro-batch's tokens (GSPO's ratio is its sequence's, on each token).
+    assert metrics["approx_kl"] == pytest.approx(float(drift[0] / drift[2]), rel=1e-4, abs=1e-9)
+    if policy_loss == "ppo_clip":
+        assert metrics["ratio/mean"] == pytest.approx(float(drift[1] / drift[2]), rel=1e-5)
+    if steps == 1:
+        assert metrics["approx_kl"] < 1e-9 and metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-6)
+    else:
+        assert metrics["approx_kl"] > 1e-6 and metrics["ratio/mean"] != pytest.approx(1.0, abs=1e-6)
+    assert {"entropy", "clip_fraction/low", "clip_fraction/high"} <= set(metrics)
