@@ -350,7 +350,10 @@ class AlgorithmConfig:
         choices=core.LOSS_AGGREGATIONS,
     )
     update_epochs: int = setting(
-        1, help="μ: passes over each batch; the old log-probs (and so the clipping) matter when > 1", range=">= 1"
+        1,
+        help="μ: passes over each batch; the ratio to the sampling policy (and so the clipping) matters when "
+        "update_epochs × train.num_minibatches > 1",
+        range=">= 1",
     )
     dynamic_sampling: bool = setting(
         False,

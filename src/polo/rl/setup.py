@@ -30,7 +30,7 @@ from polo.rewards import RewardSet
 from polo.rl.critic import Critic, build_critic
 from polo.rl.guard import RollbackState, check_guard_settings
 from polo.rl.modules import UpdateModules
-from polo.rl.update import Learner, update_modules
+from polo.rl.update import Learner, optimizer_steps_per_batch, update_modules
 from polo.runtime import parallel
 from polo.runtime.checkpoint import Checkpointer, claim_output_dir, load_trainer_state
 from polo.runtime.device import Compute, train_compute
@@ -86,7 +86,7 @@ class Run:
 
 def optimizer_steps(config: Config) -> int:
     """Return how many optimizer steps the RL run takes in all (the schedule's length)."""
-    return max(config.train.steps * config.train.num_minibatches * config.algorithm.update_epochs, 1)
+    return max(config.train.steps * optimizer_steps_per_batch(config), 1)
 
 
 def checked_config(config, overrides: list[str] | None) -> Config:
