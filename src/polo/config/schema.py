@@ -388,6 +388,13 @@ class AlgorithmConfig:
         0.2, help="clip the value prediction within this of the old value (PPO2); null: unclipped", range="> 0"
     )
     value_coef: float = setting(0.5, help="weight of the value loss (matters when the trunk is shared)", range=">= 0")
+    router_aux_loss_coef: float = setting(
+        0.0,
+        help="weight of a mixture-of-experts router's load-balancing loss (Switch Transformer's, as transformers "
+        "computes it; TRL's router_aux_loss_coef) added to the update's loss; 0: off. The routers' expert load "
+        "is logged either way (polo.models.routing)",
+        range=">= 0",
+    )
 
 
 @dataclass

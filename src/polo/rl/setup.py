@@ -26,6 +26,7 @@ from polo.models.hub import check_push
 from polo.models.loading import frozen_copy, load_policy, resolve_model_path, setup_activation_checkpointing
 from polo.models.lora import add_adapters, freeze_base_dtype, load_adapters
 from polo.models.precision import MasterWeights, master_weights, trainer_optimizer
+from polo.models.routing import check_router_loss
 from polo.rewards import RewardSet
 from polo.rl.critic import Critic, build_critic
 from polo.rl.guard import RollbackState, check_guard_settings
@@ -129,6 +130,7 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
     # A LoRA checkpoint holds only the adapter: the base model comes from model.name again.
     start_from = str(resume_from) if resume_from is not None and not lora.r else config.model.name
     model, tokenizer = load_policy(start_from, attn_implementation=config.model.attn_implementation)
+    check_router_loss(model, config.algorithm.router_aux_loss_coef)
     model = model.to(compute.device)
     model.train()
     setup_activation_checkpointing(model, config.train.gradient_checkpointing, compute.available_memory())

@@ -20,6 +20,7 @@ from polo.generation.rollouts import Rollouts
 from polo.kernels import attends_blockwise
 from polo.models.critic import completion_values
 from polo.models.loading import recompute_scope
+from polo.models.routing import RoutingSums, recorded_routing
 from polo.rl.batching import UpdateBatch, micro_batches, trim_padding
 from polo.rl.critic import Critic, value_loss
 from polo.rl.modules import UpdateModules, build_update_modules
@@ -104,6 +105,7 @@ class UpdateContext:
         self.kl_in_loss = self.ref_logprobs is not None and not self.alg.kl_in_reward
         self.policy_loss = core.POLICY_LOSSES[self.alg.policy_loss]
         self.sums = {key: 0.0 for key in SUM_KEYS}
+        self.routing = RoutingSums()
 
 
 def policy_loss_term(
@@ -159,7 +161,11 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.
     loss, values = torch.zeros((), device=mask.device), None
     tokens = trunk_tokens(ctx.learner.model, part, ctx.rollouts.group_size)
     if ctx.train_policy or (critic is not None and critic.value_head is not None):
-        with ctx.compute.autocast(), recompute_scope(ctx.learner.model, tokens):
+        with (
+            ctx.compute.autocast(),
+            recompute_scope(ctx.learner.model, tokens),
+            recorded_routing(ctx.learner.model) as routing,
+        ):
             logprobs, entropy, values = modules.policy(
                 *inputs,
                 temperature=ctx.config.sampling.temperature,
@@ -170,6 +176,7 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.
         # The loss maths in fp32 at least: bf16 log-probs are widened, fp64 ones (an exact comparison) kept.
         logprobs = logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
         loss = policy_loss_term(ctx, logprobs, micro, mask, normalisers)
+        loss = loss + ctx.routing.add(routing, alg.router_aux_loss_coef, normalisers.num_micro_batches)
         ctx.sums["entropy"] += float((entropy * mask).sum())
     if values is not None:  # value head on the shared trunk: one backward for both losses
         head_loss = value_loss(values, ctx.batch, micro, mask, alg, normalisers)
@@ -245,6 +252,7 @@ def update_metrics(ctx: UpdateContext, optimizer_steps: int) -> dict:
         metrics["kl"] = sums["kl"] / tokens
     elif ctx.ref_logprobs is not None and ctx.old_logprobs is not None:  # k1 of the sampled batch
         metrics["kl"] = core.masked_mean(ctx.old_logprobs - ctx.ref_logprobs, ctx.rollouts.model_token_mask).item()
+    metrics.update(ctx.routing.metrics())
     if ctx.critic is not None:
         metrics["value/loss"] = sums["value_loss"] / optimizer_steps
         if ctx.critic.optimizer is not None:

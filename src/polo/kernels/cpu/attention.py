@@ -92,7 +92,9 @@ def polo_attention(module, query, key, value, attention_mask, *args, shared_layo
 
 
 # Keyword arguments of transformers' attention call that SDPA-with-GQA handles exactly as its
-# sdpa_attention_forward does (the mask already carries causality, padding and any sliding window).
+# sdpa_attention_forward does (the mask already carries causality, padding and any sliding window),
+# and the flags a model's forward hands down to every layer that only say what it returns: a
+# mixture-of-experts model passes `output_router_logits` to its attention too.
 _PLAIN_KWARGS = {
     "dropout",
     "scaling",
@@ -100,6 +102,9 @@ _PLAIN_KWARGS = {
     "position_ids",
     "sliding_window",
     "output_attentions",
+    "output_hidden_states",
+    "output_router_logits",
+    "return_dict",
     "use_cache",
     "cache_position",
 }
