@@ -237,6 +237,11 @@ class TaskConfig:
     answer_field: str | None = setting(
         None, help="jsonl and hf: the row field holding the reference answer; null: answer, else TRL's solution"
     )
+    truncate_prompts: bool = setting(
+        False,
+        help="a prompt that leaves no room for max_new_tokens in the model's context is cut from its start, with a "
+        "warning; false: refused at load, naming the row",
+    )
     checker: str = setting(
         "math_verify",
         help="jsonl and hf: how an answer is judged: math_verify | exact_number | exact_string "

@@ -63,6 +63,7 @@ class Task:
     instruction: str = DEFAULT_INSTRUCTION
     few_shot: tuple[tuple[str, str], ...] = ()
     environment: Callable[[], Any] | None = None  # makes the LM environment episodes run in (None: one turn)
+    sources: tuple[str, str] = ("the train rows", "the eval rows")  # where the train and eval rows came from
 
     def prompts(
         self,
@@ -192,4 +193,5 @@ def task_from_files(
         eval_rows=first_rows(read(eval_path), num_eval, f"{name} eval {eval_path}", "task.num_eval"),
         correctness=correctness,
         instruction=default_instruction(answer_in_tags),
+        sources=(str(train_path), str(eval_path)),
     )

@@ -231,6 +231,7 @@ def hf_task(
         eval_rows=eval_rows,
         correctness=correctness,
         instruction=prompt_instruction(train_rows, answer_in_tags),
+        sources=(where, eval_where if held_out is not None else f"{where} (its last rows, held out)"),
     )
 
 
