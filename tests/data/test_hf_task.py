@@ -90,7 +90,10 @@ def test_passed_datasets_give_the_jsonl_rows(tmp_path, as_dataset):
     [
         ({"question": "", "answer": 1}, "field 'question' is empty"),
         ({"question": "What?", "answer": " "}, "field 'answer' is empty"),
-        ({"question": 5, "answer": 1}, "field 'question' must be a string, got int 5"),
+        (
+            {"question": 5, "answer": 1},
+            "field 'question' must be a string or a list of {role, content} messages, got int 5",
+        ),
         ({"question": "What?", "answer": None}, "field 'answer' must be a string or a number, got NoneType None"),
         ({"question": "What?", "answer": True}, "field 'answer' must be a string or a number, got bool True"),
     ],
@@ -126,7 +129,9 @@ def test_a_missing_column_names_the_setting_and_the_columns(tmp_path):
         == "train_dataset: no column 'prompt' (task.prompt_field); its columns: ['question', 'answer', 'level']"
     )
     with pytest.raises(
-        TaskDataError, match=r"^train_dataset row 1: missing field 'question'; fields present: \['answer', 'q'\]$"
+        TaskDataError,
+        match=r"^train_dataset row 1: missing field 'question' \(or TRL's 'prompt'\); "
+        r"fields present: \['answer', 'q'\]$",
     ):
         hf_task(HfSource(train_dataset=[TRAIN[0], {"q": "What?", "answer": 1}]))
 

@@ -320,9 +320,9 @@ def test_jsonl_renames_fields_and_keeps_others(tmp_path):
         ],
     )
     task = jsonl_task(path, path, prompt_field="problem", answer_field="target", checker="exact_number")
-    assert task.train_rows == [
-        {"level": 1, "question": "2+2?", "answer": "4"},
-        {"level": 2, "question": "3+3?", "answer": "6"},
+    assert task.train_rows == [  # the answer's own column stays, as it was (TRL-form rewards get it by its name)
+        {"target": 4, "level": 1, "question": "2+2?", "answer": "4"},
+        {"target": "6", "level": 2, "question": "3+3?", "answer": "6"},
     ]
     assert task.correctness("so 4", task.train_rows[0]) == 1.0
 
@@ -357,15 +357,28 @@ def test_jsonl_exact_number_rejects_non_numeric_answer_at_load(tmp_path):
 
 
 def test_jsonl_missing_prompt_field_names_it_and_present_keys(tmp_path):
-    path = write_rows(tmp_path / "data.jsonl", [{"prompt": "q", "answer": "1"}])
-    expected = r"data\.jsonl line 1: missing field 'question'; fields present: \['answer', 'prompt'\]"
+    path = write_rows(tmp_path / "data.jsonl", [{"problem": "q", "answer": "1"}])
+    expected = (
+        r"data\.jsonl line 1: missing field 'question' \(or TRL's 'prompt'\); fields present: \['answer', 'problem'\]"
+    )
     with pytest.raises(TaskDataError, match=expected):
         jsonl_task(path, path)
+    with pytest.raises(TaskDataError, match=r"line 1: missing field 'text'; fields present"):
+        jsonl_task(path, path, prompt_field="text")
 
 
-def test_jsonl_non_string_prompt_is_rejected(tmp_path):
-    path = write_rows(tmp_path / "data.jsonl", [{"question": ["a"], "answer": "1"}])
-    with pytest.raises(TaskDataError, match=r"line 1: field 'question' must be a string, got list"):
+@pytest.mark.parametrize(
+    ("prompt", "problem"),
+    [
+        (["a"], r"field 'question': message 0 must be a \{role, content\} mapping of strings, got 'a'"),
+        ([], r"field 'question' is an empty list of messages"),
+        (7, r"field 'question' must be a string or a list of \{role, content\} messages, got int 7"),
+        ([{"role": "user", "content": " "}], r"field 'question' is empty"),
+    ],
+)
+def test_jsonl_bad_prompt_is_rejected(tmp_path, prompt, problem):
+    path = write_rows(tmp_path / "data.jsonl", [{"question": prompt, "answer": "1"}])
+    with pytest.raises(TaskDataError, match=r"line 1: " + problem):
         jsonl_task(path, path)
 
 

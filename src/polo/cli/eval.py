@@ -91,9 +91,15 @@ def add_sampling_arguments(eval_parser) -> None:
     eval_parser.add_argument(
         "--checker", default="math_verify", help="jsonl tasks: math_verify | exact_number | exact_string"
     )
-    eval_parser.add_argument("--prompt-field", default="question", help="jsonl tasks: the field holding the problem")
     eval_parser.add_argument(
-        "--answer-field", default="answer", help="jsonl tasks: the field holding the reference answer"
+        "--prompt-field",
+        default=None,
+        help="jsonl tasks: the field holding the problem (default: question, else prompt)",
+    )
+    eval_parser.add_argument(
+        "--answer-field",
+        default=None,
+        help="jsonl tasks: the field holding the reference answer (default: answer, else solution)",
     )
     eval_parser.add_argument(
         "--instruction", default=None, help="prompt template with {question} (default: the task's)"

@@ -229,8 +229,19 @@ class TaskConfig:
     eval_path: str | None = setting(
         None, help="gsm8k, jsonl: the held-out jsonl; hf: the held-out data file beside a task.path data file"
     )
-    prompt_field: str = setting("question", help="jsonl and hf: the row field holding the question")
-    answer_field: str = setting("answer", help="jsonl and hf: the row field holding the reference answer")
+    prompt_field: str | None = setting(
+        None,
+        help="jsonl and hf: the row field holding the question; null: question, else TRL's prompt (text, or a list "
+        "of {role, content} messages), used as it stands (docs/migrating-from-trl.md)",
+    )
+    answer_field: str | None = setting(
+        None, help="jsonl and hf: the row field holding the reference answer; null: answer, else TRL's solution"
+    )
+    truncate_prompts: bool = setting(
+        False,
+        help="a prompt that leaves no room for max_new_tokens in the model's context is cut from its start, with a "
+        "warning; false: refused at load, naming the row",
+    )
     checker: str = setting(
         "math_verify",
         help="jsonl and hf: how an answer is judged: math_verify | exact_number | exact_string "

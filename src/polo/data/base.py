@@ -19,11 +19,13 @@ from polo.config.schema import ConfigError
 from polo.generation.prompts import (  # noqa: F401  (re-exported: tasks own their prompts)
     DEFAULT_INSTRUCTION,
     PLAIN_INSTRUCTION,
+    PROMPT_MESSAGES,
     QUESTION_PLACEHOLDER,
     default_instruction,
     fill_instruction,
     format_prompt,
     render_messages,
+    render_prompt,
 )
 
 
@@ -61,6 +63,7 @@ class Task:
     instruction: str = DEFAULT_INSTRUCTION
     few_shot: tuple[tuple[str, str], ...] = ()
     environment: Callable[[], Any] | None = None  # makes the LM environment episodes run in (None: one turn)
+    sources: tuple[str, str] = ("the train rows", "the eval rows")  # where the train and eval rows came from
 
     def prompts(
         self,
@@ -69,7 +72,8 @@ class Task:
         instruction: str | None = None,
         system_prompt: str | None = None,
     ) -> list[str]:
-        """Return one prompt string per row, in order (see ``format_prompt``).
+        """Return one prompt string per row, in order (see ``format_prompt``): a conversational row's messages
+        (`PROMPT_MESSAGES`) through the chat template as they stand, after the system prompt when they bring none.
 
         With an ``environment`` the prompt is its ``reset(row)`` through the chat template (the
         environment was built with the run's instruction and system prompt).
@@ -77,7 +81,12 @@ class Task:
         if self.environment is not None:
             return [render_messages(tokenizer, self.environment().reset(row)) for row in rows]
         template = self.instruction if instruction is None else instruction
-        return [format_prompt(tokenizer, row["question"], template, system_prompt, self.few_shot) for row in rows]
+        return [
+            render_prompt(tokenizer, row[PROMPT_MESSAGES], system_prompt)
+            if PROMPT_MESSAGES in row
+            else format_prompt(tokenizer, row["question"], template, system_prompt, self.few_shot)
+            for row in rows
+        ]
 
     def unseen_train_rows(self) -> list[dict]:
         """Return the training rows whose question is not also a held-out question (for data from a model's answers)."""
@@ -184,4 +193,5 @@ def task_from_files(
         eval_rows=first_rows(read(eval_path), num_eval, f"{name} eval {eval_path}", "task.num_eval"),
         correctness=correctness,
         instruction=default_instruction(answer_in_tags),
+        sources=(str(train_path), str(eval_path)),
     )

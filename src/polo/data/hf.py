@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from polo.config.schema import ConfigError
-from polo.data.base import Task, TaskDataError, default_instruction, first_rows
-from polo.data.jsonl import task_rows
+from polo.data.base import Task, TaskDataError, first_rows
+from polo.data.jsonl import TRL_ANSWER_FIELD, TRL_PROMPT_FIELD, prompt_instruction, row_fields, task_rows
 from polo.rewards.answers import checker as bind_checker
 
 # The datasets builder for each data file extension.
@@ -139,13 +139,20 @@ def numbered_rows(data: Any, source: str) -> list[tuple[int, Any]]:
     )
 
 
-def dataset_rows(data: Any, source: str, prompt_field: str, answer_field: str, checker_name: str) -> list[dict]:
+def dataset_rows(
+    data: Any, source: str, prompt_field: str | None, answer_field: str | None, checker_name: str
+) -> list[dict]:
     """Return the task rows of one split (a Dataset or a list of dicts), through the jsonl task's row contract."""
     columns = getattr(data, "column_names", None)
     if isinstance(columns, list):  # a Dataset: a missing column is missing from every row, so say so once
-        for key, field in (("task.prompt_field", prompt_field), ("task.answer_field", answer_field)):
+        found = row_fields(columns, prompt_field, answer_field)
+        for key, configured, field, trl in (
+            ("task.prompt_field", prompt_field, found[0], TRL_PROMPT_FIELD),
+            ("task.answer_field", answer_field, found[1], TRL_ANSWER_FIELD),
+        ):
             if field not in columns:
-                raise ConfigError(f"{source}: no column {field!r} ({key}); its columns: {columns}")
+                named = repr(field) if configured is not None else f"{field!r} (or TRL's {trl!r})"
+                raise ConfigError(f"{source}: no column {named} ({key}); its columns: {columns}")
     return task_rows(numbered_rows(data, source), prompt_field, answer_field, checker_name, source, unit="row")
 
 
@@ -202,8 +209,8 @@ def hf_options(options: dict) -> dict:
 
 def hf_task(
     source: HfSource = HfSource(),
-    prompt_field: str = "question",
-    answer_field: str = "answer",
+    prompt_field: str | None = None,
+    answer_field: str | None = None,
     num_train: int | None = None,
     num_eval: int | None = None,
     answer_in_tags: bool = False,
@@ -223,11 +230,14 @@ def hf_task(
         train_rows=train_rows,
         eval_rows=eval_rows,
         correctness=correctness,
-        instruction=default_instruction(answer_in_tags),
+        instruction=prompt_instruction(train_rows, answer_in_tags),
+        sources=(where, eval_where if held_out is not None else f"{where} (its last rows, held out)"),
     )
 
 
-def _source_rows(source: HfSource, fields: tuple[str, str, str]) -> tuple[list[dict], list[dict] | None, str, str]:
+def _source_rows(
+    source: HfSource, fields: tuple[str | None, str | None, str]
+) -> tuple[list[dict], list[dict] | None, str, str]:
     """Return (train rows, eval split rows or None, where each came from) of ``source``, through the row contract."""
     path, split, eval_split = source.path, source.split, source.eval_split
     if source.train_dataset is not None:

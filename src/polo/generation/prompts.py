@@ -53,6 +53,13 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 
 QUESTION_PLACEHOLDER = "{question}"
 
+# The row key of a conversational prompt: the dataset's list of {role, content} messages, sent through the chat
+# template as it stands (TRL's conversational format). A row without it is asked its "question".
+PROMPT_MESSAGES = "prompt_messages"
+# The row key of a prompt read from TRL's "prompt" column: the column's value as it stands (text or messages), the
+# whole prompt rather than a question to phrase, and what TRL-form reward functions get as ``prompts``.
+TRL_PROMPT = "trl_prompt"
+
 
 # R1-Zero style: reasoning and answer in separate tags, so the format reward and the
 # answer extraction have something unambiguous to look for.

@@ -78,6 +78,17 @@ def encode_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     return [list(row) if list(row[: len(prefix)]) == prefix else prefix + list(row) for row in rows]
 
 
+def context_length(model: Any) -> int | None:
+    """Return the most positions `model` was built for (its config's ``max_position_embeddings``, GPT-2's
+    ``n_positions``), None when its config names none."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def attention_window(model: Any) -> int | None:
     """Return the smallest sliding attention window of `model`'s attention layers, None when all see every position.
 

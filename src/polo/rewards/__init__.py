@@ -17,6 +17,7 @@ import logging
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +37,7 @@ from polo.rewards.answers import (
 )
 from polo.rewards.code import code_fraction_reward, code_reward
 from polo.rewards.format import r1_format, tag_count
+from polo.rewards.forms import RewardProgress, TrlReward, reward_caller
 from polo.runtime.device import CPU
 from polo.sandbox.runner import SandboxError
 
@@ -134,45 +136,91 @@ def resolve_reward(name_or_callable: str | RewardFn, task: Task) -> tuple[str, R
     )
 
 
-def _checked_value(value: object, name: str, index: int, completion: str) -> float:
-    """Return a reward value as float, or raise RewardFunctionError if it is not a finite number."""
+# The largest finite float32: rewards are added up and normalised in float32, where a larger value is inf.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+@dataclass(frozen=True)
+class RewardBatch:
+    """What a reward function is called on: completions, one row each, and (for TRL-form rewards) the sampled token
+    ids and the run's progress (`polo.rewards.forms`)."""
+
+    completions: Sequence[str]
+    rows: Sequence[dict]
+    completion_ids: Sequence[Sequence[int]] | None = None
+    progress: RewardProgress = RewardProgress()
+
+    def one(self, index: int) -> RewardBatch:
+        """Return the batch of sample `index` alone."""
+        ids = None if self.completion_ids is None else [self.completion_ids[index]]
+        return RewardBatch([self.completions[index]], [self.rows[index]], ids, self.progress)
+
+
+def _checked_value(value: object, name: str, index: int, completion: str, allow_none: bool = False) -> float:
+    """Return a reward value as float (None as NaN where `allow_none`: TRL's "does not apply to this sample"), or
+    raise RewardFunctionError if it is not a number finite in float32."""
+    if value is None and allow_none:
+        return math.nan
     if not isinstance(value, numbers.Real):
+        accepted = "a float or None" if allow_none else "a float"
         raise RewardFunctionError(
-            name, index, completion, f"returned {type(value).__name__} {value!r:.80}, expected a float", "not_a_number"
+            name,
+            index,
+            completion,
+            f"returned {type(value).__name__} {value!r:.80}, expected {accepted}",
+            "not_a_number",
         )
     if not math.isfinite(value):
         raise RewardFunctionError(name, index, completion, f"returned non-finite value {value!r}", "non_finite")
+    if abs(float(value)) > _FLOAT32_MAX:
+        raise RewardFunctionError(
+            name,
+            index,
+            completion,
+            f"returned {value!r}, which is not finite in float32, where rewards are summed and normalised "
+            f"(largest {_FLOAT32_MAX:.4g})",
+            "non_finite",
+        )
     return float(value)
+
+
+def _is_batch_function(function: Callable) -> bool:
+    """Return True for a function called once per batch: polo's batched form or TRL's."""
+    return isinstance(function, TrlReward) or bool(getattr(function, "batched", False))
+
+
+def _batch_call(function: Callable, batch: RewardBatch) -> list:
+    """Return a batch function's values for `batch`, unchecked."""
+    if isinstance(function, TrlReward):
+        return _as_list(function(batch.completions, batch.rows, batch.completion_ids, batch.progress))
+    return _as_list(function(list(batch.completions), list(batch.rows)))
 
 
 def _score_column(
     name: str,
     function: RewardFn,
-    completions: Sequence[str],
-    rows: Sequence[dict],
+    batch: RewardBatch,
     errors: list[RewardFunctionError] | None = None,
     device: torch.device = CPU.device,
 ) -> torch.Tensor:
-    """Return one reward function's values for the batch, shape (batch,) float32 on `device`.
+    """Return one reward function's values for the batch, shape (batch,) float32 on `device` (NaN: None, "does not
+    apply", from a TRL-form function).
 
-    A sample whose function raises (or returns a non-finite or non-number value) stops the
-    batch with `RewardFunctionError`, unless `errors` is a list: then it scores 0 and its
-    error is appended there. A batched function (``batched = True``) is called once for the
-    whole batch; if that call raises, it is called again one sample at a time, so the error
-    still names the sample that failed. Returning the wrong number of values always raises.
+    A sample whose function raises (or returns a non-number, or one not finite in float32) stops the
+    batch with `RewardFunctionError`, unless `errors` is a list: then it scores 0 and its error is
+    appended there. A batch function (polo's ``batched = True`` or TRL's form) is called once for the
+    whole batch; if that call raises, it is called again one sample at a time, so the error still
+    names the sample that failed. Returning the wrong number of values always raises.
     """
-    batch_values = None
-    if getattr(function, "batched", False):
-        batch_values = _batched_values(name, function, completions, rows)
-        if batch_values is None:  # rescore one sample at a time, so the error names the sample
-            function = functools.partial(_single_value, function)
+    allow_none = isinstance(function, TrlReward)
+    batch_values = _batched_values(name, function, batch) if _is_batch_function(function) else None
     values = []
-    for index, (completion, row) in enumerate(zip(completions, rows)):
+    for index, completion in enumerate(batch.completions):
         try:
             if batch_values is not None:
-                values.append(_checked_value(batch_values[index], name, index, completion))
+                values.append(_checked_value(batch_values[index], name, index, completion, allow_none))
             else:
-                values.append(_sample_reward(name, function, index, completion, row))
+                values.append(_sample_reward(name, _sample_call(function, batch, index), index, completion, allow_none))
         except RewardFunctionError as error:
             if errors is None:
                 raise
@@ -181,15 +229,35 @@ def _score_column(
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
-def _sample_reward(name: str, function: RewardFn, index: int, completion: str, row: dict) -> float:
-    """Return `function(completion, row)` checked, any exception turned into a `RewardFunctionError` for this sample."""
+def _sample_call(function: Callable, batch: RewardBatch, index: int) -> Callable[[], object]:
+    """Return the call that scores sample `index` alone: polo's `function(completion, row)`, or a batch function on a
+    batch of one (after its call on the whole batch raised, so that the error names the sample)."""
+    if _is_batch_function(function):
+        return functools.partial(_single_value, function, batch.one(index))
+    return functools.partial(function, batch.completions[index], batch.rows[index])
+
+
+def _sample_reward(name: str, call: Callable[[], object], index: int, completion: str, allow_none: bool) -> float:
+    """Return `call()`, sample `index`'s value, checked; anything it raises (a `sys.exit` too) becomes a
+    `RewardFunctionError` for this sample.
+
+    Only a stop request (Ctrl-C, `KeyboardInterrupt`) goes through, and `SandboxError`, which says the
+    machine cannot run the sandbox at all: no completion caused it.
+    """
     try:
-        value = function(completion, row)
-    except SandboxError:
-        raise  # the machine cannot run the sandbox at all: no completion caused it, so stop
-    except Exception as exc:
-        raise RewardFunctionError(name, index, completion, f"{type(exc).__name__}: {exc}", type(exc).__name__) from exc
-    return _checked_value(value, name, index, completion)
+        value = call()
+    except (SandboxError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # SystemExit too: a reward that exits must not end the run as a success
+        raise RewardFunctionError(name, index, completion, _raised(exc), type(exc).__name__) from exc
+    return _checked_value(value, name, index, completion, allow_none)
+
+
+def _raised(error: BaseException) -> str:
+    """Return what a reward raised, in words (a `sys.exit` said as such: it is not an error type a reader expects)."""
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({error.code!r}), which a reward must not: return a value instead"
+    return f"{type(error).__name__}: {error}"
 
 
 def _as_list(values: object) -> list:
@@ -199,15 +267,18 @@ def _as_list(values: object) -> list:
     return list(values)
 
 
-def _batched_values(name: str, function: Callable, completions: Sequence[str], rows: Sequence[dict]) -> list | None:
-    """Return a batched function's values for the whole batch, or None if the call raised.
+def _batched_values(name: str, function: Callable, batch: RewardBatch) -> list | None:
+    """Return a batch function's values for the whole batch, or None if the call raised.
 
     A wrong number of values is a bug of the function rather than of a sample: it always raises
     `RewardFunctionError`, naming the first sample left without a value.
     """
+    completions = batch.completions
     try:
-        values = _as_list(function(list(completions), list(rows)))
-    except Exception:  # rescored per sample by the caller, which names the failing sample
+        values = _batch_call(function, batch)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # rescored per sample by the caller, which names the failing sample
         return None
     if len(values) != len(completions):
         index = min(len(values), len(completions) - 1)
@@ -215,22 +286,41 @@ def _batched_values(name: str, function: Callable, completions: Sequence[str], r
             name,
             index,
             completions[index],
-            f"batched reward returned {len(values)} values for {len(completions)} completions",
+            f"returned {len(values)} values for {len(completions)} completions (one per completion, in order)",
         )
     return values
 
 
-def _single_value(function: Callable, completion: str, row: dict) -> object:
-    """Return a batched function's value for one sample (a batch of one)."""
-    values = _as_list(function([completion], [row]))
+def _single_value(function: Callable, batch: RewardBatch) -> object:
+    """Return a batch function's value for a batch of one sample."""
+    values = _batch_call(function, batch)
     if len(values) != 1:
-        raise ValueError(f"a batched reward returned {len(values)} values for 1 completion")
+        raise ValueError(f"returned {len(values)} values for 1 completion")
     return values[0]
 
 
 def _is_finite_number(value: object) -> bool:
     """Return True for a finite real number that is not a bool."""
     return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+def _check_total(
+    total: torch.Tensor, columns: dict[str, torch.Tensor], weights: dict[str, float], completions: Sequence[str]
+) -> None:
+    """Raise RewardFunctionError naming the first sample whose weighted total overflowed float32 (each value was
+    finite; weight times value, or their sum, was not)."""
+    overflowed = (~torch.isfinite(total)).nonzero()
+    if not len(overflowed):
+        return
+    index = int(overflowed[0])
+    terms = " + ".join(f"{weights[name]:g} * {float(column[index]):g} ({name})" for name, column in columns.items())
+    raise RewardFunctionError(
+        "+".join(columns),
+        index,
+        completions[index],
+        f"the weighted total {terms} is not finite in float32",
+        "non_finite",
+    )
 
 
 def _check_batch(completions: Sequence[str], rows: Sequence[dict]) -> None:
@@ -260,6 +350,8 @@ class RewardSet:
         self._correctness_failures: collections.Counter[str] = collections.Counter()
         # The errors of the last `score` call (on_error="zero"), for the caller to count and log.
         self.last_errors: list[RewardFunctionError] = []
+        # How many samples of the last `score` call no reward applied to (every TRL-form reward returned None).
+        self.last_unscorable = 0
         self._functions: dict[str, RewardFn] = {}
         self._weights: dict[str, float] = {}
         for reward, weight in weights.items():
@@ -277,7 +369,7 @@ class RewardSet:
                 )
             if not _is_finite_number(weight):
                 raise ValueError(f"reward {name!r} has weight {weight!r}; expected a finite number")
-            self._functions[name] = function
+            self._functions[name] = reward_caller(function, name, task.train_rows)
             self._weights[name] = float(weight)
 
     @property
@@ -295,23 +387,33 @@ class RewardSet:
         completions: Sequence[str],
         rows: Sequence[dict],
         device: torch.device = CPU.device,
+        completion_ids: Sequence[Sequence[int]] | None = None,
+        progress: RewardProgress | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Return the weighted total (batch,) float32 and each reward's raw values (batch,), on `device`.
 
-        ``total[i] = sum_k weight_k * reward_k(completions[i], rows[i])``. With
-        ``on_error="zero"`` a failing sample scores 0 for that function and the error is kept
-        in ``last_errors``; otherwise the first failure raises `RewardFunctionError`.
+        ``total[i] = sum_k weight_k * reward_k(completions[i], rows[i])`` over the rewards that apply
+        to sample i: a TRL-form reward's None is NaN in its column and left out of the sum, as TRL's
+        ``GRPOTrainer`` leaves it (a sample no reward applies to totals 0, and is counted in
+        ``last_unscorable``). ``completion_ids`` (the sampled tokens of each completion) and
+        ``progress`` reach TRL-form rewards only. With ``on_error="zero"`` a failing sample scores 0
+        for that function and the error is kept in ``last_errors``; otherwise the first failure
+        raises `RewardFunctionError`, as does a total that is not finite in float32.
         """
         _check_batch(completions, rows)
         self.last_errors = []
         errors = self.last_errors if self.on_error == "zero" else None
+        batch = RewardBatch(completions, rows, completion_ids, progress or RewardProgress())
         columns = {
-            name: _score_column(name, function, completions, rows, errors, device)
-            for name, function in self._functions.items()
+            name: _score_column(name, function, batch, errors, device) for name, function in self._functions.items()
         }
         total = torch.zeros(len(completions), dtype=torch.float32, device=device)
+        applied = torch.zeros(len(completions), dtype=torch.bool, device=device)
         for name, column in columns.items():
-            total += self._weights[name] * column
+            total += self._weights[name] * torch.nan_to_num(column, nan=0.0)
+            applied |= ~column.isnan()
+        self.last_unscorable = int((~applied).sum())
+        _check_total(total, columns, self._weights, completions)
         return total, columns
 
     def failure_counts(self) -> dict[str, dict[str, int]]:
@@ -340,7 +442,7 @@ class RewardSet:
         """
         _check_batch(completions, rows)
         errors: list[RewardFunctionError] = []
-        column = _score_column("correct", self.task.correctness, completions, rows, errors, device)
+        column = _score_column("correct", self.task.correctness, RewardBatch(completions, rows), errors, device)
         for error in errors:
             self._correctness_failures[error.kind] += 1
         if errors:

@@ -19,9 +19,11 @@ from polo.data import instruction_for, make_task
 from polo.data.base import Task
 from polo.data.environments import sampler_for
 from polo.data.hf import check_same_datasets, passed_datasets_note
+from polo.data.prompt_lengths import PromptRoom, fit_prompts
 from polo.generation.cpu_sampler import rollout
 from polo.generation.rollouts import Sampler
 from polo.kernels import use_fast_attention, use_lean_layers, use_onednn_linears
+from polo.models.family import context_length
 from polo.models.hub import check_push
 from polo.models.loading import frozen_copy, load_policy, resolve_model_path, setup_activation_checkpointing
 from polo.models.lora import add_adapters, freeze_base_dtype, load_adapters
@@ -185,6 +187,27 @@ def resume(run: Run, checkpoint: Path) -> None:
         truncate_metrics(run.output_dir / "samples.jsonl", run.start_step)
 
 
+def check_prompts(config: Config, task: Task, tokenizer, model) -> None:
+    """Refuse (or, with task.truncate_prompts, cut) prompts that leave no room for their completion budget in the
+    model's context (`polo.data.prompt_lengths`), before anything is sampled."""
+    context = context_length(model)
+    if context is None:
+        return
+    sampling = config.sampling.max_new_tokens
+    room = PromptRoom(
+        context,
+        ("sampling.max_new_tokens", sampling),
+        ("eval.max_new_tokens", config.eval.max_new_tokens)
+        if config.eval.max_new_tokens
+        else ("sampling.max_new_tokens", sampling),
+        instruction_for(config, task),
+        config.task.system_prompt,
+    )
+    for warning in fit_prompts(task, tokenizer, room, config.task.truncate_prompts):
+        if is_main_process():
+            print(warning, flush=True)
+
+
 def set_up(
     config,
     overrides: list[str] | None = None,
@@ -216,9 +239,11 @@ def set_up(
     resume_from = find_resume_point(config, checkpointer) if rollback is None else rollback.checkpoint
     if train_dataset is not None and resume_from is not None:
         check_same_datasets(output_dir / "config.yaml", task)
+    note = passed_datasets_note(task) if train_dataset is not None else ""  # the rows as given, before any cut
     # Ranks sample different completions (seed + rank); they all start from the same weights.
     seed_everything(config.train.seed + parallel.rank())
     model, tokenizer, reference = load_models(config, compute, resume_from)
+    check_prompts(config, task, tokenizer, model)
     masters = master_weights(model, compute)  # after the reference copy, which stays as it was made
     optimizer = trainer_optimizer(model.parameters(), config.train, masters)
     critic = build_critic(config, model, optimizer, optimizer_steps(config))  # before the scheduler: a head joins it
@@ -249,6 +274,5 @@ def set_up(
             truncate_metrics(output_dir / "samples.jsonl", 0)
     if is_main_process():
         output_dir.mkdir(parents=True, exist_ok=True)
-        note = passed_datasets_note(task) if train_dataset is not None else ""
         (output_dir / "config.yaml").write_text(note + yaml.safe_dump(config_to_dict(config), sort_keys=False))
     return run

@@ -7,6 +7,7 @@ combined over all ranks.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from polo.generation.rollouts import Decoding, Rollouts
 from polo.kernels import common_prefix_length
 from polo.models.lora import merged_for_sampling, reference_scope
 from polo.models.scoring import completion_logprobs
+from polo.rewards.forms import RewardProgress
 from polo.rl.batching import (
     Batch,
     UpdateBatch,
@@ -45,6 +47,7 @@ class ScoredRound:
     batch: Batch  # rollouts, total rewards (shaping included), one prompt per group, per-function reward columns
     correct: torch.Tensor  # (batch,) 1.0 where the task's checker accepts the completion
     errors: list = field(default_factory=list)  # the reward functions' errors scored 0 (train.on_reward_error: zero)
+    unscorable: int = 0  # completions no reward applied to (every TRL-form reward returned None)
 
 
 @dataclass
@@ -144,7 +147,13 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> Sc
     started = time.perf_counter()
     # Each row also carries the exact prompt text the policy saw, for rewards that read it (a learned reward model).
     rows = [{"prompt_text": prompt, **row} for row, prompt in zip(row_batch, prompts) for _ in range(alg.group_size)]
-    rewards, columns = run.reward_set.score(rollouts.texts, rows, run.compute.device)
+    rewards, columns = run.reward_set.score(
+        rollouts.texts,
+        rows,
+        run.compute.device,
+        completion_ids=completion_token_ids(rollouts),
+        progress=RewardProgress(global_step=step - 1, max_steps=config.train.steps),
+    )
     errors = list(run.reward_set.last_errors)
     if alg.overlong_buffer > 0:
         shaping = core.overlong_penalty(
@@ -161,7 +170,13 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> Sc
         rewards, columns = rewards + own, {**columns, "environment": own}
     correct = run.reward_set.correctness(rollouts.texts, rows, run.compute.device)
     timings["reward"] += time.perf_counter() - started
-    return ScoredRound(Batch(rollouts, rewards, prompts, columns), correct, errors)
+    return ScoredRound(Batch(rollouts, rewards, prompts, columns), correct, errors, run.reward_set.last_unscorable)
+
+
+def completion_token_ids(rollouts: Rollouts) -> list[list[int]]:
+    """Return each completion's sampled token ids, its EOS included and its padding left out."""
+    lengths = rollouts.completion_lengths.tolist()
+    return [ids[:length] for ids, length in zip(rollouts.completion_ids.tolist(), lengths)]
 
 
 def collect_batch(run: Run, step: int, timings: dict) -> SampledStep:
@@ -226,13 +241,12 @@ def sampling_metrics(run: Run, seen: list[ScoredRound], kept_groups: int) -> dic
         "completion_length/max": lengths.max().item(),
         "truncated_fraction": every["truncated"].float().mean().item(),
         "zero_spread_group_fraction": core.zero_spread_groups(rewards, alg.group_size).float().mean().item(),
-        **{f"reward/{name}/mean": column.float().mean().item() for name, column in columns.items()},
-        **{
-            f"reward/{name}/std": column.float().std().item() if len(column) > 1 else 0.0
-            for name, column in columns.items()
-        },
+        **column_metrics(columns),
     }
     metrics.update(tool_metrics(seen))
+    unscorable = parallel.sum_over_ranks({"reward/unscorable": float(sum(entry.unscorable for entry in seen))})
+    if unscorable["reward/unscorable"]:
+        metrics.update(unscorable)
     failures = {
         f"reward/{name}/failures/{kind}": float(count)
         for name, counts in reward_set.failure_counts().items()
@@ -257,6 +271,17 @@ def sampling_metrics(run: Run, seen: list[ScoredRound], kept_groups: int) -> dic
     return metrics
 
 
+def column_metrics(columns: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Return each reward's mean and std over the samples it applied to (NaN marks TRL's None, "does not apply")."""
+    metrics = {}
+    for name, column in columns.items():
+        applied = column[~column.isnan()].float()
+        if len(applied):
+            metrics[f"reward/{name}/mean"] = applied.mean().item()
+            metrics[f"reward/{name}/std"] = applied.std().item() if len(applied) > 1 else 0.0
+    return metrics
+
+
 def tool_metrics(seen: list[ScoredRound]) -> dict:
     """Return the tool use of every rank's episodes in these rounds (`polo.generation.episodes.episode_metrics`).
 
@@ -276,11 +301,17 @@ def tool_metrics(seen: list[ScoredRound]) -> dict:
 
 def reward_error_messages(run: Run, seen: list[ScoredRound]) -> list[str]:
     """Return the warnings for reward functions that failed and scored 0 (the first few: one broken function can
-    fail every sample)."""
+    fail every sample), and for completions that no reward applied to (every TRL-form reward returned None)."""
+    unscorable = sum(entry.unscorable for entry in seen)
+    messages = (
+        [f"polo: warning: {unscorable} completion(s) had every reward return None (none applies); they total 0"]
+        if unscorable
+        else []
+    )
     if run.reward_set.on_error != "zero":
-        return []
+        return messages
     reward_errors = [error for entry in seen for error in entry.errors]
-    return [f"polo: warning: scored 0: {error}" for error in reward_errors[:3]]
+    return messages + [f"polo: warning: scored 0: {error}" for error in reward_errors[:3]]
 
 
 def sample_log_rows(step: int, scored: ScoredRound) -> list[dict]:
@@ -297,7 +328,7 @@ def sample_log_rows(step: int, scored: ScoredRound) -> list[dict]:
             # An episode's whole transcript (turns and observations); its last turn is what was graded.
             "completion": rollouts.texts[index] if episodes is None else episodes[index].transcript,
             "reward": float(rewards[index]),
-            "rewards": {name: float(column[index]) for name, column in batch.columns.items()},
+            "rewards": {name: _logged(float(column[index])) for name, column in batch.columns.items()},
             "correct": float(scored.correct[index]),
         }
         for kind, index in picks.items()
@@ -313,7 +344,10 @@ def completion_rows(batch: Batch, advantages: torch.Tensor) -> list[dict]:
     rollouts, mask = batch.rollouts, batch.rollouts.completion_mask.float()
     per_completion = ((advantages.float() * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
     rewards = batch.rewards.tolist()
-    columns = {f"reward/{name}": column.tolist() for name, column in (batch.columns or {}).items()}
+    columns = {
+        f"reward/{name}": [_logged(value) for value in column.tolist()]
+        for name, column in (batch.columns or {}).items()
+    }
     return [
         {
             "prompt": batch.prompts[index // rollouts.group_size],
@@ -324,6 +358,11 @@ def completion_rows(batch: Batch, advantages: torch.Tensor) -> list[dict]:
         }
         for index, text in enumerate(rollouts.texts)
     ]
+
+
+def _logged(value: float) -> float | None:
+    """Return a reward value as logged: None where the reward did not apply (NaN), which JSON cannot hold."""
+    return None if math.isnan(value) else value
 
 
 def score_before_update(run: Run, rollouts: Rollouts) -> PreUpdateScores:
