@@ -6,6 +6,7 @@ import functools
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from polo.core.registry import register_task
 from polo.data.base import Task, TaskDataError, read_jsonl, task_from_files, text_field
 
 # Imported under another name: jsonl_task's ``checker`` parameter would shadow it.
@@ -65,6 +66,7 @@ def read_task_jsonl(path: str | Path, prompt_field: str, answer_field: str, chec
     return task_rows(read_jsonl(path), prompt_field, answer_field, checker_name, path)
 
 
+@register_task("jsonl", help="your jsonl files")
 def jsonl_task(
     train_path: str | Path,
     eval_path: str | Path,
@@ -77,7 +79,7 @@ def jsonl_task(
 ) -> Task:
     """Return a Task over user jsonl files, judged by the named ``checker``.
 
-    ``checker`` is one of ``CHECKERS`` (``polo.rewards.answers.CHECKER_HELP`` says what each
+    ``checker`` is one of ``CHECKERS`` (each registered with what it
     accepts); "math_verify" by default.
     """
     correctness = bind_checker(checker, answer_in_tags)  # validates the name before any I/O
