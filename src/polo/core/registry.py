@@ -53,8 +53,8 @@ import torch
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    """Return " (did you mean 'X'?)" for the candidate closest to `word` (difflib's ratio >= 0.6), else ""."""
-    close = difflib.get_close_matches(word, [str(candidate) for candidate in candidates], n=1, cutoff=0.6)
+    """Return " (did you mean 'X'?)" for the candidate closest to `word` (difflib's ratio >= 0.75), else ""."""
+    close = difflib.get_close_matches(word, [str(candidate) for candidate in candidates], n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
