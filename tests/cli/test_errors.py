@@ -82,8 +82,8 @@ def test_train_misspelled_checker(tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", 3)
     recipe = rl_recipe(tmp_path, task=jsonl_task(data, data, checker="exact_nmber"))
     expected = (
-        "task.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string "
-        "(`polo train --help` says what each accepts)"
+        "task.checker: 'exact_nmber' is not a registered answer checker (did you mean 'exact_number'?); "
+        "registered: math_verify, exact_number, exact_string (or module:name for your own)"
     )
     assert polo("train", str(recipe), cwd=tmp_path) == expected
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,12 @@ def test_cli_reports_missing_model_in_one_line(tmp_path, capsys):
     assert "no-such-model" in capsys.readouterr().err
 
 
-def test_reward_override_accepts_import_paths_with_dots():
+def test_reward_override_accepts_import_paths_with_dots(tmp_path, monkeypatch):
+    (tmp_path / "my_pkg").mkdir()
+    (tmp_path / "my_pkg" / "__init__.py").write_text("")
+    (tmp_path / "my_pkg" / "scoring.py").write_text("def length_penalty(completion, row):\n    return 0.0\n")
+    monkeypatch.chdir(tmp_path)  # validation imports the module, from the current directory as polo train would
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
     config = load_config(None, ["rewards.my_pkg.scoring:length_penalty=0.25"])
     assert config.rewards == {"my_pkg.scoring:length_penalty": 0.25}
 

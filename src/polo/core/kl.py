@@ -21,19 +21,19 @@ from polo.core.registry import KL_ESTIMATORS, register_kl
 K3_LOG_RATIO_LIMIT = 20.0
 
 
-@register_kl("k1")
+@register_kl("k1", help="log π − log π_ref")
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Return the k1 estimate `(batch, seq)`: log π(y) − log π_ref(y)."""
     return logprobs - ref_logprobs
 
 
-@register_kl("k2")
+@register_kl("k2", help="(log π − log π_ref)²/2")
 def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Return the k2 estimate `(batch, seq)`: ½ (log π(y) − log π_ref(y))²."""
     return 0.5 * (logprobs - ref_logprobs) ** 2
 
 
-@register_kl("k3")
+@register_kl("k3", help="r − 1 − log r with r = π_ref/π (unbiased and always ≥ 0)")
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Return the k3 estimate `(batch, seq)`: exp(d) − d − 1 with d = log π_ref(y) − log π(y).
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from polo.core.registry import register_task
 from polo.data.base import Task, TaskDataError, read_jsonl, task_from_files, text_field
 from polo.rewards.answers import math_verify_answer
 
@@ -35,6 +36,7 @@ def read_gsm8k(path: str | Path) -> list[dict]:
     return [gsm8k_row(row, path, line) for line, row in read_jsonl(path)]
 
 
+@register_task("gsm8k", help="grade-school maths word problems, jsonl files in the GSM8K format (Cobbe et al. 2021)")
 def gsm8k_task(
     train_path: str | Path,
     eval_path: str | Path,

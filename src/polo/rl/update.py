@@ -16,6 +16,7 @@ import torch
 
 from polo import core
 from polo.config import Config
+from polo.config.validation import bind_options
 from polo.generation.rollouts import Rollouts
 from polo.kernels import attends_blockwise
 from polo.models.critic import completion_values
@@ -103,7 +104,12 @@ class UpdateContext:
         if self.alg.mask_truncated:  # DAPO's overlong filtering: truncated completions teach nothing
             self.loss_mask = self.loss_mask * (~self.rollouts.truncated).float().unsqueeze(-1)
         self.kl_in_loss = self.ref_logprobs is not None and not self.alg.kl_in_reward
-        self.policy_loss = core.POLICY_LOSSES[self.alg.policy_loss]
+        self.policy_loss = bind_options(  # a loss's own options (algorithm.policy_loss_options), checked and bound
+            "algorithm.policy_loss_options",
+            core.POLICY_LOSSES.entry(self.alg.policy_loss),
+            self.alg.policy_loss_options,
+            positional=2,
+        )
         self.sums = {key: 0.0 for key in SUM_KEYS}
         self.routing = RoutingSums()
 
