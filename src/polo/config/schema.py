@@ -154,12 +154,16 @@ class LoraSettings:
     )
 
 
+# The model every command starts from unless a recipe names another (a built-in, fetched on first use).
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
 @dataclass
 class ModelConfig:
     """Which causal LM to train."""
 
     name: str = setting(
-        "smollm2-135m-instruct",
+        DEFAULT_MODEL,
         help="a built-in model (smollm2-135m-instruct, gemma3-270m), a local Hugging Face model directory, "
         "or a Hub id org/name[@revision] (polo.models.hub; docs/models.md)",
     )
@@ -225,9 +229,13 @@ class TaskConfig:
     operators: list[str] = setting(["+"], help="arithmetic: the operators problems use (+, -, *)")
     min_digits: int = setting(2, help="arithmetic: the fewest digits of an operand", range=">= 1")
     max_digits: int = setting(2, help="arithmetic: the most digits of an operand", range=">= 1")
-    train_path: str | None = setting(None, help="gsm8k and jsonl: the training jsonl (gsm8k: null fetches it)")
+    train_path: str | None = setting(
+        None, help="gsm8k and jsonl: the training jsonl (gsm8k: null reads train.jsonl in $POLO_GSM8K_DIR)"
+    )
     eval_path: str | None = setting(
-        None, help="gsm8k, jsonl: the held-out jsonl; hf: the held-out data file beside a task.path data file"
+        None,
+        help="gsm8k, jsonl: the held-out jsonl (gsm8k: null reads test.jsonl in $POLO_GSM8K_DIR); hf: the held-out "
+        "data file beside a task.path data file",
     )
     prompt_field: str = setting("question", help="jsonl and hf: the row field holding the question")
     answer_field: str = setting("answer", help="jsonl and hf: the row field holding the reference answer")
@@ -491,3 +499,8 @@ class Config:
     train: TrainConfig = setting(default_factory=TrainConfig, help="batch shape, optimizer and run control")
     eval: EvalConfig = setting(default_factory=EvalConfig, help="held-out evaluation")
     output: OutputConfig = setting(default_factory=OutputConfig, help="where the run writes and reports")
+
+    @property
+    def eval_max_new_tokens(self) -> int:
+        """Return the held-out evaluation's completion budget: eval.max_new_tokens, else sampling.max_new_tokens."""
+        return self.eval.max_new_tokens or self.sampling.max_new_tokens

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
+from polo.config.schema import DEFAULT_MODEL
 from polo.kernels import norm_outputs_recomputed
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)
