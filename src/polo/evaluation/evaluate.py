@@ -20,6 +20,7 @@ has an answer scores 0.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -435,13 +436,17 @@ def evaluate(
     hf task's held-out rows. With `output`, the result is also written there as JSON, holding the
     lock of the run directory it lands in.
     """
-    config = load_config(_recipe(config), overrides)
-    settings = _eval_settings(settings)
-    task = make_task(config, eval_dataset, eval_dataset) if eval_dataset is not None else make_task(config)
-    rows = _held_out_rows(task.eval_rows, settings.limit, task.name)
-    if output is None or not is_run_dir(Path(output).parent):  # a plain folder: no run to guard
-        return _evaluate(config, settings, task, rows, output)
-    with owned_run_dir(Path(output).parent, "the run directory of the output", "write the output elsewhere"):
+    # Into a run directory, the run's lock comes first, before anything is read; a plain folder has no run to guard.
+    guarded = output is not None and is_run_dir(Path(output).parent)
+    with (
+        owned_run_dir(Path(output).parent, "the run directory of the output", "write the output elsewhere")
+        if guarded
+        else contextlib.nullcontext()
+    ):
+        config = load_config(_recipe(config), overrides)
+        settings = _eval_settings(settings)
+        task = make_task(config, eval_dataset, eval_dataset) if eval_dataset is not None else make_task(config)
+        rows = _held_out_rows(task.eval_rows, settings.limit, task.name)
         return _evaluate(config, settings, task, rows, output)
 
 
