@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import json
 import subprocess
 import sys
@@ -40,6 +41,8 @@ def test_pipeline_and_control_stay_callable_after_their_submodules_are_imported(
 
     assert polo.pipeline.__call__ is not None and callable(polo.pipeline) and callable(polo.control)
     assert polo.pipeline.run_pipeline is polo.pipeline.run.run_pipeline  # still the package, with its contents
+    assert list(inspect.signature(polo.pipeline).parameters)[:2] == ["recipe", "overrides"]
+    assert list(inspect.signature(polo.control).parameters)[:2] == ["config", "overrides"]
     with pytest.raises(AttributeError, match="no attribute 'trian'"):
         polo.trian  # noqa: B018
 

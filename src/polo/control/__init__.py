@@ -8,6 +8,7 @@ The package is callable: `polo.control(recipe, overrides)` is `polo.control.trai
 which returns a `ControlResult`.
 """
 
+import inspect
 import sys
 import types
 
@@ -21,6 +22,9 @@ class _CallablePackage(types.ModuleType):
     # The import system binds `polo.control` to this package, so the package itself answers the public call
     # `polo.control(recipe, overrides)`.
     __call__ = staticmethod(train)
+
+
+__signature__ = inspect.signature(train)  # what inspect.signature(polo.control) and IDEs show for the call
 
 
 sys.modules[__name__].__class__ = _CallablePackage

@@ -14,6 +14,7 @@ which returns a `PipelineResult`.
 Recipe format: `polo.pipeline.recipe`; docs/r1.md.
 """
 
+import inspect
 import sys
 import types
 
@@ -28,6 +29,9 @@ class _CallablePackage(types.ModuleType):
     # The import system binds `polo.pipeline` to this package, so the package itself answers the public call
     # `polo.pipeline(recipe, overrides)`.
     __call__ = staticmethod(run_pipeline)
+
+
+__signature__ = inspect.signature(run_pipeline)  # what inspect.signature(polo.pipeline) and IDEs show for the call
 
 
 sys.modules[__name__].__class__ = _CallablePackage
