@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -13,9 +14,20 @@ from polo.config import Config, ConfigError, load_config
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 
 
+def write_gsm8k_folder(folder: Path, train_rows: int, test_rows: int) -> Path:
+    """Write train.jsonl and test.jsonl in GSM8K's format (a question, a solution ending in #### N) to `folder`."""
+    for name, count in (("train.jsonl", train_rows), ("test.jsonl", test_rows)):
+        rows = [{"question": f"What is {i} + 2?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(count)]
+        (folder / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.name)
-def test_every_recipe_loads(recipe):
+def test_every_recipe_loads(recipe, tmp_path, monkeypatch):
     import yaml
+
+    # a gsm8k recipe reads $POLO_GSM8K_DIR: rows in GSM8K's format, as many as the recipes ask for, stand in for it
+    monkeypatch.setenv("POLO_GSM8K_DIR", str(write_gsm8k_folder(tmp_path, 2000, 500)))
 
     from polo.finetune.dpo import load_dpo_config
     from polo.finetune.reward_model import load_reward_model_config

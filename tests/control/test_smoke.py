@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from polo.cli.control import add_parser, run
+from polo.cli import main
 from polo.config import ConfigError
 from polo.control import load_control_config, train
 
@@ -50,17 +50,10 @@ def test_ppo_runs_on_pendulum_and_acrobot(recipe):
 
 
 def test_cli_runs_a_recipe_and_rejects_unknown_keys(tmp_path, capsys):
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="polo")
-    add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
-        ["control", str(RECIPES / "a2c_cartpole.yaml"), "train.total_steps=100", f"output.dir={tmp_path}", *FAST]
-    )
-    assert run(args) == 0
+    args = ["control", str(RECIPES / "a2c_cartpole.yaml"), "train.total_steps=100", f"output.dir={tmp_path}", *FAST]
+    assert main(args) == 0
     assert "steps in" in capsys.readouterr().out
-    bad = parser.parse_args(["control", str(RECIPES / "a2c_cartpole.yaml"), "train.totl_steps=100"])
-    assert run(bad) == 2
+    assert main(["control", str(RECIPES / "a2c_cartpole.yaml"), "train.totl_steps=100"]) == 2
     assert "train.totl_steps" in capsys.readouterr().err
 
 

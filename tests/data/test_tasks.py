@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,10 @@ from polo.data import (
     read_jsonl,
 )
 from polo.data.arithmetic import count_problems
+from polo.data.gsm8k import GSM8K_ENV
 
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
-needs_gsm8k = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason=f"GSM8K data folder {GSM8K_DIR} is absent")
+GSM8K_DIR = Path(os.environ.get(GSM8K_ENV, "/nonexistent"))  # tests/conftest.py sets it where the data is
+needs_gsm8k = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason=f"no GSM8K data folder (${GSM8K_ENV}: {GSM8K_DIR})")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"

@@ -154,12 +154,16 @@ class LoraSettings:
     )
 
 
+# The model every command starts from unless a recipe names another (a built-in, fetched on first use).
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
 @dataclass
 class ModelConfig:
     """Which causal LM to train."""
 
     name: str = setting(
-        "smollm2-135m-instruct",
+        DEFAULT_MODEL,
         help="a built-in model (fetched and converted once), a local Hugging Face model directory, "
         "or a Hub id org/name[@revision] (polo.models.hub; docs/models.md)",
         choices=MODELS,
@@ -237,10 +241,14 @@ class TaskConfig:
     operators: list[str] = setting(["+"], help="the operators problems use (+, -, *)", used_by=TASKS)
     min_digits: int = setting(2, help="the fewest digits of an operand", range=">= 1", used_by=TASKS)
     max_digits: int = setting(2, help="the most digits of an operand", range=">= 1", used_by=TASKS)
-    train_path: str | None = setting(None, help="the training data, a JSON-lines file", used_by=TASKS)
+    train_path: str | None = setting(
+        None,
+        help="the training data, a JSON-lines file (gsm8k: null reads train.jsonl in $POLO_GSM8K_DIR)",
+        used_by=TASKS,
+    )
     eval_path: str | None = setting(
         None,
-        help="the held-out data, a JSON-lines file (a task over a task.path data file: the held-out data file "
+        help="the held-out data, a JSON-lines file (gsm8k: null reads test.jsonl in $POLO_GSM8K_DIR; a task over a task.path data file: the held-out data file "
         "beside it)",
         used_by=TASKS,
     )
@@ -536,3 +544,8 @@ class Config:
     train: TrainConfig = setting(default_factory=TrainConfig, help="batch shape, optimizer and run control")
     eval: EvalConfig = setting(default_factory=EvalConfig, help="held-out evaluation")
     output: OutputConfig = setting(default_factory=OutputConfig, help="where the run writes and reports")
+
+    @property
+    def eval_max_new_tokens(self) -> int:
+        """Return the held-out evaluation's completion budget: eval.max_new_tokens, else sampling.max_new_tokens."""
+        return self.eval.max_new_tokens or self.sampling.max_new_tokens

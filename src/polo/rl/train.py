@@ -220,7 +220,7 @@ class HeldOutEvaluation:
         self.rows = parallel.eval_share(run.task.eval_rows)
         self.prompts = run.task.prompts(run.tokenizer, self.rows, run.instruction, run.config.task.system_prompt)
         self.sampling = GroupSampling(
-            max_new_tokens=run.config.eval.max_new_tokens or run.config.sampling.max_new_tokens,
+            max_new_tokens=run.config.eval_max_new_tokens,
             batch_size=run.config.eval.batch_size,
             compute=run.compute,
             sampler=run.sampler,
