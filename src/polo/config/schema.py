@@ -248,8 +248,8 @@ class TaskConfig:
     )
     eval_path: str | None = setting(
         None,
-        help="the held-out data, a JSON-lines file (gsm8k: null reads test.jsonl in $POLO_GSM8K_DIR; a task over a task.path data file: the held-out data file "
-        "beside it)",
+        help="the held-out data, a JSON-lines file (gsm8k: null reads test.jsonl in $POLO_GSM8K_DIR; a task over "
+        "a task.path data file: the held-out data file beside it)",
         used_by=TASKS,
     )
     prompt_field: str | None = setting(

@@ -11,8 +11,8 @@ import functools
 import os
 from pathlib import Path
 
-from polo.core.registry import register_task
 from polo.config import ConfigError
+from polo.core.registry import register_task
 from polo.data.base import Task, TaskDataError, read_jsonl, task_from_files, text_field
 from polo.rewards.answers import math_verify_answer
 

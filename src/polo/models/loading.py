@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from polo.core.registry import MODELS, did_you_mean
 from polo.config.schema import DEFAULT_MODEL
+from polo.core.registry import MODELS, did_you_mean
 from polo.kernels import norm_outputs_recomputed
 
 
