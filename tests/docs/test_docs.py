@@ -72,6 +72,25 @@ def test_every_cited_repository_path_exists(document):
     assert not missing, f"{relative(document)} cites paths that do not exist: {missing}"
 
 
+def anchors(document: Path) -> set[str]:
+    """Return the anchors of a Markdown file's headings, as GitHub makes them ("## Faults a run survives" ->
+    "faults-a-run-survives")."""
+    headings = re.findall(r"^#+ (.+)$", document.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("document", [d for d in DOCUMENTS if d.suffix == ".md"], ids=relative)
+def test_every_cited_section_exists(document):
+    missing = []
+    for target in LINK.findall(document.read_text()):
+        path, _, anchor = target.partition("#")
+        if anchor and "://" not in path and (not path or path.endswith(".md")):
+            linked = (document.parent / path).resolve() if path else document
+            if linked.exists() and anchor not in anchors(linked):
+                missing.append(target)
+    assert not missing, f"{relative(document)} links to sections that do not exist: {missing}"
+
+
 def readme_commands() -> list[str]:
     """Return the README's shell commands: the lines of its bash blocks, without comments and continuations."""
     text = (ROOT / "README.md").read_text()
