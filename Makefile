@@ -33,11 +33,12 @@ RUFF_CHECK = $(shell [ -x $(VENV)/bin/ruff ] && echo "$(VENV)/bin/ruff check $(L
 demo: model
 	$(POLO) train recipes/grpo_arith.yaml
 
+# --durations: every CI log names its slowest tests, which is what a faster split is planned from.
 test: model
 	$(RUFF_FORMAT)
 	$(RUFF_CHECK)
 	$(LINT_IMPORTS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The tests marked `cuda` (tests/cuda/): on a machine without a GPU each one prints as skipped, with its reason.
 test-gpu: $(STAMP)

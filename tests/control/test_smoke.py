@@ -77,3 +77,16 @@ def test_a_second_run_into_the_same_directory_is_refused_unless_overwrite(tmp_pa
     assert (tmp_path / "metrics.jsonl").read_text() == first  # nothing lost
     train(RECIPES / "a2c_cartpole.yaml", overrides + ["output.overwrite=true"])
     assert (tmp_path / "metrics.jsonl").read_text() != first
+
+
+def test_a_run_leaves_torch_with_the_threads_it_had(tmp_path):
+    """`train.threads` (1 by default here) holds for the run only: the count is one setting for the whole process
+    and decides how reductions split their sums, so a count left behind changed a later run's weights."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2 if before != 2 else 3)
+    try:
+        expected = torch.get_num_threads()
+        train(RECIPES / "a2c_cartpole.yaml", ["train.total_steps=32", "train.threads=1", *FAST], write_files=False)
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)

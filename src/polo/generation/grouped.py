@@ -20,6 +20,7 @@ from polo.generation import cpu_sampler, static_sampler
 from polo.generation.rollouts import Decoding, EpisodeRecord, Sampler
 from polo.models.family import encode_prompts
 from polo.runtime.device import CPU, Compute
+from polo.runtime.metrics import on_terminal
 
 
 # `sampling.sampler`: each registered sampler is the function giving the sampler module for a Compute.
@@ -138,7 +139,8 @@ def sample_groups(
     lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts)]  # as the sampler tokenizes them (BOS included)
     results: list[list[Completion]] = [[] for _ in prompts]
     total = len(prompts) * samples_per_prompt
-    progress = {"desc": settings.description, "disable": not settings.progress}
+    # a bar only on a terminal: in a log file its redraws are one long line that other lines are glued to
+    progress = {"desc": settings.description, "disable": not settings.progress or not on_terminal()}
     with tqdm(total=total, unit="sample", dynamic_ncols=True, **progress) as bar:
         for chunk in group_batches(lengths, samples_per_prompt, settings.batch_size):
             sampled = sampler(

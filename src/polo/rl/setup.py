@@ -228,8 +228,6 @@ def set_up(
     config = checked_config(config, overrides)
     output_dir = Path(config.output.dir)
     compute = train_compute(config)
-    if config.train.threads:
-        torch.set_num_threads(config.train.threads)
     task = make_task(config, train_dataset, eval_dataset)
     if train_dataset is not None:
         config = replace(config, task=replace(config.task, name="hf"))

@@ -24,7 +24,7 @@ from polo.rl.publish import publish_model
 from polo.rl.setup import Run, set_up
 from polo.rl.step import StepResult, rl_step, sampling_weights
 from polo.runtime import parallel
-from polo.runtime.device import resolve_device
+from polo.runtime.device import resolve_device, torch_threads
 from polo.runtime.errors import NonFiniteLossError
 from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
@@ -70,7 +70,7 @@ def train(
     try:
         # The lock comes before anything looks at output.dir; a stop signal during set-up is held until the loop
         # can stop cleanly.
-        with owned_run_dir(config.output.dir), StopRequest(say_on_main):
+        with owned_run_dir(config.output.dir), StopRequest(say_on_main), torch_threads(config.train.threads):
             rollback = None
             while True:  # once, unless the divergence guard rolls the run back (polo.rl.guard)
                 try:
