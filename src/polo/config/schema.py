@@ -293,7 +293,7 @@ class AlgorithmConfig:
         "grpo",
         help="the preset: a named set of the fields below (grpo: Shao et al. 2024; dr_grpo: Liu et al. 2025; "
         "dapo: Yu et al. 2025; rloo: Ahmadian et al. 2024; reinforce_pp: Hu 2025; gspo: Zheng et al. 2025; "
-        "ppo: Schulman et al. 2017, Ouyang et al. 2022)",
+        "cispo: MiniMax 2025; ppo: Schulman et al. 2017, Ouyang et al. 2022)",
         choices=tuple(PRESETS),
     )
     advantage_estimator: str = setting(
@@ -305,7 +305,8 @@ class AlgorithmConfig:
     policy_loss: str = setting(
         "ppo_clip",
         help="ppo_clip: PPO's clipped surrogate on the token ratio; gspo: the same on the length-normalised "
-        "sequence ratio (Zheng et al. 2025)",
+        "sequence ratio (Zheng et al. 2025); cispo: REINFORCE with the ratio as a weight capped at "
+        "1 + clip_eps_high (MiniMax-M1, MiniMax 2025)",
         choices=core.POLICY_LOSSES,
     )
     group_size: int = setting(
@@ -328,6 +329,12 @@ class AlgorithmConfig:
         "Yu et al. 2025) lets unlikely tokens grow and keeps entropy up",
         range=">= 0",
     )
+    clip_delta: float | None = setting(
+        None,
+        help="two-sided clipping (INTELLECT-2, Prime Intellect 2025): the unclipped ratio is capped at δ too, so a "
+        "negative advantage's loss stays bounded; set it above 1 + clip_eps_high (4, say); null: off",
+        range="> 1",
+    )
     beta: float = setting(
         0.0, help="KL coefficient to the starting model; a reference model is kept only when beta > 0", range=">= 0"
     )
@@ -336,6 +343,11 @@ class AlgorithmConfig:
         help="the per-token KL estimate: k1 = log r, k2 = (log r)²/2, k3 = r − 1 − log r (unbiased and "
         "always ≥ 0; Schulman 2020, 'Approximating KL Divergence')",
         choices=core.KL_ESTIMATORS,
+    )
+    kl_importance_weighted: bool = setting(
+        False,
+        help="weight the KL in the loss by the token ratio π/π_old, which makes its gradient unbiased off-policy "
+        "(DeepSeek-V3.2, DeepSeek-AI 2025; TRL's use_bias_correction_kl, its default); polo.core.kl",
     )
     kl_in_reward: bool = setting(
         False,

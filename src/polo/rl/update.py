@@ -120,6 +120,8 @@ def policy_loss_term(
     per_token, stats = ctx.policy_loss(core.PolicyLossInputs(logprobs, old, token_advantages, mask), alg)
     if ctx.kl_in_loss:
         kl = core.kl_estimate(logprobs, ctx.ref_logprobs[micro, :width], alg.kl_estimator)
+        if alg.kl_importance_weighted:
+            kl = core.importance_weighted_kl(kl, logprobs, old)
         per_token = per_token + alg.beta * kl
         ctx.sums["kl"] += float((kl.detach() * mask).sum())
     ctx.sums["clip_low"] += float(stats.get("clip_low_count", 0.0))
