@@ -14,9 +14,11 @@ from polo.core import (
     cispo_loss,
     entropy_from_logits,
     gspo_loss,
+    high_entropy_tokens,
     masked_mean,
     masked_sum,
     ppo_clip_loss,
+    sapo_loss,
     value_loss,
     vanilla_pg_loss,
 )
@@ -274,3 +276,27 @@ def test_cispo_keeps_every_tokens_gradient_with_a_capped_weight():
     settings = SimpleNamespace(clip_eps_low=0.2, clip_eps_high=4.0, clip_delta=None)
     registered, _ = POLICY_LOSSES["cispo"](PolicyLossInputs(logprobs.detach(), old, advantages, mask), settings)
     torch.testing.assert_close(registered, per_token.detach())
+
+
+def test_sapo_is_ppos_gradient_on_policy_and_a_smooth_gate_off_it():
+    # ∂l/∂ρ = −4σ(τ(ρ − 1))(1 − σ(τ(ρ − 1))) A: −A at ρ = 1, and it fades (without a cliff) as ρ leaves 1.
+    advantages, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 3)
+    ratios = torch.tensor([[1.0, 1.5, 3.0], [1.0, 1.5, 3.0]])
+    logprobs = ratios.log().requires_grad_()
+    per_token, stats = sapo_loss(logprobs, torch.zeros(2, 3), advantages, mask, 1.0, 1.05)
+    per_token.sum().backward()
+    tau = torch.tensor([[1.0], [1.05]])
+    gate = torch.sigmoid(tau * (ratios - 1))
+    # d l / d log π = ρ · ∂l/∂ρ
+    torch.testing.assert_close(logprobs.grad, -4 * gate * (1 - gate) * ratios * advantages[:, None])
+    assert logprobs.grad[0, 0].item() == pytest.approx(-1.0) and logprobs.grad[1, 0].item() == pytest.approx(1.0)
+    assert stats["ratio_sum"].item() == pytest.approx(11.0)
+
+
+def test_high_entropy_tokens_keeps_the_top_quantile_of_valid_tokens():
+    entropy = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.8, 0.2, 0.7]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # the 7.0 is padding: never kept, never counted
+    # 7 valid tokens, sorted 0.1 0.2 0.3 0.5 0.7 0.8 0.9: their 75th percentile interpolates 0.7 and 0.8 to 0.75
+    kept = high_entropy_tokens(entropy, mask, 0.25)
+    assert kept.tolist() == [[False, True, False, False], [False, True, False, False]]
+    assert torch.equal(high_entropy_tokens(entropy, mask, 1.0), mask.bool())

@@ -47,6 +47,7 @@ AGGREGATION = {
     "dr_grpo": "seq_mean_token_sum_norm",
     "bnpo": "micro_batch_token_mean",
     "cispo": "token_mean",
+    "sapo": "seq_mean_token_mean",
 }
 
 
@@ -61,6 +62,7 @@ class Setting:
     beta: float = 0.0
     use_bias_correction_kl: bool = False  # TRL's default is True; polo's kl_importance_weighted, off by default
     delta: float | None = None  # two-sided clipping: TRL delta, polo clip_delta
+    top_entropy_quantile: float = 1.0
     mask_truncated: bool = False
     scale_rewards: str = "group"  # group | none
     group_size: int = 4
@@ -175,8 +177,8 @@ class TablePolicy(torch.nn.Module):
 
 def polo_policy_loss(setting: Setting) -> str:
     """Return polo's policy loss for `setting`."""
-    if setting.loss_type == "cispo":
-        return "cispo"
+    if setting.loss_type in ("cispo", "sapo"):
+        return setting.loss_type
     return "gspo" if setting.sequence_ratio else "ppo_clip"
 
 
@@ -194,6 +196,7 @@ def polo_config(setting: Setting, **algorithm):
                 "kl_estimator": "k3",
                 "kl_importance_weighted": setting.use_bias_correction_kl,
                 "clip_delta": setting.delta,
+                "top_entropy_quantile": setting.top_entropy_quantile,
                 "mask_truncated": setting.mask_truncated,
                 "scale_rewards": setting.scale_rewards == "group",
                 "group_size": setting.group_size,
@@ -273,6 +276,7 @@ def trl_config(setting: Setting, output_dir: Path, **overrides):
         # TRL's CISPO reads epsilon_high as the weight's cap (ScaleRL's ε_max), polo's as 1 + clip_eps_high
         "epsilon_high": 1.0 + setting.epsilon_high if setting.loss_type == "cispo" else setting.epsilon_high,
         "delta": setting.delta,
+        "top_entropy_quantile": setting.top_entropy_quantile,
         "beta": setting.beta,
         "use_bias_correction_kl": setting.use_bias_correction_kl,
         "mask_truncated_completions": setting.mask_truncated,

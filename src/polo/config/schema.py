@@ -293,7 +293,7 @@ class AlgorithmConfig:
         "grpo",
         help="the preset: a named set of the fields below (grpo: Shao et al. 2024; dr_grpo: Liu et al. 2025; "
         "dapo: Yu et al. 2025; rloo: Ahmadian et al. 2024; reinforce_pp: Hu 2025; gspo: Zheng et al. 2025; "
-        "cispo: MiniMax 2025; ppo: Schulman et al. 2017, Ouyang et al. 2022)",
+        "cispo: MiniMax 2025; sapo: Qwen 2025; ppo: Schulman et al. 2017, Ouyang et al. 2022)",
         choices=tuple(PRESETS),
     )
     advantage_estimator: str = setting(
@@ -306,7 +306,7 @@ class AlgorithmConfig:
         "ppo_clip",
         help="ppo_clip: PPO's clipped surrogate on the token ratio; gspo: the same on the length-normalised "
         "sequence ratio (Zheng et al. 2025); cispo: REINFORCE with the ratio as a weight capped at "
-        "1 + clip_eps_high (MiniMax-M1, MiniMax 2025)",
+        "1 + clip_eps_high (MiniMax-M1, MiniMax 2025); sapo: a smooth sigmoid gate on the ratio (SAPO, Qwen 2025)",
         choices=core.POLICY_LOSSES,
     )
     group_size: int = setting(
@@ -334,6 +334,18 @@ class AlgorithmConfig:
         help="two-sided clipping (INTELLECT-2, Prime Intellect 2025): the unclipped ratio is capped at δ too, so a "
         "negative advantage's loss stays bounded; set it above 1 + clip_eps_high (4, say); null: off",
         range="> 1",
+    )
+    sapo_temperature_pos: float = setting(
+        1.0, help="sapo: τ of the soft gate for positive advantages (SAPO, Qwen 2025)", range="> 0"
+    )
+    sapo_temperature_neg: float = setting(
+        1.05, help="sapo: τ for negative advantages; above τ_pos, their off-policy tokens fade faster", range="> 0"
+    )
+    top_entropy_quantile: float = setting(
+        1.0,
+        help="train the policy on the micro-batch's top fraction of tokens by entropy only (0.2: Wang et al. 2025, "
+        "'Beyond the 80/20 Rule'); the KL and the normalisers still count every token; 1: all",
+        range="(0, 1]",
     )
     beta: float = setting(
         0.0, help="KL coefficient to the starting model; a reference model is kept only when beta > 0", range=">= 0"

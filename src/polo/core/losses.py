@@ -210,6 +210,67 @@ def cispo_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor,
     )
 
 
+def sapo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    temperature_pos: float,
+    temperature_neg: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return (per-token SAPO loss `(batch, seq)`, stats): a smooth gate on the ratio instead of a hard clip.
+
+        ρ_t = exp(log π(y_t) − log π_old(y_t)),   τ_t = temperature_pos if A_t > 0 else temperature_neg
+        l_t = −(4 / τ_t) σ(τ_t (ρ_t − 1)) A_t
+
+    At ρ = 1 its gradient is PPO's (∂l/∂ρ = −4σ(1 − σ) A = −A); away from 1 the weight 4σ(1 − σ) decays smoothly
+    rather than dropping to 0 at the clip edge, faster for negative advantages when τ_neg > τ_pos (Qwen 2025, SAPO,
+    arXiv 2511.20347; its defaults τ_pos = 1, τ_neg = 1.05 are TRL's). The ratio is the token's.
+    Shapes: logprobs, old_logprobs, mask (batch, seq); advantages (batch,) or (batch, seq).
+    Stats: `ratio_sum` and `token_count` (nothing is clipped).
+    """
+    if not (temperature_pos > 0 and temperature_neg > 0):
+        raise ValueError(f"SAPO's temperatures must be > 0, got {temperature_pos} and {temperature_neg}")
+    is_valid = mask.bool()
+    token_advantages = _token_advantages(advantages, mask)
+    ratio = torch.exp(torch.where(is_valid, logprobs - old_logprobs, 0.0))
+    temperature = torch.where(token_advantages > 0, temperature_pos, temperature_neg)
+    gate = torch.sigmoid(temperature * (ratio - 1.0)) * 4.0 / temperature
+    per_token = torch.where(is_valid, -gate * token_advantages, 0.0)
+    with torch.no_grad():
+        stats = {"ratio_sum": masked_sum(ratio, is_valid).float(), "token_count": is_valid.sum().float()}
+    return per_token, stats
+
+
+@register_policy_loss("sapo")
+def sapo_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return `sapo_loss` of a micro-batch with the recipe's `sapo_temperature_pos` and `sapo_temperature_neg`."""
+    return sapo_loss(
+        inputs.logprobs,
+        inputs.old_logprobs,
+        inputs.advantages,
+        inputs.mask,
+        settings.sapo_temperature_pos,
+        settings.sapo_temperature_neg,
+    )
+
+
+def high_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """Return a bool mask `(batch, seq)` of the valid tokens whose entropy is in the top `quantile` of the valid ones.
+
+        keep_t = m_t ∧ H_t ≥ q,   q = the (1 − quantile) quantile of {H_t : m_t}
+
+    Only the high-entropy "forking" tokens then carry the policy gradient (Wang et al. 2025, "Beyond the 80/20
+    Rule", arXiv 2506.01939: quantile 0.2). quantile 1 keeps every valid token.
+    Shapes: entropy, mask (batch, seq) → bool (batch, seq).
+    """
+    is_valid = mask.bool()
+    if quantile >= 1.0 or not is_valid.any():
+        return is_valid
+    threshold = torch.quantile(entropy[is_valid].float(), 1.0 - quantile)
+    return is_valid & (entropy >= threshold.to(entropy.dtype))
+
+
 def vanilla_pg_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Return the per-token REINFORCE loss `(batch, seq)`: l_t = −A_t log π(y_t).
 
