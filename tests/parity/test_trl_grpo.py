@@ -45,6 +45,7 @@ SHARED = {
     ),
     "cispo": Setting(loss_type="cispo", epsilon_high=0.5, epochs=3, learning_rate=10.0),
     "sapo": Setting(loss_type="sapo", epochs=2, num_minibatches=2),
+    "scale_rewards_batch": Setting(scale_rewards="batch", num_minibatches=2, learning_rate=10.0),
     "top_entropy_quantile": Setting(top_entropy_quantile=0.2, micro_batch_size=8, num_minibatches=2, beta=0.05),
 }
 

@@ -64,7 +64,7 @@ class Setting:
     delta: float | None = None  # two-sided clipping: TRL delta, polo clip_delta
     top_entropy_quantile: float = 1.0
     mask_truncated: bool = False
-    scale_rewards: str = "group"  # group | none
+    scale_rewards: str = "group"  # group | batch | none
     group_size: int = 4
     prompts: int = 4
     micro_batch_size: int = 4  # TRL per_device_train_batch_size
@@ -198,7 +198,7 @@ def polo_config(setting: Setting, **algorithm):
                 "clip_delta": setting.delta,
                 "top_entropy_quantile": setting.top_entropy_quantile,
                 "mask_truncated": setting.mask_truncated,
-                "scale_rewards": setting.scale_rewards == "group",
+                "scale_rewards": {"group": True, "none": False, "batch": "batch"}[setting.scale_rewards],
                 "group_size": setting.group_size,
                 "update_epochs": setting.epochs,
                 **algorithm,

@@ -312,10 +312,12 @@ class AlgorithmConfig:
     group_size: int = setting(
         8, help="G completions sampled per prompt (the group the baseline is taken over)", range=">= 1"
     )
-    scale_rewards: bool = setting(
+    scale_rewards: bool | str = setting(
         True,
-        help="divide group-centred rewards by the group's std (GRPO); false: centre only, which removes the "
-        "difficulty bias Dr. GRPO (Liu et al. 2025) found",
+        help="true: divide group-centred rewards by the group's std (GRPO); false: centre only, which removes the "
+        "difficulty bias Dr. GRPO (Liu et al. 2025) found; batch: divide by the whole batch's std (Lite PPO, "
+        "'Tricks or Traps?', Liu et al. 2025)",
+        choices=(True, False, "batch"),
     )
     advantage_eps: float = setting(
         1e-4, help="ε in (r − mean) / (std + ε): a group whose rewards are all equal gets advantage 0", range=">= 0"
