@@ -261,7 +261,9 @@ def high_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, quantile: flo
         keep_t = m_t ∧ H_t ≥ q,   q = the (1 − quantile) quantile of {H_t : m_t}
 
     Only the high-entropy "forking" tokens then carry the policy gradient (Wang et al. 2025, "Beyond the 80/20
-    Rule", arXiv 2506.01939: quantile 0.2). quantile 1 keeps every valid token.
+    Rule", arXiv 2506.01939: quantile 0.2). quantile 1 keeps every valid token. The quantile is taken over the
+    tokens given, which the update passes one micro-batch of one rank at a time (TRL pools the ranks' micro-batches;
+    in one process the two agree).
     Shapes: entropy, mask (batch, seq) → bool (batch, seq).
     """
     is_valid = mask.bool()
