@@ -186,3 +186,12 @@ def test_right_padded_masks_pass_including_empty_and_full_rows(name):
 def first(result):
     """Return the advantages of a time-walking call (GAE also returns the returns)."""
     return result[0] if isinstance(result, tuple) else result
+
+
+def test_batch_std_keeps_the_group_mean_and_divides_by_the_batchs_spread():
+    # Lite PPO: each group's own mean as the baseline, the std of all 8 rewards as the scale; a flat group stays 0.
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 3.0, 3.0, 3.0, 3.0])
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.0, 0.0, 0.0, 0.0]) / (rewards.std() + 1e-4)
+    torch.testing.assert_close(group_advantages(rewards, group_size=4, batch_std=True), expected)
+    # a group's own std would have scaled it by 1 / 0.5 instead
+    assert not torch.allclose(group_advantages(rewards, group_size=4), expected)

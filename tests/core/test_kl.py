@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from polo.core import kl_estimate, kl_k1, kl_k2, kl_k3
+from polo.core import importance_weighted_kl, kl_estimate, kl_k1, kl_k2, kl_k3
 
 
 def test_estimators_by_hand():
@@ -93,3 +93,16 @@ def test_k3_keeps_the_second_order_term_at_small_differences():
     d = torch.tensor([[1e-3, -1e-3, 1e-4]], dtype=torch.float32)
     kl = kl_k3(torch.zeros_like(d), d)
     torch.testing.assert_close(kl, d**2 / 2 + d**3 / 6, rtol=1e-3, atol=0.0)
+
+
+def test_importance_weighted_k3_keeps_the_ratios_gradient_on_policy():
+    # On-policy (π_old = π, detached) the value is k3 itself, but the gradient gains k3 · ∇log π:
+    # ∂(ρ k3)/∂log π = ρ k3 + ρ ∂k3/∂log π = k3 + (1 − e^d) at ρ = 1 (DeepSeek-V3.2's unbiased KL gradient).
+    logprobs = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    ref_logprobs = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
+    k3 = kl_k3(logprobs, ref_logprobs)
+    weighted = importance_weighted_kl(k3, logprobs, logprobs.detach())
+    torch.testing.assert_close(weighted, k3)
+    weighted.sum().backward()
+    d = ref_logprobs - logprobs.detach()
+    torch.testing.assert_close(logprobs.grad, k3.detach() + 1.0 - d.exp())

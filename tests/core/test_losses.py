@@ -11,11 +11,14 @@ from polo.core import (
     LossNormalisers,
     PolicyLossInputs,
     aggregate_loss,
+    cispo_loss,
     entropy_from_logits,
     gspo_loss,
+    high_entropy_tokens,
     masked_mean,
     masked_sum,
     ppo_clip_loss,
+    sapo_loss,
     value_loss,
     vanilla_pg_loss,
 )
@@ -76,7 +79,7 @@ def test_ppo_padding_never_contributes():
 @pytest.mark.parametrize("name, loss", [("ppo_clip", ppo_clip_loss), ("gspo", gspo_loss)])
 def test_registered_policy_losses_take_their_clip_range_from_the_settings(name, loss):
     """The loop hands a loss (inputs, settings); the built-ins read the recipe's clip range from the settings."""
-    settings = SimpleNamespace(clip_eps_low=0.2, clip_eps_high=0.28)
+    settings = SimpleNamespace(clip_eps_low=0.2, clip_eps_high=0.28, clip_delta=None)
     logprobs = RATIOS.log()
     inputs = PolicyLossInputs(logprobs, torch.zeros_like(logprobs), ADVANTAGES, MASK)
     per_token, stats = POLICY_LOSSES[name](inputs, settings)
@@ -86,7 +89,7 @@ def test_registered_policy_losses_take_their_clip_range_from_the_settings(name, 
     # Every ratio 1.5 with A > 0: clipped at 1 + clip_eps_high, which the settings set.
     hot = PolicyLossInputs(torch.full_like(logprobs, math.log(1.5)), torch.zeros_like(logprobs), ADVANTAGES.abs(), MASK)
     wide, _ = POLICY_LOSSES[name](hot, settings)
-    narrow, _ = POLICY_LOSSES[name](hot, SimpleNamespace(clip_eps_low=0.2, clip_eps_high=0.1))
+    narrow, _ = POLICY_LOSSES[name](hot, SimpleNamespace(clip_eps_low=0.2, clip_eps_high=0.1, clip_delta=None))
     torch.testing.assert_close(narrow, wide * 1.1 / 1.28)
 
 
@@ -240,3 +243,63 @@ def test_entropy_from_logits():
     assert torch.isfinite(logits.grad).all()
     # Large logits must not overflow: softmax([1000, 0]) is essentially one-hot → entropy ≈ 0.
     assert entropy_from_logits(torch.tensor([1000.0, 0.0])).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_two_sided_clipping_bounds_a_negative_advantage_at_delta():
+    # A < 0 and ratio 3: PPO's min keeps the unclipped 3·A (loss 3·|A|, gradient through the ratio); with δ = 2
+    # the ratio in that term is capped: loss 2·|A| and no gradient (INTELLECT-2's two-sided clipping).
+    logprobs = torch.full((1, 2), math.log(3.0), requires_grad=True)
+    mask, advantages = torch.ones(1, 2), torch.tensor([-1.5])
+    plain, _ = ppo_clip_loss(logprobs, torch.zeros(1, 2), advantages, mask, 0.2, 0.2)
+    capped, _ = ppo_clip_loss(logprobs, torch.zeros(1, 2), advantages, mask, 0.2, 0.2, delta=2.0)
+    torch.testing.assert_close(plain, torch.full((1, 2), 4.5))
+    torch.testing.assert_close(capped, torch.full((1, 2), 3.0))
+    capped.sum().backward()
+    assert torch.equal(logprobs.grad, torch.zeros(1, 2))
+    # Below δ, and for positive advantages, nothing changes.
+    small = torch.full((1, 2), math.log(1.5))
+    for sign in (-1.0, 1.0):
+        a, _ = ppo_clip_loss(small, torch.zeros(1, 2), sign * advantages.abs(), mask, 0.2, 0.2)
+        b, _ = ppo_clip_loss(small, torch.zeros(1, 2), sign * advantages.abs(), mask, 0.2, 0.2, delta=2.0)
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="delta"):
+        ppo_clip_loss(small, torch.zeros(1, 2), advantages, mask, 0.2, 0.2, delta=1.0)
+
+
+def test_cispo_keeps_every_tokens_gradient_with_a_capped_weight():
+    # Ratios 0.5, 1, 3 and 9 under a cap of 5: weights 0.5, 1, 3, 5; the gradient is −w·A per token, even where
+    # the ratio is far outside PPO's clip range (there PPO's gradient would be 0).
+    old = torch.zeros(1, 4)
+    logprobs = torch.log(torch.tensor([[0.5, 1.0, 3.0, 9.0]])).requires_grad_()
+    advantages, mask = torch.tensor([2.0]), torch.ones(1, 4)
+    per_token, stats = cispo_loss(logprobs, old, advantages, mask, max_ratio=5.0)
+    per_token.sum().backward()
+    torch.testing.assert_close(logprobs.grad, -2.0 * torch.tensor([[0.5, 1.0, 3.0, 5.0]]))
+    assert stats["clip_high_count"].item() == 1.0 and stats["ratio_sum"].item() == pytest.approx(13.5)
+    settings = SimpleNamespace(clip_eps_low=0.2, clip_eps_high=4.0, clip_delta=None)
+    registered, _ = POLICY_LOSSES["cispo"](PolicyLossInputs(logprobs.detach(), old, advantages, mask), settings)
+    torch.testing.assert_close(registered, per_token.detach())
+
+
+def test_sapo_is_ppos_gradient_on_policy_and_a_smooth_gate_off_it():
+    # ∂l/∂ρ = −4σ(τ(ρ − 1))(1 − σ(τ(ρ − 1))) A: −A at ρ = 1, and it fades (without a cliff) as ρ leaves 1.
+    advantages, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 3)
+    ratios = torch.tensor([[1.0, 1.5, 3.0], [1.0, 1.5, 3.0]])
+    logprobs = ratios.log().requires_grad_()
+    per_token, stats = sapo_loss(logprobs, torch.zeros(2, 3), advantages, mask, 1.0, 1.05)
+    per_token.sum().backward()
+    tau = torch.tensor([[1.0], [1.05]])
+    gate = torch.sigmoid(tau * (ratios - 1))
+    # d l / d log π = ρ · ∂l/∂ρ
+    torch.testing.assert_close(logprobs.grad, -4 * gate * (1 - gate) * ratios * advantages[:, None])
+    assert logprobs.grad[0, 0].item() == pytest.approx(-1.0) and logprobs.grad[1, 0].item() == pytest.approx(1.0)
+    assert stats["ratio_sum"].item() == pytest.approx(11.0)
+
+
+def test_high_entropy_tokens_keeps_the_top_quantile_of_valid_tokens():
+    entropy = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.8, 0.2, 0.7]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # the 7.0 is padding: never kept, never counted
+    # 7 valid tokens, sorted 0.1 0.2 0.3 0.5 0.7 0.8 0.9: their 75th percentile interpolates 0.7 and 0.8 to 0.75
+    kept = high_entropy_tokens(entropy, mask, 0.25)
+    assert kept.tolist() == [[False, True, False, False], [False, True, False, False]]
+    assert torch.equal(high_entropy_tokens(entropy, mask, 1.0), mask.bool())

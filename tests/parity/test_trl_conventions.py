@@ -13,7 +13,7 @@ import torch
 
 trl = pytest.importorskip("trl", reason="TRL is the oracle of these tests: install polo's dev extras (trl==1.16.0)")
 
-from trl_oracle import Setting, make_data, polo_train, relative_error, trl_train  # noqa: E402
+from trl_oracle import Setting, make_data, polo_config, polo_train, relative_error, trl_train  # noqa: E402
 
 TOLERANCE = 1e-6
 
@@ -49,15 +49,16 @@ def test_trl_weights_its_default_k3_by_the_importance_ratio(tiny_model_dir, eos,
     """TRL's default `use_bias_correction_kl=True` multiplies k3 by the ratio π/π_old (DeepSeek-V3.2, 2512.02556),
     which changes the KL's gradient even on-policy, where the ratio is 1: ∇(ρ k3) = ∇k3 + k3 ∇log π.
 
-    polo's k3 (Schulman 2020) is the plain estimator; with TRL's correction switched off the two agree (test_trl_grpo's
-    k3 settings). Here TRL's default differs from polo's k3 on the very first step.
+    polo's default k3 is the plain estimator (Schulman 2020): it differs from TRL's default on the very first step.
+    `algorithm.kl_importance_weighted: true` is TRL's default (and test_trl_grpo compares the two over several steps).
     """
     setting = Setting(beta=0.1, use_bias_correction_kl=True)
     data = make_data(setting, eos)
-    polo, oracle = polo_train(setting, data), trl_train(setting, data, tiny_model_dir, tmp_path)
-    plain = trl_train(dataclasses.replace(setting, use_bias_correction_kl=False), data, tiny_model_dir, tmp_path)
-    assert relative_error(polo.gradients[0], plain.gradients[0]) <= TOLERANCE
-    assert relative_error(polo.gradients[0], oracle.gradients[0]) > 1e-3
+    oracle = trl_train(setting, data, tiny_model_dir, tmp_path)
+    plain = polo_train(setting, data, polo_config(setting, kl_importance_weighted=False))
+    weighted = polo_train(setting, data)
+    assert relative_error(plain.gradients[0], oracle.gradients[0]) > 1e-3
+    assert relative_error(weighted.gradients[0], oracle.gradients[0]) <= TOLERANCE
 
 
 def test_polo_guards_k3_against_overflow_above_a_log_ratio_of_20(tiny_model_dir, eos, tmp_path):

@@ -46,6 +46,8 @@ AGGREGATION = {
     "dapo": "token_mean",
     "dr_grpo": "seq_mean_token_sum_norm",
     "bnpo": "micro_batch_token_mean",
+    "cispo": "token_mean",
+    "sapo": "seq_mean_token_mean",
 }
 
 
@@ -58,9 +60,11 @@ class Setting:
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     beta: float = 0.0
-    use_bias_correction_kl: bool = False  # TRL's default is True; polo's k3 is the plain estimator
+    use_bias_correction_kl: bool = False  # TRL's default is True; polo's kl_importance_weighted, off by default
+    delta: float | None = None  # two-sided clipping: TRL delta, polo clip_delta
+    top_entropy_quantile: float = 1.0
     mask_truncated: bool = False
-    scale_rewards: str = "group"  # group | none
+    scale_rewards: str = "group"  # group | batch | none
     group_size: int = 4
     prompts: int = 4
     micro_batch_size: int = 4  # TRL per_device_train_batch_size
@@ -171,20 +175,30 @@ class TablePolicy(torch.nn.Module):
             return self.logprobs(rollouts.prompt_ids[:, -1], rollouts.completion_ids.shape[1])
 
 
+def polo_policy_loss(setting: Setting) -> str:
+    """Return polo's policy loss for `setting`."""
+    if setting.loss_type in ("cispo", "sapo"):
+        return setting.loss_type
+    return "gspo" if setting.sequence_ratio else "ppo_clip"
+
+
 def polo_config(setting: Setting, **algorithm):
     """Return polo's `Config` for `setting`; `algorithm` sets further `algorithm` fields."""
     return load_config(
         {
             "algorithm": {
                 "name": "gspo" if setting.sequence_ratio else "grpo",
-                "policy_loss": "gspo" if setting.sequence_ratio else "ppo_clip",
+                "policy_loss": polo_policy_loss(setting),
                 "loss_aggregation": AGGREGATION[setting.loss_type],
                 "clip_eps_low": setting.epsilon_low,
                 "clip_eps_high": setting.epsilon_high,
                 "beta": setting.beta,
                 "kl_estimator": "k3",
+                "kl_importance_weighted": setting.use_bias_correction_kl,
+                "clip_delta": setting.delta,
+                "top_entropy_quantile": setting.top_entropy_quantile,
                 "mask_truncated": setting.mask_truncated,
-                "scale_rewards": setting.scale_rewards == "group",
+                "scale_rewards": {"group": True, "none": False, "batch": "batch"}[setting.scale_rewards],
                 "group_size": setting.group_size,
                 "update_epochs": setting.epochs,
                 **algorithm,
@@ -259,7 +273,10 @@ def trl_config(setting: Setting, output_dir: Path, **overrides):
         "loss_type": setting.loss_type,
         "importance_sampling_level": "sequence" if setting.sequence_ratio else "token",
         "epsilon": setting.epsilon_low,
-        "epsilon_high": setting.epsilon_high,
+        # TRL's CISPO reads epsilon_high as the weight's cap (ScaleRL's ε_max), polo's as 1 + clip_eps_high
+        "epsilon_high": 1.0 + setting.epsilon_high if setting.loss_type == "cispo" else setting.epsilon_high,
+        "delta": setting.delta,
+        "top_entropy_quantile": setting.top_entropy_quantile,
         "beta": setting.beta,
         "use_bias_correction_kl": setting.use_bias_correction_kl,
         "mask_truncated_completions": setting.mask_truncated,

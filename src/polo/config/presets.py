@@ -15,7 +15,9 @@ from polo.core.registry import did_you_mean
 # 2024, DeepSeekMath); Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"); DAPO
 # (Yu et al. 2025: eps_high 0.28, dynamic sampling, token-level loss, soft overlong punishment with
 # a 4096-token buffer under a 20480 cap = 0.2); RLOO (Ahmadian et al. 2024); REINFORCE++ (Hu 2025:
-# KL in the reward, batch-normalised returns); GSPO (Zheng et al. 2025: clip range 3e-4 / 4e-4);
+# KL in the reward, batch-normalised returns); GSPO (Zheng et al. 2025: clip range 3e-4 / 4e-4); CISPO
+# (MiniMax 2025: a token-level loss; the weight's cap 1 + 4 = ScaleRL's ε_max of 5, Khatri et al. 2025); SAPO
+# (Qwen 2025: GRPO's sequence-mean loss with a soft gate for the clip, temperatures 1 and 1.05);
 # PPO for LMs (Ouyang et al. 2022; Stiennon et al. 2020). Every preset names its four registered
 # parts (polo.core.registry) explicitly, so a reader goes from the name straight to the functions;
 # the paper names live here, the functions are named for what they compute.
@@ -65,6 +67,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "kl_estimator": "k3",
         "clip_eps_low": 3e-4,
         "clip_eps_high": 4e-4,
+    },
+    "cispo": {
+        "advantage_estimator": "grpo",
+        "policy_loss": "cispo",
+        "loss_aggregation": "token_mean",
+        "kl_estimator": "k3",
+        "clip_eps_high": 4.0,
+    },
+    "sapo": {
+        "advantage_estimator": "grpo",
+        "policy_loss": "sapo",
+        "loss_aggregation": "seq_mean_token_mean",
+        "kl_estimator": "k3",
     },
     "ppo": {
         "advantage_estimator": "gae",

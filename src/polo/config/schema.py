@@ -339,7 +339,7 @@ class AlgorithmConfig:
         "grpo",
         help="the preset: a named set of the fields below (grpo: Shao et al. 2024; dr_grpo: Liu et al. 2025; "
         "dapo: Yu et al. 2025; rloo: Ahmadian et al. 2024; reinforce_pp: Hu 2025; gspo: Zheng et al. 2025; "
-        "ppo: Schulman et al. 2017, Ouyang et al. 2022)",
+        "cispo: MiniMax 2025; sapo: Qwen 2025; ppo: Schulman et al. 2017, Ouyang et al. 2022)",
         choices=tuple(PRESETS),
     )
     advantage_estimator: str = setting(
@@ -355,10 +355,12 @@ class AlgorithmConfig:
     group_size: int = setting(
         8, help="G completions sampled per prompt (the group the baseline is taken over)", range=">= 1"
     )
-    scale_rewards: bool = setting(
+    scale_rewards: bool | str = setting(
         True,
-        help="divide group-centred rewards by the group's std (GRPO); false: centre only, which removes the "
-        "difficulty bias Dr. GRPO (Liu et al. 2025) found",
+        help="true: divide group-centred rewards by the group's std (GRPO); false: centre only, which removes the "
+        "difficulty bias Dr. GRPO (Liu et al. 2025) found; batch: divide by the whole batch's std (Lite PPO, "
+        "'Tricks or Traps?', Liu et al. 2025)",
+        choices=(True, False, "batch"),
     )
     advantage_eps: float = setting(
         1e-4, help="ε in (r − mean) / (std + ε): a group whose rewards are all equal gets advantage 0", range=">= 0"
@@ -372,6 +374,24 @@ class AlgorithmConfig:
         "Yu et al. 2025) lets unlikely tokens grow and keeps entropy up",
         range=">= 0",
     )
+    clip_delta: float | None = setting(
+        None,
+        help="two-sided clipping (INTELLECT-2, Prime Intellect 2025): the unclipped ratio is capped at δ too, so a "
+        "negative advantage's loss stays bounded; set it above 1 + clip_eps_high (4, say); null: off",
+        range="> 1",
+    )
+    sapo_temperature_pos: float = setting(
+        1.0, help="sapo: τ of the soft gate for positive advantages (SAPO, Qwen 2025)", range="> 0"
+    )
+    sapo_temperature_neg: float = setting(
+        1.05, help="sapo: τ for negative advantages; above τ_pos, their off-policy tokens fade faster", range="> 0"
+    )
+    top_entropy_quantile: float = setting(
+        1.0,
+        help="train the policy on the micro-batch's top fraction of tokens by entropy only (0.2: Wang et al. 2025, "
+        "'Beyond the 80/20 Rule'); the KL and the normalisers still count every token; 1: all",
+        range="(0, 1]",
+    )
     beta: float = setting(
         0.0, help="KL coefficient to the starting model; a reference model is kept only when beta > 0", range=">= 0"
     )
@@ -379,6 +399,11 @@ class AlgorithmConfig:
         "k3",
         help="the per-token KL estimate (Schulman 2020, 'Approximating KL Divergence')",
         choices=core.KL_ESTIMATORS,
+    )
+    kl_importance_weighted: bool = setting(
+        False,
+        help="weight the KL in the loss by the token ratio π/π_old, which makes its gradient unbiased off-policy "
+        "(DeepSeek-V3.2, DeepSeek-AI 2025; TRL's use_bias_correction_kl, its default); polo.core.kl",
     )
     kl_in_reward: bool = setting(
         False,

@@ -14,17 +14,22 @@ from polo.core.advantages import (
     zero_spread_groups,
 )
 from polo.core.distributed import all_reduce_sum, global_count
-from polo.core.kl import KL_ESTIMATORS, kl_estimate, kl_k1, kl_k2, kl_k3
+from polo.core.kl import KL_ESTIMATORS, importance_weighted_kl, kl_estimate, kl_k1, kl_k2, kl_k3
 from polo.core.losses import (
     aggregate_loss,
+    cispo_loss,
+    cispo_policy_loss,
     entropy_from_logits,
     gspo_loss,
     gspo_policy_loss,
+    high_entropy_tokens,
     masked_mean,
     masked_sum,
     micro_batch_token_mean,
     ppo_clip_loss,
     ppo_clip_policy_loss,
+    sapo_loss,
+    sapo_policy_loss,
     seq_mean_token_mean,
     seq_mean_token_sum_norm,
     token_mean,
@@ -122,6 +127,11 @@ __all__ = [
     "reinforce_pp_advantages",
     "token_level_rewards",
     "gspo_loss",
+    "cispo_loss",
+    "cispo_policy_loss",
+    "high_entropy_tokens",
+    "sapo_loss",
+    "sapo_policy_loss",
     "gspo_policy_loss",
     "micro_batch_token_mean",
     "ppo_clip_policy_loss",
@@ -132,6 +142,7 @@ __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "importance_weighted_kl",
     "masked_mean",
     "masked_sum",
     "ppo_clip_loss",

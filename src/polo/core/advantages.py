@@ -69,16 +69,19 @@ def zero_spread_groups(rewards: torch.Tensor, group_size: int, atol: float = 0.0
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-4
+    rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-4, batch_std: bool = False
 ) -> torch.Tensor:
     """Return GRPO group-relative advantages `(batch,)`.
 
         A_i = (r_i − mean_g(r)) / (std_g(r) + eps)      (scale_by_std=True, GRPO)
+        A_i = (r_i − mean_g(r)) / (std_B(r) + eps)      (scale_by_std=True, batch_std=True: Lite PPO)
         A_i =  r_i − mean_g(r)                          (scale_by_std=False, Dr. GRPO)
 
-    mean_g and std_g run over the contiguous group of `group_size` rewards that holds i.
-    std_g is the unbiased sample standard deviation (Bessel's correction, divide by G − 1),
-    the same as `torch.std`'s default. A group whose rewards are all equal gets exactly zero
+    mean_g and std_g run over the contiguous group of `group_size` rewards that holds i; std_B over
+    every reward of the batch on every rank (`all_reduce_sum`), which keeps the group's baseline but
+    no longer rescales each group by its own spread (Liu et al. 2025, "Tricks or Traps?", arXiv
+    2508.08221). Both stds are unbiased sample standard deviations (Bessel's correction, divide by
+    the count − 1), as `torch.std`'s default. A group whose rewards are all equal gets exactly zero
     advantages (rounding in the mean would otherwise leave tiny values scaled up by 1/eps),
     and so does a group of one.
 
@@ -86,10 +89,20 @@ def group_advantages(
     """
     grouped = _grouped(rewards, group_size)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale_by_std and group_size > 1:
+    if scale_by_std and batch_std:
+        advantages = advantages / (_batch_std(rewards) + eps)
+    elif scale_by_std and group_size > 1:
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
     flat_groups = zero_spread_groups(rewards, group_size).unsqueeze(1)
     return torch.where(flat_groups, 0.0, advantages).reshape(-1)
+
+
+def _batch_std(rewards: torch.Tensor) -> torch.Tensor:
+    """Return the unbiased standard deviation of every reward on every rank (0 for a single reward)."""
+    totals = all_reduce_sum(torch.stack([rewards.sum(), torch.tensor(float(rewards.numel()), device=rewards.device)]))
+    count, mean = totals[1], totals[0] / totals[1].clamp(min=1.0)
+    squares = all_reduce_sum(((rewards - mean) ** 2).sum())
+    return torch.sqrt(squares / (count - 1).clamp(min=1.0)) if count > 1 else torch.zeros_like(mean)
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -266,9 +279,14 @@ def explained_variance(predicted: torch.Tensor, target: torch.Tensor, mask: torc
 
 @register_advantage("grpo", help="group-relative (Shao et al. 2024)")
 def grpo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, None]:
-    """Return GRPO's (r_i − mean_G r) / (std_G r + ε) on every token of completion i (Dr. GRPO: no std)."""
+    """Return GRPO's (r_i − mean_G r) / (std_G r + ε) on every token of completion i (Dr. GRPO: no std; Lite PPO:
+    the batch's std, `scale_rewards: batch`)."""
     advantages = group_advantages(
-        inputs.rewards, inputs.group_size, scale_by_std=settings.scale_rewards, eps=settings.advantage_eps
+        inputs.rewards,
+        inputs.group_size,
+        scale_by_std=bool(settings.scale_rewards),
+        eps=settings.advantage_eps,
+        batch_std=settings.scale_rewards == "batch",
     )
     return expand_to_tokens(advantages, inputs.mask), None
 

@@ -50,6 +50,20 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.expm1(log_ratio) - log_ratio
 
 
+def importance_weighted_kl(kl: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """Return the per-token KL estimate `(batch, seq)` weighted by the importance ratio to the sampling policy.
+
+        KL̃_t = ρ_t · KL_t,   ρ_t = exp(log π(y_t) − log π_old(y_t))     (ρ keeps its gradient)
+
+    The tokens were sampled from π_old, not π, so E_π_old[ρ k3] is the estimate of KL(π ‖ π_ref) whose gradient
+    is unbiased (DeepSeek-AI 2025, DeepSeek-V3.2, arXiv 2512.02556; TRL's `use_bias_correction_kl`). It changes
+    the gradient even on-policy, where ρ = 1: ∇(ρ k3) = ∇k3 + k3 ∇log π. polo takes the paper's token ratio ρ_t
+    whatever the policy loss (under GSPO too, where TRL puts the sequence ratio), since the KL is a sum over tokens.
+    Shapes: kl, logprobs, old_logprobs (batch, seq) → (batch, seq).
+    """
+    return torch.exp(logprobs - old_logprobs) * kl
+
+
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Return the per-token KL estimate `(batch, seq)` of the registered kind ("k1", "k2", "k3", ...)."""
     return KL_ESTIMATORS[kind](logprobs, ref_logprobs)

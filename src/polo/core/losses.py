@@ -48,13 +48,23 @@ def _token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 
 
 def _clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Return the per-token clipped-surrogate loss and its clip counts (shared by PPO and GSPO)."""
+    """Return the per-token clipped-surrogate loss and its clip counts (shared by PPO and GSPO).
+
+    With `delta`, the unclipped term's ratio is capped at δ as well (INTELLECT-2's two-sided clipping).
+    """
     if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    if delta is not None and not delta > 1.0:
+        raise ValueError(f"delta caps the ratio and must be > 1 (or None), got {delta}")
     is_valid = mask.bool()
-    unclipped = ratio * advantages
+    unclipped = (ratio if delta is None else ratio.clamp(max=delta)) * advantages
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
     per_token = torch.where(is_valid, -torch.minimum(unclipped, clipped), 0.0)
     with torch.no_grad():
@@ -74,13 +84,17 @@ def ppo_clip_loss(
     mask: torch.Tensor,
     eps_low: float,
     eps_high: float,
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Return (per-token PPO-clip loss `(batch, seq)`, stats) — PPO, and DAPO's clip-higher.
+    """Return (per-token PPO-clip loss `(batch, seq)`, stats) — PPO, DAPO's clip-higher, INTELLECT-2's two sides.
 
         ρ_t = exp(log π(y_t) − log π_old(y_t))
         l_t = −min(ρ_t A_t, clip(ρ_t, 1 − eps_low, 1 + eps_high) A_t)
+        l_t = −min(min(ρ_t, δ) A_t, clip(ρ_t, 1 − eps_low, 1 + eps_high) A_t)      (with `delta` δ)
 
-    eps_low = eps_high is classic PPO; eps_high > eps_low is clip-higher (DAPO).
+    eps_low = eps_high is classic PPO; eps_high > eps_low is clip-higher (DAPO). With A_t < 0 the min picks the
+    unclipped ρ_t A_t, which grows without bound as ρ_t does; δ (> 1 + eps_high) bounds it: two-sided clipping
+    (Prime Intellect 2025, INTELLECT-2, arXiv 2505.07291).
     Shapes: logprobs, old_logprobs, mask (batch, seq); advantages (batch,) — one per
     sequence, broadcast to its tokens — or (batch, seq).
 
@@ -92,11 +106,12 @@ def ppo_clip_loss(
     is_valid = mask.bool()
     # Zeroing the log-ratio before exp keeps padding out of the backward pass as well.
     ratio = torch.exp(torch.where(is_valid, logprobs - old_logprobs, 0.0))
-    return _clipped_surrogate(ratio, _token_advantages(advantages, mask), is_valid, eps_low, eps_high)
+    return _clipped_surrogate(ratio, _token_advantages(advantages, mask), is_valid, eps_low, eps_high, delta)
 
 
 def _with_clip_range(loss, inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Return `loss` (`ppo_clip_loss` or `gspo_loss`) of a micro-batch with the recipe's clip range, low and high."""
+    """Return `loss` (`ppo_clip_loss` or `gspo_loss`) of a micro-batch with the recipe's clip range, low and high,
+    and its two-sided cap `clip_delta`."""
     return loss(
         inputs.logprobs,
         inputs.old_logprobs,
@@ -104,6 +119,7 @@ def _with_clip_range(loss, inputs: PolicyLossInputs, settings) -> tuple[torch.Te
         inputs.mask,
         settings.clip_eps_low,
         settings.clip_eps_high,
+        settings.clip_delta,
     )
 
 
@@ -120,11 +136,13 @@ def gspo_loss(
     mask: torch.Tensor,
     eps_low: float,
     eps_high: float,
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return (per-token GSPO loss `(batch, seq)`, stats), with one importance ratio per sequence.
 
         s_i = exp( (1/|y_i|) Σ_t (log π(y_it) − log π_old(y_it)) )      (over valid tokens)
         L_i = −min(s_i A_i, clip(s_i, 1 − eps_low, 1 + eps_high) A_i)
+        (with `delta` δ, s_i in the first term is min(s_i, δ), as in `ppo_clip_loss`)
 
     L_i is written on every valid token of sequence i, so the `seq_mean_token_mean` aggregation
     gives exactly the sequence-level objective mean_i L_i.
@@ -139,13 +157,120 @@ def gspo_loss(
     if token_advantages.shape == mask.shape:
         token_advantages = masked_mean(token_advantages, is_valid, dim=-1).unsqueeze(-1)
     ratio = sequence_ratio.unsqueeze(-1).expand_as(logprobs)
-    return _clipped_surrogate(ratio, token_advantages, is_valid, eps_low, eps_high)
+    return _clipped_surrogate(ratio, token_advantages, is_valid, eps_low, eps_high, delta)
 
 
 @register_policy_loss("gspo", help="the same on the length-normalised sequence ratio (Zheng et al. 2025)")
 def gspo_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return `gspo_loss` of a micro-batch with the recipe's clip range (`clip_eps_low`, `clip_eps_high`)."""
     return _with_clip_range(gspo_loss, inputs, settings)
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    max_ratio: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return (per-token CISPO loss `(batch, seq)`, stats): the importance weight is clipped, not the update.
+
+        ρ_t = exp(log π(y_t) − log π_old(y_t))
+        l_t = −sg(min(ρ_t, max_ratio)) A_t log π(y_t)          (sg: no gradient through the weight)
+
+    PPO's clip drops the gradient of a clipped token altogether; CISPO keeps every token's REINFORCE gradient
+    A_t ∇log π(y_t) and only bounds its weight (MiniMax 2025, MiniMax-M1, arXiv 2506.13585). The paper's
+    weight is clip(ρ_t, 1 − ε_low, 1 + ε_high) and it sets no lower bound in practice; polo takes that reading,
+    an upper cap alone, as ScaleRL's ε_max does (Khatri et al. 2025, arXiv 2510.13786: ε_max = 5).
+    Shapes: logprobs, old_logprobs, mask (batch, seq); advantages (batch,) or (batch, seq).
+    Stats as for `ppo_clip_loss`: `clip_high_count` counts the tokens whose weight was capped with A > 0.
+    """
+    if not max_ratio > 1.0:
+        raise ValueError(f"max_ratio caps the importance weight and must be > 1, got {max_ratio}")
+    is_valid = mask.bool()
+    token_advantages = _token_advantages(advantages, mask)
+    with torch.no_grad():
+        ratio = torch.exp(torch.where(is_valid, logprobs - old_logprobs, 0.0))
+        weight = ratio.clamp(max=max_ratio)
+        stats = {
+            "clip_low_count": torch.zeros((), device=ratio.device),
+            "clip_high_count": (is_valid & (ratio > max_ratio) & (token_advantages > 0)).sum().float(),
+            "ratio_sum": masked_sum(ratio, is_valid).float(),
+            "token_count": is_valid.sum().float(),
+        }
+    per_token = torch.where(is_valid, -weight * token_advantages * logprobs, 0.0)
+    return per_token, stats
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return `cispo_loss` of a micro-batch with its weight capped at 1 + `clip_eps_high` (`clip_eps_low` unused)."""
+    return cispo_loss(
+        inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask, 1.0 + settings.clip_eps_high
+    )
+
+
+def sapo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    temperature_pos: float,
+    temperature_neg: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return (per-token SAPO loss `(batch, seq)`, stats): a smooth gate on the ratio instead of a hard clip.
+
+        ρ_t = exp(log π(y_t) − log π_old(y_t)),   τ_t = temperature_pos if A_t > 0 else temperature_neg
+        l_t = −(4 / τ_t) σ(τ_t (ρ_t − 1)) A_t
+
+    At ρ = 1 its gradient is PPO's (∂l/∂ρ = −4σ(1 − σ) A = −A); away from 1 the weight 4σ(1 − σ) decays smoothly
+    rather than dropping to 0 at the clip edge, faster for negative advantages when τ_neg > τ_pos (Qwen 2025, SAPO,
+    arXiv 2511.20347; its defaults τ_pos = 1, τ_neg = 1.05 are TRL's). The ratio is the token's.
+    Shapes: logprobs, old_logprobs, mask (batch, seq); advantages (batch,) or (batch, seq).
+    Stats: `ratio_sum` and `token_count` (nothing is clipped).
+    """
+    if not (temperature_pos > 0 and temperature_neg > 0):
+        raise ValueError(f"SAPO's temperatures must be > 0, got {temperature_pos} and {temperature_neg}")
+    is_valid = mask.bool()
+    token_advantages = _token_advantages(advantages, mask)
+    ratio = torch.exp(torch.where(is_valid, logprobs - old_logprobs, 0.0))
+    temperature = torch.where(token_advantages > 0, temperature_pos, temperature_neg)
+    gate = torch.sigmoid(temperature * (ratio - 1.0)) * 4.0 / temperature
+    per_token = torch.where(is_valid, -gate * token_advantages, 0.0)
+    with torch.no_grad():
+        stats = {"ratio_sum": masked_sum(ratio, is_valid).float(), "token_count": is_valid.sum().float()}
+    return per_token, stats
+
+
+@register_policy_loss("sapo")
+def sapo_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return `sapo_loss` of a micro-batch with the recipe's `sapo_temperature_pos` and `sapo_temperature_neg`."""
+    return sapo_loss(
+        inputs.logprobs,
+        inputs.old_logprobs,
+        inputs.advantages,
+        inputs.mask,
+        settings.sapo_temperature_pos,
+        settings.sapo_temperature_neg,
+    )
+
+
+def high_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """Return a bool mask `(batch, seq)` of the valid tokens whose entropy is in the top `quantile` of the valid ones.
+
+        keep_t = m_t ∧ H_t ≥ q,   q = the (1 − quantile) quantile of {H_t : m_t}
+
+    Only the high-entropy "forking" tokens then carry the policy gradient (Wang et al. 2025, "Beyond the 80/20
+    Rule", arXiv 2506.01939: quantile 0.2). quantile 1 keeps every valid token. The quantile is taken over the
+    tokens given, which the update passes one micro-batch of one rank at a time (TRL pools the ranks' micro-batches;
+    in one process the two agree).
+    Shapes: entropy, mask (batch, seq) → bool (batch, seq).
+    """
+    is_valid = mask.bool()
+    if quantile >= 1.0 or not is_valid.any():
+        return is_valid
+    threshold = torch.quantile(entropy[is_valid].float(), 1.0 - quantile)
+    return is_valid & (entropy >= threshold.to(entropy.dtype))
 
 
 def vanilla_pg_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

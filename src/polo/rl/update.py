@@ -120,14 +120,23 @@ def policy_loss_term(
     micro: torch.Tensor,
     mask: torch.Tensor,
     normalisers: core.LossNormalisers,
+    entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Return the aggregated policy loss (+ beta * KL) of one micro-batch and add its statistics to `ctx.sums`."""
+    """Return the aggregated policy loss (+ beta * KL) of one micro-batch and add its statistics to `ctx.sums`.
+
+    With `top_entropy_quantile` < 1 the policy term keeps only the micro-batch's high-entropy tokens (`entropy`,
+    `core.high_entropy_tokens`); the KL and the aggregation's counts keep every token, as the paper's objective does.
+    """
     alg, width = ctx.alg, logprobs.shape[1]
     old = ctx.old_logprobs[micro, :width] if ctx.old_logprobs is not None else logprobs.detach()
     token_advantages = ctx.advantages[micro, :width] if ctx.advantages.dim() == 2 else ctx.advantages[micro]
     per_token, stats = ctx.policy_loss(core.PolicyLossInputs(logprobs, old, token_advantages, mask), alg)
+    if alg.top_entropy_quantile < 1.0 and entropy is not None:
+        per_token = torch.where(core.high_entropy_tokens(entropy, mask, alg.top_entropy_quantile), per_token, 0.0)
     if ctx.kl_in_loss:
         kl = core.kl_estimate(logprobs, ctx.ref_logprobs[micro, :width], alg.kl_estimator)
+        if alg.kl_importance_weighted:
+            kl = core.importance_weighted_kl(kl, logprobs, old)
         per_token = per_token + alg.beta * kl
         ctx.sums["kl"] += float((kl.detach() * mask).sum())
     ctx.sums["clip_low"] += float(stats.get("clip_low_count", 0.0))
@@ -181,7 +190,7 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.
     if ctx.train_policy:
         # The loss maths in fp32 at least: bf16 log-probs are widened, fp64 ones (an exact comparison) kept.
         logprobs = logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
-        loss = policy_loss_term(ctx, logprobs, micro, mask, normalisers)
+        loss = policy_loss_term(ctx, logprobs, micro, mask, normalisers, entropy)
         loss = loss + ctx.routing.add(routing, alg.router_aux_loss_coef, normalisers.num_micro_batches)
         ctx.sums["entropy"] += float((entropy * mask).sum())
     if values is not None:  # value head on the shared trunk: one backward for both losses
