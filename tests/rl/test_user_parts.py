@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from conftest import tiny_rl_config
+from polo import core
 from polo.cli.config import command_sections
 from polo.config import ConfigError, load_config
 
@@ -77,6 +78,9 @@ def user_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
     sys.modules.pop("my_parts", None)
+    for registry, name in ((core.TASKS, "counting"), (core.POLICY_LOSSES, "scaled_pg")):
+        if name in registry:  # the module registered them in this process: later tests see the built-ins alone
+            del registry[name]
 
 
 def polo_train(tmp_path: Path, tiny_model_dir: Path, **sections: dict) -> list[dict]:
@@ -89,7 +93,7 @@ def polo_train(tmp_path: Path, tiny_model_dir: Path, **sections: dict) -> list[d
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     polo = Path(sys.executable).with_name("polo")
     finished = subprocess.run(
-        [str(polo), "train", "recipe.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        [str(polo), "train", "recipe.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=900
     )
     assert finished.returncode == 0, finished.stderr[-2000:]
     return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -112,7 +112,11 @@ class Registry:
         entries registered so far)."""
         if not self._home_loaded:
             self._home_loaded = True
-            importlib.import_module(self.home)
+            try:
+                importlib.import_module(self.home)
+            except BaseException:
+                self._home_loaded = False  # read again, it fails again, rather than seeming empty
+                raise
         return self._entries
 
     def entry(self, name: str) -> Registered:
