@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from polo.core.registry import Registry
-
-COMMANDS = Registry("command")
+# The one registry mechanism's command table (`polo.core.registry`), filled by the modules of `polo.cli`.
+from polo.core.registry import COMMANDS
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser, example: str, overrides_help: str) -> None:
