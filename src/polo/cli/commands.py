@@ -13,6 +13,8 @@ import argparse
 # The one registry mechanism's command table (`polo.core.registry`), filled by the modules of `polo.cli`.
 from polo.core.registry import COMMANDS
 
+__all__ = ["COMMANDS", "add_recipe_arguments", "missing_recipe"]
+
 
 def add_recipe_arguments(parser: argparse.ArgumentParser, example: str, overrides_help: str) -> None:
     """Add a training command's `RECIPE [dotted.key=value ...]`; `example` is the recipe its missing-recipe line
