@@ -35,7 +35,7 @@ __all__ = ["LeanDecoder", "lean_decode_refusal", "lean_decoder"]
 # model_type -> the decoder families whose layers are exactly [norm, attention (q/k/v/o projections with
 # rotary embedding), residual, norm, MLP, residual], with nothing else between them (no q/k norms, no
 # soft-capping, no scaled embeddings): the layout `LeanDecoder.step` computes.
-LEAN_FAMILIES = ("llama", "qwen2")
+LEAN_FAMILIES = ("llama", "qwen2", "mistral")  # Mistral without a sliding window has a Llama's layers
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
