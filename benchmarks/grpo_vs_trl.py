@@ -39,9 +39,20 @@ Usage:
   python benchmarks/grpo_vs_trl.py                   # 1 round, 4 steps per run (1 warm-up + 3 timed)
   python benchmarks/grpo_vs_trl.py --rounds 2 --steps 5
   python benchmarks/grpo_vs_trl.py --only polo --steps 2   # quick check of a subset
+  python benchmarks/grpo_vs_trl.py --model-shape qwen2.5-0.5b   # a larger model's shape, random weights
 Needs the `bench` extra (`pip install -e ".[bench]"`, TRL 1.16.0) for the TRL runs.
 Each finished comparison appends its figures, with the date, commit, machine and command, to
 benchmarks/results/grpo_vs_trl.jsonl; `python benchmarks/report.py` then writes docs/benchmarks.md.
+
+With `--model-shape NAME` both trainers run the same job on a random-weight model with the shape of a
+public model (`MODEL_SHAPES`: Qwen2.5 0.5B, 1.5B and 7B, from the config.json values of their
+Instruct releases, written below; nothing is downloaded) and SmolLM2's tokenizer (the built-in's; its ids
+are a subset of the shape's vocabulary). The model is written once, in bf16, to `<out>/<NAME>-random/`
+(about 1, 3 and 15 GB on disk) and every run loads that directory. Random weights rarely write EOS, so
+every completion runs the full 64 tokens: step time and memory are those of the longest step of the
+real model. polo runs its defaults (`train.gradient_checkpointing: auto` recomputes a micro-batch only
+where its activations would not fit, `train.precision: auto`); `--gradient-checkpointing true` makes
+both polo and the TRL runs recompute.
 The last line printed is
   polo_vs_trl step_time_ratio=... peak_rss_ratio=... floor_fraction=...
 
@@ -83,7 +94,42 @@ from bench_common import (
     wait_for_quiet,
 )
 
-MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+MODEL = DEFAULT_MODEL  # the built-in model, or the directory `--model-shape` writes
+# Qwen2.5's shapes (config.json of Qwen/Qwen2.5-{0.5B,1.5B,7B}-Instruct): a family RL recipes start from.
+_QWEN25 = {"model_type": "qwen2", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6}
+MODEL_SHAPES = {
+    "qwen2.5-0.5b": {
+        **_QWEN25,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-1.5b": {
+        **_QWEN25,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-7b": {
+        **_QWEN25,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    },
+}
 PROMPTS_PER_STEP = 4
 GROUP_SIZE = 8
 MAX_NEW_TOKENS = 64
@@ -115,6 +161,41 @@ DESCRIPTIONS = {
 }
 
 
+RECOMPUTE = False  # --gradient-checkpointing true: polo and every TRL run recompute activations in backward
+
+
+def shape_config(name: str, tokenizer, shapes: dict | None = None):
+    """Return the transformers config of the model shape `name` (`MODEL_SHAPES`) with `tokenizer`'s special ids."""
+    from transformers import AutoConfig
+
+    shape = dict((shapes or MODEL_SHAPES)[name])
+    rope_theta = shape.pop("rope_theta", None)
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    config = AutoConfig.for_model(**shape, **ids, pad_token_id=tokenizer.pad_token_id)
+    if rope_theta is not None:
+        config.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    return config
+
+
+def write_shape_model(name: str, root: Path, shapes: dict | None = None, tokenizer_from: str = DEFAULT_MODEL) -> Path:
+    """Return `<root>/<name>-random/`: a random-weight bf16 model of the shape `name` with the tokenizer of
+    `tokenizer_from` (the built-in SmolLM2's), written there on the first call (1, 3, 15 GB for the Qwen2.5 shapes)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from polo.models.loading import resolve_model_path
+
+    target = root / f"{name}-random"
+    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(tokenizer_from)))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(shape_config(name, tokenizer, shapes), dtype=torch.bfloat16)
+    model.save_pretrained(str(target))
+    tokenizer.save_pretrained(str(target))
+    return target
+
+
 def polo_config(steps: int, output_dir: Path, lora: bool = False, device: str = "cpu") -> dict:
     """Return the polo run configuration (a mapping of config sections); `lora` adds the LoRA adapters."""
     return {
@@ -129,6 +210,7 @@ def polo_config(steps: int, output_dir: Path, lora: bool = False, device: str = 
             "learning_rate": LEARNING_RATE,
             "precision": "auto",
             "device": device,
+            **({"gradient_checkpointing": True} if RECOMPUTE else {}),
         },
         "eval": {"before": False, "after": False},
         "output": {"dir": str(output_dir), "save_every": 0, "report_to": [], "plots": False, "progress": False},
@@ -199,7 +281,7 @@ def run_polo(steps: int, out_dir: Path, lora: bool = False, device: str = "cpu",
     import polo
     import polo.rl.train as trainer_module
     from polo.config import load_config
-    from polo.models.loading import ensure_builtin_model
+    from polo.models.loading import resolve_model_path
     from polo.runtime.device import train_compute
 
     config_dict = job_config(job, steps, out_dir / "run", lora, device)
@@ -207,7 +289,7 @@ def run_polo(steps: int, out_dir: Path, lora: bool = False, device: str = "cpu",
     prompts_per_step, group_size = config.train.prompts_per_step, config.algorithm.group_size
 
     # Prompt tokens per step (for T when the metrics do not give it).
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin_model(MODEL)))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(MODEL)))
     _, _, prompts = step_prompts(config, tokenizer, steps)
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     prompt_lengths = [len(ids) for ids in prompt_ids]
@@ -308,7 +390,7 @@ def trl_arguments(
         num_iterations=1,
         learning_rate=config.train.learning_rate,
         bf16=bf16,
-        gradient_checkpointing=checkpointing,
+        gradient_checkpointing=checkpointing or RECOMPUTE,
         use_cpu=device == "cpu",
         shuffle_dataset=False,  # keep polo's prompt order
         seed=0,
@@ -404,10 +486,10 @@ def run_trl(
     from trl import GRPOTrainer
 
     from polo.config import load_config
-    from polo.models.loading import ensure_builtin_model
+    from polo.models.loading import resolve_model_path
 
     config = load_config(job_config(job, steps, out_dir / "unused", device=device))
-    model_dir = str(ensure_builtin_model(config.model.name))
+    model_dir = str(resolve_model_path(config.model.name))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     task, rows, prompts = step_prompts(config, tokenizer, steps)
     polo_prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # what polo's sampler feeds the model
@@ -502,6 +584,10 @@ def run_child(
     ]
     if trl_micro_batch:
         command += ["--trl-micro-batch", str(trl_micro_batch)]
+    if MODEL != DEFAULT_MODEL:  # the directory `--model-shape` wrote
+        command += ["--model-dir", MODEL]
+    if RECOMPUTE:
+        command += ["--gradient-checkpointing", "true"]
     if device != "cpu" or job != "bench":
         command += ["--device", device, "--job", job]
     started = time.perf_counter()
@@ -709,6 +795,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --device cuda: also train the demo recipe N steps (e.g. 40) with both and score each "
         "greedily on its held-out problems (polo eval)",
     )
+    parser.add_argument(
+        "--model-shape",
+        choices=tuple(MODEL_SHAPES),
+        default=None,
+        help="run on a random-weight model of this public model's shape (written once under --out; no download) "
+        f"instead of {DEFAULT_MODEL}",
+    )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        choices=("auto", "true"),
+        default="auto",
+        help="auto (default): each run's own setting; true: polo and every TRL run recompute activations",
+    )
+    parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=RUNS + EXTRA_RUNS + GPU_RUNS[1:], help=argparse.SUPPRESS)
     parser.add_argument("--job", choices=("bench", "demo"), default="bench", help=argparse.SUPPRESS)
     return parser
@@ -718,6 +818,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command a result is recorded with
+    use_model(args, parser)
     if args.child:
         child_main(args)
         return
@@ -729,6 +830,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.accuracy_steps:
         parser.error("--accuracy-steps goes with --device cuda")
     cpu_main(args)
+
+
+def use_model(args, parser: argparse.ArgumentParser) -> None:
+    """Set `MODEL` (and `RECOMPUTE`) for this process: a child's --model-dir, or the model --model-shape writes."""
+    global MODEL, RECOMPUTE
+    RECOMPUTE = args.gradient_checkpointing == "true"
+    if args.model_dir:
+        MODEL = args.model_dir
+    elif args.model_shape and not args.child:
+        if args.accuracy_steps:
+            parser.error("--accuracy-steps trains the demo's real model; it does not go with --model-shape")
+        args.out = args.out or tempfile.mkdtemp(prefix=f"polo-vs-trl-{args.model_shape}-")
+        print(f"writing a random-weight {args.model_shape} model under {args.out} ...", flush=True)
+        MODEL = str(write_shape_model(args.model_shape, Path(args.out)))
 
 
 def cpu_main(args) -> None:

@@ -91,11 +91,21 @@ def decode_logits(model, ids, mask, group: int, steps: int, lean: bool, compact_
     return outputs
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def tiny_mistral():
+    """Return a random Mistral of `TINY_SIZES` without a sliding window (Mistral 7B v0.2 on): a Llama's layers."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from conftest import TINY_SIZES
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(**TINY_SIZES, sliding_window=None, tie_word_embeddings=False))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("group", "compact_at"), [(1, None), (4, None), (4, 3)])
 def test_the_lean_step_gives_the_forwards_logits_bit_for_bit(family, dtype, group, compact_at):
-    model = prepared(tiny_llama() if family == "llama" else biased_qwen2(), dtype)
+    model = prepared({"llama": tiny_llama, "qwen2": biased_qwen2, "mistral": tiny_mistral}[family](), dtype)
     ids, mask = prompts()
     forward = decode_logits(model, ids, mask, group, steps=6, lean=False, compact_at=compact_at)
     lean = decode_logits(model, ids, mask, group, steps=6, lean=True, compact_at=compact_at)

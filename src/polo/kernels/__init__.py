@@ -28,6 +28,7 @@ its inputs), and never names a device itself:
                                            None for other models and devices
     shares_prompts, share_prompt           whether that cache can hold each prompt once for its group of
                                            samples (polo's attention reads it once a decode step), and doing so
+    fast_path_fallbacks(model, compute)    the fast paths above that `model` does not take, and what it runs instead
 
 Every choice changes speed only; the maths is the same on every path (tests/kernels).
 """
@@ -41,7 +42,7 @@ import torch
 from polo.kernels.cpu import attention as _cpu_attention
 from polo.kernels.cpu import linear as _cpu_linear
 from polo.kernels.cpu import shared_prompt as _cpu_shared_prompt
-from polo.kernels.cpu.decode import lean_decoder
+from polo.kernels.cpu.decode import lean_decode_refusal, lean_decoder
 from polo.kernels.cpu.kv_cache import can_share_prompt, sampling_cache, share_prompt
 from polo.kernels.cpu.linear import contiguous_head_input, packed_fp32_pays
 from polo.kernels.cpu.shared_prompt import (
@@ -52,7 +53,7 @@ from polo.kernels.cpu.shared_prompt import (
     split_common_prefix,
     without_padding,
 )
-from polo.kernels.lean import norm_outputs_recomputed, use_lean_layers
+from polo.kernels.lean import kept_forwards, norm_outputs_recomputed, use_lean_layers
 from polo.kernels.logprobs import (
     LogprobSettings,
     completion_logprobs_fused,
@@ -71,6 +72,7 @@ __all__ = [
     "norm_outputs_recomputed",
     "common_prefix_length",
     "contiguous_head_input",
+    "fast_path_fallbacks",
     "lean_decode_step",
     "prepacked_linears",
     "sampling_cache",
@@ -175,3 +177,27 @@ def sharing_pays(
     return _cpu_shared_prompt.sharing_pays(
         prompt_len, completion_len, group_size, hidden_size, params_per_layer, blockwise
     )
+
+
+def fast_path_fallbacks(model: torch.nn.Module, compute: Compute) -> str:
+    """Return the fast paths `model` (prepared: `use_fast_attention`, `use_lean_layers`) does not take on `compute`'s
+    device and what runs instead, "; "-separated; "" where it takes them all. Every fallback computes the same maths.
+
+    On the CPU: attention other than polo's (a model not on SDPA), the decode step through the model's forward
+    (`polo.kernels.cpu.decode.lean_decode_refusal`); on any device: log-probs from the full logits where the head's
+    output is post-processed (`supports_fused_logprobs`), norms and MLPs whose lean probe differed (`kept_forwards`).
+    """
+    notes = []
+    if compute.device_type == "cpu":
+        implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if implementation != _cpu_attention.POLO_ATTENTION:
+            notes.append(f"attention: transformers' {implementation} (polo's takes models on sdpa)")
+        refusal = lean_decode_refusal(model)
+        if refusal is not None:
+            notes.append(f"decode step through the model's forward ({refusal})")
+    if not supports_fused_logprobs(model):
+        notes.append("log-probs from the full logits (the head's output is post-processed)")
+    kept = kept_forwards(model)
+    if kept:
+        notes.append(f"{kept} norms/MLPs on transformers' forward (not the lean ones' maths)")
+    return "; ".join(notes)

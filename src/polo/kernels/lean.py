@@ -37,7 +37,16 @@ import torch
 
 from polo.kernels.cpu.native import native_ops
 
-__all__ = ["LeanRMSNorm", "Rotary", "SiluMul", "SwiGLUDown", "norm_outputs_recomputed", "torch_path", "use_lean_layers"]
+__all__ = [
+    "LeanRMSNorm",
+    "Rotary",
+    "SiluMul",
+    "SwiGLUDown",
+    "kept_forwards",
+    "norm_outputs_recomputed",
+    "torch_path",
+    "use_lean_layers",
+]
 
 # An attention module's parts that `_lean_attention_forward` calls: Llama's and Qwen2's (no q/k norms).
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "config", "attention_dropout")
@@ -450,4 +459,11 @@ def use_lean_layers(model: torch.nn.Module) -> int:
             module.forward = types.MethodType(lean, module)
             module._polo_lean = True
             swapped += 1
+        else:  # shaped like one, computing something else: it keeps its forward (`kept_forwards` counts it)
+            module._polo_lean = None
     return swapped
+
+
+def kept_forwards(model: torch.nn.Module) -> int:
+    """Return how many norms and MLPs of `model` `use_lean_layers` left on their own forward (their probe differed)."""
+    return sum(1 for module in model.modules() if hasattr(module, "_polo_lean") and module._polo_lean is None)

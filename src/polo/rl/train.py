@@ -17,6 +17,7 @@ from polo.config import Config, config_to_dict, load_config
 from polo.evaluation.evaluate import greedy_accuracy
 from polo.evaluation.plots import plot_run
 from polo.generation.grouped import GroupSampling
+from polo.kernels import fast_path_fallbacks
 from polo.models.loading import recompute_above
 from polo.models.lora import trainable_summary
 from polo.rl.guard import DivergenceGuard, Rollback, RollbackState
@@ -169,10 +170,12 @@ def banner(run: Run) -> str:
     adapters = f" | LoRA r={lora.r}: {trainable_summary(run.model)}" if lora.r else ""
     above = recompute_above(run.model)
     recompute = f" | activations recomputed above {above:,} tokens a micro-batch" if above is not None else ""
+    fallbacks = fast_path_fallbacks(run.model, run.compute)  # the same maths, slower: said once, here
+    fallback = f" | fallbacks: {fallbacks}" if fallbacks else ""
     return (
         f"polo: {alg.name} on {run.task.name} | model {config.model.name} | {run.compute} | "
         f"{config.train.prompts_per_step} prompts x {alg.group_size} completions | "
-        f"steps {run.start_step}->{config.train.steps}" + recompute + adapters
+        f"steps {run.start_step}->{config.train.steps}" + recompute + adapters + fallback
     )
 
 

@@ -30,12 +30,12 @@ import torch
 from polo.kernels import lean as _lean
 from polo.kernels.cpu import attention as _attention
 
-__all__ = ["LeanDecoder", "lean_decoder"]
+__all__ = ["LeanDecoder", "lean_decode_refusal", "lean_decoder"]
 
 # model_type -> the decoder families whose layers are exactly [norm, attention (q/k/v/o projections with
 # rotary embedding), residual, norm, MLP, residual], with nothing else between them (no q/k norms, no
 # soft-capping, no scaled embeddings): the layout `LeanDecoder.step` computes.
-LEAN_FAMILIES = ("llama", "qwen2")
+LEAN_FAMILIES = ("llama", "qwen2", "mistral")  # Mistral without a sliding window has a Llama's layers
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -43,38 +43,44 @@ _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 def lean_decoder(model, cache) -> LeanDecoder | None:
     """Return a `LeanDecoder` for `model` sampling with `cache` (`polo.kernels.cpu.kv_cache.sampling_cache`), or None.
 
-    None unless the model is a causal LM of a family in `LEAN_FAMILIES` on polo's attention, every
-    layer has the expected parts and full attention, and every layer of the cache is a preallocated one.
+    None where `lean_decode_refusal` names a reason, or unless every layer of the cache is a preallocated one.
+    """
+    if lean_decode_refusal(model) is not None:
+        return None
+    layers = model.model.layers
+    if len(layers) != len(cache.layers) or not all(hasattr(layer, "shared") for layer in cache.layers):
+        return None
+    return LeanDecoder(model, cache)
+
+
+def lean_decode_refusal(model) -> str | None:
+    """Return why `LeanDecoder` cannot decode `model`, or None where it can (given a preallocated cache).
+
+    It takes a causal LM of a family in `LEAN_FAMILIES` on polo's attention whose every layer has the
+    expected parts and full attention.
     """
     config = getattr(model, "config", None)
     inner = getattr(model, "model", None)
-    if config is None or inner is None or getattr(config, "model_type", None) not in LEAN_FAMILIES:
-        return None
-    if (
-        getattr(config, "_attn_implementation", None) != _attention.POLO_ATTENTION
-        or getattr(model, "lm_head", None) is None
+    family = getattr(config, "model_type", None)
+    if config is None or inner is None or family not in LEAN_FAMILIES:
+        return f"polo's lean decode step takes {', '.join(LEAN_FAMILIES)}; this is {family}"
+    if getattr(config, "_attn_implementation", None) != _attention.POLO_ATTENTION:
+        return f"the lean decode step needs polo's attention; this model runs {config._attn_implementation}"
+    if getattr(model, "lm_head", None) is None or not all(
+        hasattr(inner, name) for name in ("embed_tokens", "rotary_emb", "norm")
     ):
-        return None
+        return "the model lacks an lm_head, embed_tokens, rotary_emb or final norm"
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return None
-    layers = getattr(inner, "layers", None)
-    if (
-        layers is None
-        or len(layers) != len(cache.layers)
-        or not all(hasattr(layer, "shared") for layer in cache.layers)
-    ):
-        return None
-    for layer in layers:
+        return "layers other than full attention"
+    for layer in getattr(inner, "layers", None) or [None]:
         attention = getattr(layer, "self_attn", None)
         if not all(hasattr(layer, name) for name in _LAYER_PARTS) or not all(
             hasattr(attention, name) for name in _ATTENTION_PARTS
         ):
-            return None
+            return "a layer without the expected norm, attention and MLP parts"
         if hasattr(attention, "q_norm") or getattr(attention, "sliding_window", None):
-            return None
-    if not all(hasattr(inner, name) for name in ("embed_tokens", "rotary_emb", "norm")):
-        return None
-    return LeanDecoder(model, cache)
+            return "q/k norms or a sliding window"
+    return None
 
 
 class LeanDecoder:
