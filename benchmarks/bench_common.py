@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
+import json
 import os
 import resource
+import shlex
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -182,3 +187,48 @@ def parameter_count(model: str) -> int:
     config = AutoConfig.from_pretrained(str(resolve_model_path(model)))
     with torch.device("meta"):  # shapes only: nothing is allocated or read
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_name(device: str = "cpu") -> str:
+    """Return the machine a figure was measured on: the GPU's name, or the CPU's model, cores and bf16 support."""
+    from polo.runtime.rates import cpu_model, native_bf16
+
+    if device != "cpu" and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} ({cpu_model()} host)"
+    bf16 = "native bf16" if native_bf16() else "no native bf16"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {bf16}"
+
+
+def source_commit() -> str:
+    """Return the short commit of the tree that ran, "+changes" when it had uncommitted ones ("unknown" outside git)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{commit}+changes" if changed else commit
+
+
+def record_result(benchmark: str, figures: dict, argv: list[str], device: str = "cpu") -> Path:
+    """Append one run's figures to `benchmarks/results/<benchmark>.jsonl`, with its date, commit, machine and command:
+    what `benchmarks/report.py` writes docs/benchmarks.md from. Return the file."""
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "commit": source_commit(),
+        "machine": machine_name(device),
+        "command": shlex.join(["python", f"benchmarks/{benchmark}.py", *argv]),
+        "figures": figures,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{benchmark}.jsonl"
+    with path.open("a") as results:
+        results.write(json.dumps(record) + "\n")
+    return path

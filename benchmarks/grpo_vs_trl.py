@@ -40,6 +40,8 @@ Usage:
   python benchmarks/grpo_vs_trl.py --rounds 2 --steps 5
   python benchmarks/grpo_vs_trl.py --only polo --steps 2   # quick check of a subset
 Needs the `bench` extra (`pip install -e ".[bench]"`, TRL 1.16.0) for the TRL runs.
+Each finished comparison appends its figures, with the date, commit, machine and command, to
+benchmarks/results/grpo_vs_trl.jsonl; `python benchmarks/report.py` then writes docs/benchmarks.md.
 The last line printed is
   polo_vs_trl step_time_ratio=... peak_rss_ratio=... floor_fraction=...
 
@@ -77,6 +79,7 @@ from bench_common import (
     mib,
     parameter_count,
     peak_rss_bytes,
+    record_result,
     wait_for_quiet,
 )
 
@@ -653,6 +656,10 @@ def gpu_main(args) -> None:
         step_ratio = summary["trl_gpu"]["median"] / summary["polo"]["median"]
         memory_ratio = summary["polo"]["peak_gpu"] / summary["trl_gpu"]["peak_gpu"]
     print(f"polo_vs_trl_gpu step_time_ratio={fmt(step_ratio)} gpu_memory_ratio={fmt(memory_ratio)}")
+    figures = {f"{name} step (s)": summary[name]["median"] for name in order}
+    figures.update({f"{name} peak GPU memory (GiB)": summary[name]["peak_gpu"] / 2**30 for name in order})
+    ratios = {"step_time_ratio": step_ratio, "gpu_memory_ratio": memory_ratio}
+    record_result("grpo_vs_trl", {**figures, **ratios}, args.argv, device="cuda")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -710,6 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command a result is recorded with
     if args.child:
         child_main(args)
         return
@@ -778,6 +786,10 @@ def cpu_main(args) -> None:
         f"polo_vs_trl step_time_ratio={fmt(step_ratio)} peak_rss_ratio={fmt(rss_ratio)} "
         f"floor_fraction={fmt(floor_fraction)}"
     )
+    figures = {f"{name} step (s)": summary[name]["median"] for name in order}
+    figures.update({f"{name} peak RSS (GiB)": summary[name]["peak_train"] / 2**30 for name in order})
+    ratios = {"step_time_ratio": step_ratio, "peak_rss_ratio": rss_ratio, "floor_fraction": floor_fraction}
+    record_result("grpo_vs_trl", {**figures, **ratios, "others_busy": bool(busy)}, args.argv)
 
 
 def measure_rounds(args, order: list[str], root: Path) -> dict[str, list[dict]]:

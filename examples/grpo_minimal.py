@@ -13,8 +13,9 @@ Run it after `make model` (which puts the default model in ~/.cache/polo/models/
     .venv/bin/python examples/grpo_minimal.py                   # the defaults of recipes/grpo_arith.yaml
     .venv/bin/python examples/grpo_minimal.py --steps 5 --beta 0.04 --update-epochs 2
 A step takes under a minute on a 2-core CPU (64 completions; the update is most of it). `polo train
-recipes/grpo_arith.yaml` runs the same algorithm in about 7 s a step (bf16, the prompt's forward
-shared by its group, tiled log-probs) and adds checkpoints, logging, LoRA and other algorithms;
+recipes/grpo_arith.yaml` runs the same algorithm several times faster (bf16 where it pays, the prompt's
+forward shared by its group, tiled log-probs; recorded runs: docs/benchmarks.md) and adds checkpoints,
+logging, LoRA and other algorithms;
 tests/examples/test_grpo_minimal.py checks that on one fixed batch this file's loss and update
 are `polo train`'s, to fp32 tolerance.
 """

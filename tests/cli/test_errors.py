@@ -82,8 +82,8 @@ def test_train_misspelled_checker(tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", 3)
     recipe = rl_recipe(tmp_path, task=jsonl_task(data, data, checker="exact_nmber"))
     expected = (
-        "task.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string "
-        "(`polo train --help` says what each accepts)"
+        "task.checker: 'exact_nmber' is not a registered answer checker (did you mean 'exact_number'?); "
+        "registered: math_verify, exact_number, exact_string (or module:name for your own)"
     )
     assert polo("train", str(recipe), cwd=tmp_path) == expected
 
@@ -175,9 +175,9 @@ def test_eval_misspelled_checker(tmp_path):
         str(tmp_path / "no-model-here"),
         cwd=tmp_path,
     )
-    assert line == "--checker 'exact_nmber' is not one of math_verify, exact_number, exact_string"
+    assert line.startswith("task.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string")
 
 
 def test_eval_nan_temperature(tmp_path):
     line = polo("eval", "--temperature", "nan", "--model", str(tmp_path / "no-model-here"), cwd=tmp_path)
-    assert line == "--temperature must be a finite number >= 0 (0 is greedy), got nan"
+    assert line == "temperature must be a finite number >= 0, got nan"

@@ -63,8 +63,8 @@ def test_a_command_on_a_held_run_directory_stops_in_one_line_before_loading_anyt
     finally:
         held.release()
     captured = capsys.readouterr()
-    what = {"pipeline": "pipeline.dir", "eval": "the run directory of --output"}.get(name, "output.dir")
-    instead = "write --output elsewhere" if name == "eval" else f"pick another {what}"
+    what = {"pipeline": "pipeline.dir", "eval": "the run directory of the output"}.get(name, "output.dir")
+    instead = "write the output elsewhere" if name == "eval" else f"pick another {what}"
     assert captured.err.startswith(
         f"polo: error: {what} {locked} is in use by another polo run (pid {os.getpid()} on {socket.gethostname()}, "
     )

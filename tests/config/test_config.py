@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,20 @@ from polo.config import Config, ConfigError, load_config
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 
 
+def write_gsm8k_folder(folder: Path, train_rows: int, test_rows: int) -> Path:
+    """Write train.jsonl and test.jsonl in GSM8K's format (a question, a solution ending in #### N) to `folder`."""
+    for name, count in (("train.jsonl", train_rows), ("test.jsonl", test_rows)):
+        rows = [{"question": f"What is {i} + 2?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(count)]
+        (folder / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.name)
-def test_every_recipe_loads(recipe):
+def test_every_recipe_loads(recipe, tmp_path, monkeypatch):
     import yaml
+
+    # a gsm8k recipe reads $POLO_GSM8K_DIR: rows in GSM8K's format, as many as the recipes ask for, stand in for it
+    monkeypatch.setenv("POLO_GSM8K_DIR", str(write_gsm8k_folder(tmp_path, 2000, 500)))
 
     from polo.finetune.dpo import load_dpo_config
     from polo.finetune.reward_model import load_reward_model_config
@@ -98,7 +111,12 @@ def test_cli_reports_missing_model_in_one_line(tmp_path, capsys):
     assert "no-such-model" in capsys.readouterr().err
 
 
-def test_reward_override_accepts_import_paths_with_dots():
+def test_reward_override_accepts_import_paths_with_dots(tmp_path, monkeypatch):
+    (tmp_path / "my_pkg").mkdir()
+    (tmp_path / "my_pkg" / "__init__.py").write_text("")
+    (tmp_path / "my_pkg" / "scoring.py").write_text("def length_penalty(completion, row):\n    return 0.0\n")
+    monkeypatch.chdir(tmp_path)  # validation imports the module, from the current directory as polo train would
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
     config = load_config(None, ["rewards.my_pkg.scoring:length_penalty=0.25"])
     assert config.rewards == {"my_pkg.scoring:length_penalty": 0.25}
 

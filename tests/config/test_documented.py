@@ -11,7 +11,7 @@ import pytest
 
 from polo import core
 from polo.cli import main
-from polo.cli.config import COMMANDS, command_sections, describe, reference
+from polo.cli.config import RECIPE_COMMANDS, command_sections, describe, reference
 from polo.config.fields import choice_names
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -73,7 +73,7 @@ def test_docs_config_md_is_generated_from_the_fields_and_current():
 
 def test_docs_list_every_key_of_every_command_with_default_and_help():
     text = DOCS.read_text()
-    for command in COMMANDS:
+    for command in RECIPE_COMMANDS:
         assert f"## polo {command}\n" in text
         for section in command_sections(command):
             for key in section.keys:
@@ -98,12 +98,11 @@ def test_registered_choices_come_from_the_registries(key, registry):
 
 
 def test_choices_that_mirror_other_modules_stay_equal():
-    from polo.config.schema import SAMPLERS, TRACKER_PACKAGES
+    from polo.config.schema import TRACKER_PACKAGES
     from polo.control.config import ControlConfig
-    from polo.generation.grouped import SAMPLERS as GENERATION_SAMPLERS
     from polo.runtime.trackers import SINKS
 
-    assert SAMPLERS == GENERATION_SAMPLERS and set(TRACKER_PACKAGES) == set(SINKS)
+    assert set(TRACKER_PACKAGES) == set(SINKS)
     (name,) = [spec for spec in dataclasses.fields(ControlConfig().algorithm) if spec.name == "name"]
     assert sorted(choice_names(name.metadata["choices"])) == ["a2c", "grpo", "ppo", "reinforce", "trpo"]
 
@@ -118,7 +117,7 @@ def test_polo_config_prints_a_section_a_key_and_the_index(capsys):
     assert "train.learning_rate: float = 1.0e-05  (>= 0)" in out and "train.epochs" not in out
     assert main(["config"]) == 0
     out = capsys.readouterr().out
-    assert all(f"polo {command}" in out for command in COMMANDS)
+    assert all(f"polo {command}" in out for command in RECIPE_COMMANDS)
     assert main(["config", "algorithm.nonsense"]) == 2
     assert capsys.readouterr().err.startswith("polo: error: polo train has no key or section 'algorithm.nonsense'")
 

@@ -27,5 +27,7 @@ def test_explained_variance_is_the_core_one_with_cleanrl_s_convention():
 def test_algorithm_names_are_the_registered_classes():
     assert sorted(ALGORITHMS.names()) == ["a2c", "grpo", "ppo", "reinforce", "trpo"]
     assert ALGORITHMS["ppo"].__name__ == "PPO" and ALGORITHMS["a2c"].collects == "steps"
-    with pytest.raises(ConfigError, match=r"^algorithm.name: 'sac' is not one of a2c, grpo, ppo, reinforce, trpo"):
+    with pytest.raises(
+        ConfigError, match=r"^algorithm.name: 'sac' is not a registered control algorithm; registered: "
+    ):
         load_control_config(None, ["algorithm.name=sac"])

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from polo.cli.control import add_parser, run
+from polo.cli import main
 from polo.config import ConfigError
 from polo.control import load_control_config, train
 
@@ -50,17 +50,10 @@ def test_ppo_runs_on_pendulum_and_acrobot(recipe):
 
 
 def test_cli_runs_a_recipe_and_rejects_unknown_keys(tmp_path, capsys):
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="polo")
-    add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
-        ["control", str(RECIPES / "a2c_cartpole.yaml"), "train.total_steps=100", f"output.dir={tmp_path}", *FAST]
-    )
-    assert run(args) == 0
+    args = ["control", str(RECIPES / "a2c_cartpole.yaml"), "train.total_steps=100", f"output.dir={tmp_path}", *FAST]
+    assert main(args) == 0
     assert "steps in" in capsys.readouterr().out
-    bad = parser.parse_args(["control", str(RECIPES / "a2c_cartpole.yaml"), "train.totl_steps=100"])
-    assert run(bad) == 2
+    assert main(["control", str(RECIPES / "a2c_cartpole.yaml"), "train.totl_steps=100"]) == 2
     assert "train.totl_steps" in capsys.readouterr().err
 
 
@@ -84,3 +77,16 @@ def test_a_second_run_into_the_same_directory_is_refused_unless_overwrite(tmp_pa
     assert (tmp_path / "metrics.jsonl").read_text() == first  # nothing lost
     train(RECIPES / "a2c_cartpole.yaml", overrides + ["output.overwrite=true"])
     assert (tmp_path / "metrics.jsonl").read_text() != first
+
+
+def test_a_run_leaves_torch_with_the_threads_it_had(tmp_path):
+    """`train.threads` (1 by default here) holds for the run only: the count is one setting for the whole process
+    and decides how reductions split their sums, so a count left behind changed a later run's weights."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2 if before != 2 else 3)
+    try:
+        expected = torch.get_num_threads()
+        train(RECIPES / "a2c_cartpole.yaml", ["train.total_steps=32", "train.threads=1", *FAST], write_files=False)
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)

@@ -30,10 +30,32 @@ def test_k3_stays_finite_far_from_reference():
     logprobs = torch.tensor([[-1000.0, 0.0]], requires_grad=True)
     ref_logprobs = torch.tensor([[0.0, -1000.0]])
     kl = kl_k3(logprobs, ref_logprobs)
-    # d clamped to +20: exp(20) − 20 − 1; to −20: exp(−20) + 20 − 1.
-    torch.testing.assert_close(kl, torch.tensor([[math.exp(20) - 21, math.exp(-20) + 19]]))
+    # d = +1000 is clamped to +20: exp(20) − 20 − 1. d = −1000 is not clamped: exp(−1000) − (−1000) − 1 = 999.
+    torch.testing.assert_close(kl, torch.tensor([[math.exp(20) - 21, 999.0]]))
     kl.sum().backward()
     assert torch.isfinite(logprobs.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_k3_below_the_reference_keeps_its_value_and_gradient(dtype):
+    # d = log π_ref − log π = −30: the policy finds the token e³⁰ times likelier than the reference.
+    # k3 = e^d − d − 1 = 29 + e^−30 ≈ 29, and ∂k3/∂log π = −(e^d − 1) = 1 − e^−30 ≈ +1 on each token,
+    # so the KL term pushes log π back down. A clamp at d = −20 gave 19 and a zero gradient.
+    logprobs = torch.tensor([[-1.0, -2.0]], dtype=dtype, requires_grad=True)
+    ref_logprobs = logprobs.detach() - 30.0
+    kl = kl_k3(logprobs, ref_logprobs)
+    torch.testing.assert_close(kl, torch.full((1, 2), 29.0 + math.exp(-30.0), dtype=dtype))
+    kl.sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.full((1, 2), 1.0 - math.exp(-30.0), dtype=dtype))
+
+
+def test_k3_is_clamped_above_at_the_overflow_guard():
+    # d = +30 would give e³⁰ ≈ 1e13 (and overflow fp16 at d ≈ 11): it is read as d = +20, with no gradient.
+    logprobs = torch.tensor([[-31.0]], requires_grad=True)
+    kl = kl_k3(logprobs, torch.tensor([[-1.0]]))
+    torch.testing.assert_close(kl, torch.tensor([[math.exp(20.0) - 21.0]]))
+    kl.sum().backward()
+    assert logprobs.grad.item() == 0.0
 
 
 def test_k1_and_k3_are_unbiased_on_samples():
@@ -49,7 +71,7 @@ def test_k1_and_k3_are_unbiased_on_samples():
 def test_dispatch_and_unknown_kind():
     logprobs, ref_logprobs = torch.tensor([[-1.0]]), torch.tensor([[-2.0]])
     assert torch.equal(kl_estimate(logprobs, ref_logprobs, "k2"), kl_k2(logprobs, ref_logprobs))
-    with pytest.raises(ValueError, match=r"'k4'.*\['k1', 'k2', 'k3'\]"):
+    with pytest.raises(ValueError, match=r"'k4'.*registered: k1, k2, k3"):
         kl_estimate(logprobs, ref_logprobs, "k4")
 
 

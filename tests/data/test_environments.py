@@ -137,7 +137,9 @@ def test_recipes_name_registered_environments_or_module_classes(tmp_path, monkey
     task = make_task(load_config(recipe(name="python_tool", max_output_chars=50)))
     assert isinstance(task.environment(), PythonToolEnvironment)
     assert task.environment().settings.max_output_chars == 50
-    with pytest.raises(ConfigError, match="task.environment.name: 'nope'; registered: .*one_turn"):
+    with pytest.raises(
+        ConfigError, match="task.environment.name: 'nope' is not a registered LM environment; registered: .*one_turn"
+    ):
         make_task(load_config(recipe(name="nope")))
     (tmp_path / "my_envs.py").write_text(
         textwrap.dedent(
@@ -158,7 +160,7 @@ def test_recipes_name_registered_environments_or_module_classes(tmp_path, monkey
     assert task.environment().volume == 3
     with pytest.raises(ConfigError, match="task.environment.options"):
         make_task(load_config(recipe(name="my_envs:shouting", options={"loudness": 3})))
-    with pytest.raises(ConfigError, match="module 'my_envs' registered no environment named 'quiet'"):
+    with pytest.raises(ConfigError, match="module 'my_envs' registered no LM environment named 'quiet'"):
         environment_class("my_envs:quiet")
 
 

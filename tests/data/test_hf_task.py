@@ -15,7 +15,7 @@ from polo.cli import main  # noqa: E402
 from polo.config import ConfigError, load_config  # noqa: E402
 from polo.data import TASKS, HfSource, hf_task, jsonl_task, make_task  # noqa: E402
 from polo.data.base import TaskDataError  # noqa: E402
-from polo.rewards.answers import CHECKER_HELP, CHECKERS, DEFAULT_CHECKER  # noqa: E402
+from polo.rewards.answers import CHECKERS, DEFAULT_CHECKER  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "rl"))
 from test_trainer import tiny_config, without_times  # noqa: E402
@@ -233,9 +233,9 @@ def test_make_task_from_a_config_and_from_passed_datasets(tmp_path):
     with pytest.raises(
         ConfigError, match=r"^task\.name is 'jsonl' but train_dataset was passed; datasets make the hf task"
     ):
-        make_task(load_config({"task": {"name": "jsonl"}}), TRAIN)
+        make_task(load_config({"task": {"name": "jsonl", "train_path": "t.jsonl", "eval_path": "e.jsonl"}}), TRAIN)
     with pytest.raises(
-        ConfigError, match=r"^task\.checker: 'exact' is not one of math_verify, exact_number, exact_string"
+        ConfigError, match=r"^task\.checker: 'exact' is not a registered answer checker; registered: math_verify, "
     ):
         make_task(load_config({"task": {"name": "hf", "path": str(folder), "checker": "exact"}}))
 
@@ -248,10 +248,10 @@ def test_train_help_lists_every_checker_and_the_default(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert f"default {DEFAULT_CHECKER}" in text and "math_verify (default):" in text
-    for name, accepts in CHECKER_HELP.items():
-        assert f"{name}" in text and " ".join(accepts.split()) in text
+    for entry in CHECKERS.entries():
+        assert entry.help and f"{entry.name}" in text and " ".join(entry.help.split()) in text
     assert all(name in text for name in TASKS)
-    assert set(CHECKER_HELP) == set(CHECKERS) and load_config({}).task.checker == DEFAULT_CHECKER
+    assert load_config({}).task.checker == DEFAULT_CHECKER
 
 
 def test_readme_lists_every_checker_beside_the_jsonl_example():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import json
@@ -12,6 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from polo.cli import main
+from polo.config import ConfigError
 from polo.evaluation.evaluate import (
     add_reward_scores,
     answer_key_for,
@@ -424,111 +425,81 @@ def test_greedy_accuracy_scores_each_completion_against_its_own_row(tiny_policy)
 # ---------------------------------------------------------------- the command
 
 
-def eval_parser() -> argparse.ArgumentParser:
-    from polo.cli.eval import add_parsers
-
-    parser = argparse.ArgumentParser(prog="polo")
-    add_parsers(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
 def test_polo_eval_writes_per_problem_results(tiny_model_dir, tmp_path, capsys):
-    from polo.cli.eval import run
-
     data = tmp_path / "problems.jsonl"
     data.write_text(
         "".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(3))
     )
     output = tmp_path / "out" / "eval.json"
-    args = eval_parser().parse_args(
-        [
-            "eval",
-            "--model",
-            str(tiny_model_dir),
-            "--task",
-            f"jsonl:{data}",
-            "--checker",
-            "exact_number",
-            "--samples",
-            "4",
-            "--limit",
-            "2",
-            "--max-new-tokens",
-            "4",
-            "--output",
-            str(output),
-            "--no-progress",
-        ]
-    )
-    assert run(args) == 0
+    args = ["eval", "--model", str(tiny_model_dir), "--task", f"jsonl:{data}", "--checker", "exact_number"]
+    args += ["--samples", "4", "--limit", "2", "--max-new-tokens", "4", "--output", str(output), "--no-progress"]
+    assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "pass@k" in printed and "cons@k" in printed and "format compliance" in printed
+    assert "pass@k" in printed and "cons@k" in printed
+    assert "format compliance" not in printed  # the task does not ask for the R1 format
     result = json.loads(output.read_text())
     assert result["settings"]["samples"] == 4 and result["settings"]["num_problems"] == 2
+    assert result["settings"]["task"] == f"jsonl ({data}, exact_number)"
     assert len(result["problems"]) == 2
     assert all(len(problem["samples"]) == 4 for problem in result["problems"])
     assert set(result["summary"]["pass@k"]) == {"1", "2", "4"}
 
 
-def test_polo_eval_greedy_on_arithmetic(tiny_model_dir, tmp_path):
-    from polo.cli.eval import run
-
+def test_polo_eval_greedy_on_arithmetic(tiny_model_dir, tmp_path, capsys):
     output = tmp_path / "eval.json"
-    args = eval_parser().parse_args(
-        [
-            "eval",
-            "--model",
-            str(tiny_model_dir),
-            "--task",
-            "arith",
-            "--greedy",
-            "--limit",
-            "3",
-            "--max-new-tokens",
-            "3",
-            "--output",
-            str(output),
-            "--no-progress",
-        ]
-    )
-    assert run(args) == 0
+    args = ["eval", "--model", str(tiny_model_dir), "--task", "arith", "--greedy", "--limit", "3"]
+    assert main([*args, "--max-new-tokens", "3", "--answer-in-tags", "--output", str(output), "--no-progress"]) == 0
+    assert "format compliance (r1_format)" in capsys.readouterr().out  # asked for by task.answer_in_tags
     result = json.loads(output.read_text())
-    assert result["settings"]["temperature"] == 0.0
+    assert result["settings"]["temperature"] == 0.0 and result["settings"]["max_new_tokens"] == 3
     assert result["summary"]["pass@k"].keys() == {"1"}
     assert result["problems"][0]["question"].startswith("What is ")
+
+
+def test_polo_eval_runs_an_hf_task_of_a_recipe_with_the_recipes_budget(tiny_model_dir, tmp_path):
+    """Any task a recipe builds evaluates: here the hf task over a data file, given as overrides of a recipe."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} + 2 =", "solution": str(i + 2)}) + "\n" for i in range(5)))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"model: {{name: {tiny_model_dir}}}\nsampling: {{max_new_tokens: 5}}\neval: {{max_new_tokens: 2}}\n"
+    )
+    output = tmp_path / "eval.json"
+    overrides = ["task.name=hf", f"task.path={data}", "task.prompt_field=prompt", "task.answer_field=solution"]
+    args = ["eval", "--recipe", str(recipe), *overrides, "task.num_eval=3", "--samples", "2"]
+    assert main([*args, "--output", str(output), "--no-progress"]) == 0
+    result = json.loads(output.read_text())
+    assert result["settings"]["task"] == f"hf ({data}, math_verify)"
+    assert result["settings"]["max_new_tokens"] == 2  # eval.max_new_tokens wins over sampling.max_new_tokens
+    assert [problem["reference"] for problem in result["problems"]] == ["4", "5", "6"]  # the last 3 rows held out
+    assert all(sample["length"] <= 2 for problem in result["problems"] for sample in problem["samples"])
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--greedy", "--samples", "4"], "--greedy gives one answer"),
-        (["--task", "mnist"], "is not one of"),
-        (["--samples", "0"], "--samples must be >= 1"),
-        (["--limit", "500"], "more than the 200 held-out problems"),
+        (["--greedy", "--samples", "4"], "greedy gives one answer per problem; samples is 4"),
+        (["--task", "mnist"], "task.name: 'mnist' is not one of"),
+        (["--samples", "0"], "samples must be at least 1, got 0"),
+        (["--top-p", "0"], "top_p must be"),
+        (["--limit", "500"], "limit 500 is more than the 200 held-out problems"),
+        (["--task", "gsm8k", "--data-dir", "/nonexistent/gsm8k"], "/nonexistent/gsm8k/test.jsonl"),
     ],
 )
-def test_polo_eval_rejects_bad_arguments(tiny_model_dir, tmp_path, capsys, extra, message):
-    from polo.cli.eval import run
-
-    args = eval_parser().parse_args(
-        ["eval", "--model", str(tiny_model_dir), "--output", str(tmp_path / "e.json"), *extra]
-    )
-    assert run(args) == 2
-    assert message in capsys.readouterr().err
+def test_polo_eval_rejects_bad_arguments_in_one_line(tiny_model_dir, tmp_path, capsys, extra, message):
+    assert main(["eval", "--model", str(tiny_model_dir), "--output", str(tmp_path / "e.json"), *extra]) == 2
+    error = capsys.readouterr().err
+    assert message in error and len(error.strip().splitlines()) == 1
+    assert not (tmp_path / "e.json").exists()
 
 
-def test_gsm8k_folder_resolution(tmp_path, monkeypatch):
-    from polo.cli.eval import GSM8K_ENV, gsm8k_data_dir
+def test_gsm8k_folder_comes_from_the_argument_or_the_environment(tmp_path, monkeypatch):
+    from polo.data.gsm8k import GSM8K_ENV, gsm8k_data_dir
 
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "test.jsonl").write_text("{}\n")
-    assert gsm8k_data_dir(str(tmp_path / "mine")) == tmp_path / "mine"
-    monkeypatch.setenv(GSM8K_ENV, str(tmp_path / "mine"))
-    assert gsm8k_data_dir() == tmp_path / "mine"
-    with pytest.raises(FileNotFoundError, match="--data-dir"):
-        gsm8k_data_dir(str(tmp_path / "missing"))
+    assert gsm8k_data_dir(tmp_path / "mine") == tmp_path / "mine"
+    monkeypatch.setenv(GSM8K_ENV, str(tmp_path / "env"))
+    assert gsm8k_data_dir() == tmp_path / "env"
+    assert gsm8k_data_dir(tmp_path / "mine") == tmp_path / "mine"
     monkeypatch.delenv(GSM8K_ENV)
-    monkeypatch.chdir(tmp_path / "mine")  # ../shared/data/gsm8k from here
-    (tmp_path / "shared" / "data" / "gsm8k").mkdir(parents=True)
-    (tmp_path / "shared" / "data" / "gsm8k" / "test.jsonl").write_text("{}\n")
-    assert gsm8k_data_dir() == tmp_path / "shared" / "data" / "gsm8k"
+    with pytest.raises(ConfigError, match=f"task.train_path and task.eval_path, or {GSM8K_ENV}"):
+        gsm8k_data_dir()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import math
@@ -159,14 +158,12 @@ def test_report_rejects_a_folder_that_is_not_a_run(tmp_path):
 
 
 def test_write_report_and_the_command(tmp_path, capsys):
-    from polo.cli.eval import add_parsers, run
+    from polo.cli import main
 
     run_dir = make_fake_run(tmp_path / "run")
     assert write_report(run_dir) == run_dir / "report.html"
-    parser = argparse.ArgumentParser(prog="polo")
-    add_parsers(parser.add_subparsers(dest="command", required=True))
     target = tmp_path / "elsewhere" / "page.html"
-    assert run(parser.parse_args(["report", str(run_dir), "--output", str(target)])) == 0
+    assert main(["report", str(run_dir), "--output", str(target)]) == 0
     assert capsys.readouterr().out.strip() == str(target)
     assert target.read_text().startswith("<!DOCTYPE html>")
 

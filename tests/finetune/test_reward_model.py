@@ -268,14 +268,8 @@ def test_running_each_prompt_once_gives_the_same_rewards(reward_model_dir):
 
 
 def test_polo_eval_scores_every_sample_with_the_reward_model(tiny_model_dir, reward_model_dir, tmp_path, capsys):
-    import argparse
-
-    from polo.cli.eval import add_parsers, run
-
-    parser = argparse.ArgumentParser()
-    add_parsers(parser.add_subparsers(dest="command"))
     output = tmp_path / "eval.json"
-    args = parser.parse_args(
+    status = main(
         [
             "eval",
             "--model",
@@ -295,7 +289,7 @@ def test_polo_eval_scores_every_sample_with_the_reward_model(tiny_model_dir, rew
             "--no-progress",
         ]
     )
-    assert run(args) == 0
+    assert status == 0
     assert "reward model score, mean (correct / wrong samples)" in capsys.readouterr().out
     result = json.loads(output.read_text())
     reward = RewardModelReward(reward_model_dir, normalize=True)
@@ -309,26 +303,11 @@ def test_polo_eval_scores_every_sample_with_the_reward_model(tiny_model_dir, rew
     assert result["summary"]["reward_model_mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
 
 
-def test_polo_eval_refuses_a_missing_reward_model_before_sampling(tiny_model_dir, tmp_path):
-    import argparse
-
-    from polo.cli.eval import add_parsers, run
-
-    parser = argparse.ArgumentParser()
-    add_parsers(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
-        [
-            "eval",
-            "--model",
-            str(tiny_model_dir),
-            "--reward-model",
-            str(tmp_path / "nope"),
-            "--output",
-            str(tmp_path / "e.json"),
-        ]
-    )
-    with pytest.raises(Exception, match="nope"):
-        run(args)
+def test_polo_eval_refuses_a_missing_reward_model_before_sampling(tiny_model_dir, tmp_path, capsys):
+    args = ["eval", "--model", str(tiny_model_dir), "--reward-model", str(tmp_path / "nope")]
+    assert main([*args, "--output", str(tmp_path / "e.json")]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert not (tmp_path / "e.json").exists()
 
 
 def test_rm_continues_from_a_saved_reward_model_with_its_head(reward_model_dir, tiny_model_dir, tmp_path):

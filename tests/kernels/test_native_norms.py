@@ -155,6 +155,23 @@ def test_native_kernels_match_fp64_autograd_of_the_reference_formulas(ops, width
     torch.testing.assert_close(u.grad.double(), u64.grad, rtol=1e-6, atol=1e-7)
 
 
+def test_the_norms_weight_gradient_is_the_same_to_the_bit_whatever_the_thread_count(ops):
+    """dw is summed over row chunks that the rows fill, not one per thread: 1 and 2 threads give the same bits (a
+    count set by one run and left for the next changed the next run's weights)."""
+    generator = torch.Generator().manual_seed(0)
+    x, dy = (torch.randn(4096, 32, generator=generator) for _ in range(2))
+    weight = torch.randn(32, generator=generator)
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    before, grads = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            grads.append(ops.rms_norm_backward(dy, x, rstd, weight, True)[1])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_native_backward_takes_only_the_gradients_asked_for_and_non_contiguous_inputs(ops):
     hidden, weight, grad = inputs(8, 2 * 96, torch.bfloat16, seed=1)
     strided = hidden[:, ::2]  # (8, 96), every other column

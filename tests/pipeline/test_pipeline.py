@@ -220,10 +220,14 @@ def test_the_r1_gsm8k_recipe_runs_end_to_end_on_the_tiny_model(tiny_model_dir, t
 
 
 @pytest.mark.parametrize("name", ["r1_arith.yaml", "r1_zero_arith.yaml", "r1_gsm8k.yaml"])
-def test_the_r1_recipes_are_valid(name):
+def test_the_r1_recipes_are_valid(name, tmp_path, monkeypatch):
     from polo.pipeline import load_pipeline
 
-    plan = load_pipeline(RECIPES / name)
+    # r1_gsm8k reads GSM8K from $POLO_GSM8K_DIR: a few rows in its format stand in for the data set
+    write_gsm8k(tmp_path / "train.jsonl", 24)
+    write_gsm8k(tmp_path / "test.jsonl", 6, 100)
+    monkeypatch.setenv("POLO_GSM8K_DIR", str(tmp_path))
+    plan = load_pipeline(RECIPES / name, ["task.num_eval=6"] if name == "r1_gsm8k.yaml" else [])
     assert plan.task.name in ("arithmetic", "gsm8k") and plan.instruction
     if name == "r1_gsm8k.yaml":  # for larger models on a GPU: DeepSeek's template
         assert plan.task_config.task.system_prompt.startswith("A conversation between User and Assistant.")

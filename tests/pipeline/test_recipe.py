@@ -31,7 +31,10 @@ def recipe(tmp_path) -> dict:
             ["pipeline.dri=runs/x"],
             "unknown config key 'pipeline.dri'; valid keys in pipeline: dir, model, report, progress, threads",
         ),
-        (["eval.sample=4"], "unknown config key 'eval.sample'; valid keys in eval: enabled, base, samples,"),
+        (
+            ["eval.sample=4"],
+            "unknown config key 'eval.sample' (did you mean 'samples'?); valid keys in eval: enabled, base, samples,",
+        ),
         (
             ["stages.reason.trian.steps=3"],
             "stages.reason: unknown key 'trian' for a grpo stage; valid keys: kind, recipe, overrides, model, task,",
@@ -39,7 +42,8 @@ def recipe(tmp_path) -> dict:
         (["stages.reason.kind=ppo"], "stages.reason.kind: 'ppo' is not one of sft, grpo, reject_sft"),
         (
             ["stages.reason.train.stepz=3"],
-            "stages.reason: unknown config key 'train.stepz'; valid keys in train: learning_rate, weight_decay,",
+            "stages.reason: unknown config key 'train.stepz' (did you mean 'steps'?); valid keys in train: "
+            "learning_rate, weight_decay,",
         ),
         (["stages.reason.train.steps=-1"], "stages.reason: train.steps must be at least 0, got -1"),
         (
@@ -49,7 +53,8 @@ def recipe(tmp_path) -> dict:
         ),
         (
             ["stages.cold_start.demos.num_trian=3"],
-            "stages.cold_start.demos: unknown config key 'num_trian'; valid keys: num_train, num_eval, seed",
+            "stages.cold_start.demos: unknown config key 'num_trian' (did you mean 'num_train'?); valid keys: "
+            "num_train, num_eval, seed",
         ),
         (
             ["stages.cold_start.demos.num_train=60"],
@@ -73,7 +78,7 @@ def recipe(tmp_path) -> dict:
             ["stages.cold_start=null", "stages.reason=null", "stages.reject=null", "stages.reason2=null"],
             "stages: the pipeline has no stages",
         ),
-        (["task.name=arith"], "task.name: 'arith' is not one of"),
+        (["task.name=arith"], "task.name: 'arith' is not a registered task; registered: arithmetic,"),
         (["eval.samples=0"], "eval.samples must be at least 1, got 0"),
     ],
 )
@@ -153,7 +158,9 @@ def test_the_command_line_says_one_line(recipe, tmp_path):
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(recipe))
     message = polo_error("pipeline", str(path), "stages.reason.train.stepz=3", cwd=tmp_path)
-    assert message.startswith("stages.reason: unknown config key 'train.stepz'; valid keys in train: learning_rate,")
+    assert message.startswith(
+        "stages.reason: unknown config key 'train.stepz' (did you mean 'steps'?); valid keys in train: learning_rate,"
+    )
     assert (
         polo_error("pipeline", str(tmp_path / "missing.yaml"), cwd=tmp_path)
         == f"recipe {tmp_path / 'missing.yaml'} does not exist"

@@ -297,7 +297,7 @@ def test_unknown_plain_name_lists_builtins_and_import_form():
         resolve_reward("accuracy", make_task())
     message = str(info.value)
     assert "'accuracy'" in message
-    assert "['code', 'code_fraction', 'correct', 'r1_format', 'tag_count']" in message
+    assert "registered rewards: correct, code, code_fraction, r1_format, tag_count" in message
     assert "module:function" in message
 
 

@@ -85,7 +85,9 @@ def test_grpo_estimator_is_the_group_advantage_on_every_token():
 
 def test_unknown_names_list_the_registered_ones(tmp_path, monkeypatch):
     with pytest.raises(
-        ConfigError, match="algorithm.advantage_estimator: 'grpoo' is not one of grpo, rloo, reinforce_pp, gae"
+        ConfigError,
+        match=r"algorithm.advantage_estimator: 'grpoo' is not a registered advantage estimator "
+        r"\(did you mean 'grpo'\?\); registered: grpo, rloo, reinforce_pp, gae",
     ):
         load_config({"algorithm": {"advantage_estimator": "grpoo"}})
     with pytest.raises(ConfigError, match="algorithm.policy_loss: cannot import module 'no_such_module'"):

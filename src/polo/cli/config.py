@@ -10,10 +10,11 @@ import argparse
 import os
 import sys
 
+from polo.cli.commands import COMMANDS
 from polo.config import ConfigError
 from polo.config import describe as doc
 
-COMMANDS = ("train", "sft", "rm", "dpo", "control", "pipeline")
+RECIPE_COMMANDS = ("train", "sft", "rm", "dpo", "control", "pipeline")
 PIPELINE_STAGE_SECTIONS = "stages.NAME."  # where a pipeline stage's demos and rejection settings go
 
 
@@ -39,7 +40,7 @@ def command_sections(command: str) -> list[doc.Section]:
             *doc.sections(DemoSettings(), f"{PIPELINE_STAGE_SECTIONS}demos."),
             *doc.sections(RejectionSettings(), f"{PIPELINE_STAGE_SECTIONS}rejection."),
         ]
-    raise ConfigError(f"polo config: {command!r} is not one of {', '.join(COMMANDS)}")
+    raise ConfigError(f"polo config: {command!r} is not one of {', '.join(RECIPE_COMMANDS)}")
 
 
 def describe(command: str, key: str = "") -> str:
@@ -55,7 +56,7 @@ def describe(command: str, key: str = "") -> str:
 def index() -> str:
     """Return what a bare `polo config` prints: each command, what it is, and its sections."""
     lines = ["Recipe keys of every command (polo config COMMAND [SECTION | KEY] shows their defaults and help):", ""]
-    for command in COMMANDS:
+    for command in RECIPE_COMMANDS:
         all_sections = command_sections(command)
         lines.append(f"  polo {command:<9} {all_sections[0].summary}")
         lines.append(f"  {'':<14} sections: {', '.join(section.key for section in all_sections if section.key)}")
@@ -83,13 +84,14 @@ def reference() -> str:
         "`polo train` (grpo) or `polo sft` (sft, reject_sft).",
         "",
     ]
-    for command in COMMANDS:
+    for command in RECIPE_COMMANDS:
         lines.append(doc.markdown(f"polo {command}", command_sections(command)))
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def add_parser(subcommands) -> None:
-    """Add the `config` subcommand to an argparse subparsers object."""
+@COMMANDS.register("config")
+def add_parser(subcommands) -> argparse.ArgumentParser:
+    """Add the `config` subcommand to an argparse subparsers object; return its parser."""
     parser = subcommands.add_parser(
         "config",
         help="print the recipe keys of a command with their defaults, ranges and help",
@@ -97,9 +99,14 @@ def add_parser(subcommands) -> None:
         "e.g. polo config train algorithm, polo config sft train.learning_rate, polo config algorithm.beta.",
     )
     parser.add_argument(
-        "words", nargs="*", metavar="COMMAND | SECTION | KEY", help=f"a command ({', '.join(COMMANDS)}), then a key"
+        "words",
+        nargs="*",
+        metavar="COMMAND | SECTION | KEY",
+        help=f"a command ({', '.join(RECIPE_COMMANDS)}), then a key",
     )
     parser.add_argument("--markdown", action="store_true", help="print docs/config.md (every command) instead")
+    parser.set_defaults(run=run)
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     elif not words:
         text = index()
     else:
-        command = words.pop(0) if words[0] in COMMANDS else "train"
+        command = words.pop(0) if words[0] in RECIPE_COMMANDS else "train"
         if len(words) > 1:
             raise ConfigError(f"polo config: one section or key at a time, got {' '.join(words)}")
         text = describe(command, words[0] if words else "")

@@ -1,18 +1,23 @@
 """The RLHF subcommands: `polo sft`, `polo rm`, `polo dpo` and `polo make-preferences`.
 
 Thin wrappers over `polo.finetune.sft.sft`, `polo.finetune.reward_model.train_reward_model`, `polo.finetune.dpo.dpo`
-and `polo.data.preferences.write_arithmetic_preferences`. `polo.cli` calls `add_parsers(subcommands)`
-to register them and `run(args)` to execute one.
+and `polo.data.preferences.write_arithmetic_preferences`; each registers itself in `polo.cli.commands.COMMANDS`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
+from polo.cli.commands import COMMANDS, add_recipe_arguments
 from polo.cli.config import KeyHelp
-from polo.runtime.device import DEVICE_HELP
+from polo.config.schema import DEVICE_HELP
 
-COMMANDS = ("sft", "rm", "dpo", "make-preferences")
+FINETUNE_HELP = {
+    "sft": "supervised fine-tuning on prompt/response demonstrations (loss on the responses only)",
+    "rm": "train a reward model (causal-LM trunk + scalar head) on comparisons (pairs or K-way rankings)",
+    "dpo": "Direct Preference Optimization on comparisons (pairs or K-way rankings)",
+}
 
 
 def mistake_list(text: str) -> list[str]:
@@ -27,23 +32,26 @@ def mistake_list(text: str) -> list[str]:
     return names
 
 
-def add_parsers(subcommands) -> None:
-    """Add the `sft`, `rm`, `dpo` and `make-preferences` subcommands to an argparse subparsers object."""
-    helps = {
-        "sft": "supervised fine-tuning on prompt/response demonstrations (loss on the responses only)",
-        "rm": "train a reward model (causal-LM trunk + scalar head) on comparisons (pairs or K-way rankings)",
-        "dpo": "Direct Preference Optimization on comparisons (pairs or K-way rankings)",
-    }
-    for name, help_text in helps.items():
-        parser = subcommands.add_parser(name, help=help_text, description=help_text, add_help=False)
-        parser.add_argument("-h", "--help", action=KeyHelp, command=name)
-        parser.add_argument("recipe", help=f"path to a YAML recipe (e.g. recipes/rlhf_{name}.yaml)")
-        parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=10")
-        parser.add_argument(
-            "--device", default=None, help=f"{DEVICE_HELP}; the same as train.device=... (default: the recipe's)"
-        )
-        parser.set_defaults(rlhf_command=name)
+def add_finetune_parser(name: str, subcommands) -> argparse.ArgumentParser:
+    """Add the `sft`, `rm` or `dpo` subcommand (`name`) to an argparse subparsers object; return its parser."""
+    help_text = FINETUNE_HELP[name]
+    parser = subcommands.add_parser(name, help=help_text, description=help_text, add_help=False)
+    parser.add_argument("-h", "--help", action=KeyHelp, command=name)
+    add_recipe_arguments(parser, f"recipes/rlhf_{name}.yaml", "dotted.key=value overrides, e.g. train.max_steps=10")
+    parser.add_argument(
+        "--device", default=None, help=f"{DEVICE_HELP}; the same as train.device=... (default: the recipe's)"
+    )
+    parser.set_defaults(run=run_finetune)
+    return parser
 
+
+for _name in FINETUNE_HELP:
+    COMMANDS.register(_name)(functools.partial(add_finetune_parser, _name))
+
+
+@COMMANDS.register("make-preferences")
+def add_preferences_parser(subcommands) -> argparse.ArgumentParser:
+    """Add the `make-preferences` subcommand to an argparse subparsers object; return its parser."""
     data_parser = subcommands.add_parser(
         "make-preferences",
         help="write arithmetic SFT demonstrations and comparisons as jsonl, or (--from-model) comparisons of a "
@@ -102,34 +110,30 @@ def add_parsers(subcommands) -> None:
     sampled.add_argument("--num-prompts-eval", type=int, default=200, help="held-out prompts to sample (default 200)")
     sampled.add_argument("--device", default="auto", help=f"where the model samples: {DEVICE_HELP}")
     sampled.add_argument("--max-pairs", type=int, default=4, help="comparisons per prompt at most (default 4)")
-    data_parser.set_defaults(rlhf_command="make-preferences")
+    data_parser.set_defaults(run=make_preferences)
+    return data_parser
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the subcommand the arguments were parsed for; return the exit status."""
-    if getattr(args, "device", None) is not None and args.rlhf_command != "make-preferences":
-        args.overrides = [*args.overrides, f"train.device={args.device}"]
-    if args.rlhf_command == "sft":
-        from polo.finetune.sft import sft
+# What `polo sft | rm | dpo` print after "saved ...": (label, key of the held-out figures) before -> after.
+HEADLINES = {
+    "sft": (("held-out loss", "loss"),),
+    "rm": (("held-out pair accuracy", "pair_accuracy"),),
+    "dpo": (
+        ("held-out preference accuracy (implicit reward)", "rewards/accuracies"),
+        ("held-out reward margin", "rewards/margins"),
+    ),
+}
 
-        result = sft(args.recipe, args.overrides)
-        print(f"saved {result.model_dir} ({result.steps} steps, {result.seconds:.0f} s)")
-        _print_change("held-out loss", result, "loss")
-    elif args.rlhf_command == "rm":
-        from polo.finetune.reward_model import train_reward_model
 
-        result = train_reward_model(args.recipe, args.overrides)
-        print(f"saved {result.model_dir} ({result.steps} steps, {result.seconds:.0f} s)")
-        _print_change("held-out pair accuracy", result, "pair_accuracy")
-    elif args.rlhf_command == "dpo":
-        from polo.finetune.dpo import dpo
+def run_finetune(args: argparse.Namespace) -> int:
+    """Run `polo sft`, `rm` or `dpo` through `polo.sft`, `polo.rm` or `polo.dpo`; return the exit status."""
+    import polo
 
-        result = dpo(args.recipe, args.overrides)
-        print(f"saved {result.model_dir} ({result.steps} steps, {result.seconds:.0f} s)")
-        _print_change("held-out preference accuracy (implicit reward)", result, "rewards/accuracies")
-        _print_change("held-out reward margin", result, "rewards/margins")
-    else:
-        return make_preferences(args)
+    overrides = [*args.overrides, f"train.device={args.device}"] if args.device is not None else args.overrides
+    result = getattr(polo, args.command)(args.recipe, overrides)
+    print(f"saved {result.model_dir} ({result.steps} steps, {result.seconds:.0f} s)")
+    for label, key in HEADLINES[args.command]:
+        _print_change(label, result, key)
     return 0
 
 

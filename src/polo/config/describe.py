@@ -8,6 +8,7 @@ rate, each output directory) are the ones shown.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import textwrap
 import types
 import typing
@@ -54,20 +55,64 @@ def sections(config: Any, prefix: str = "") -> list[Section]:
             nested += sections(value, f"{key}.")
             continue
         own.append(describe_key(key, hints[spec.name], value, spec.metadata))
+        if isinstance(spec.metadata.get("options_of"), Registry):
+            nested += entry_sections(key, spec.metadata["options_of"])
         item_type = typing.get_args(hints[spec.name])[0] if typing.get_origin(hints[spec.name]) is list else None
         if dataclasses.is_dataclass(item_type):
             nested += sections(item_type(), f"{key}[].")
     return [Section(prefix.removesuffix("."), summary(type(config)), own), *nested]
 
 
+def entry_sections(key: str, registry: Registry) -> list[Section]:
+    """Return the sections of the registered entries' own settings, each under `key` (their options' key)."""
+    found = []
+    for entry in registry.entries():
+        if entry.settings is None:
+            continue
+        for section in sections(entry.settings(), f"{key}."):
+            found.append(Section(section.key, f"({registry.kind} {entry.name}) {section.summary}", section.keys))
+    return found
+
+
 def describe_key(key: str, annotation: Any, value: Any, metadata: Any) -> Key:
-    """Return the documentation of one key from its annotation, default value and field metadata."""
-    choices, bounds = metadata.get("choices"), metadata.get("range")
+    """Return the documentation of one key from its annotation, default value and field metadata.
+
+    A registry's names are read from it, with what each entry registered as its help; a key used
+    by some builders of a registry (`used_by`) says which.
+    """
+    choices, bounds, help = metadata.get("choices"), metadata.get("range"), metadata.get("help", "")
     if choices is not None:
-        accepts = " | ".join(choice_names(choices)) + (" | module:name" if isinstance(choices, Registry) else "")
+        user_entries = isinstance(choices, Registry) and choices.user_entries
+        forms = [*choice_names(choices), *(["module:name"] if user_entries else []), metadata.get("others")]
+        accepts = " | ".join(form for form in forms if form)
     else:
         accepts = bounds or ""
-    return Key(key, type_name(annotation), yaml_text(value), accepts, metadata.get("help", ""))
+    if isinstance(choices, Registry):
+        described = [f"{entry.name}: {entry.help}" for entry in choices.entries() if entry.help]
+        help = f"{help}. {'; '.join(described)}" if described else help
+    if isinstance(metadata.get("used_by"), Registry):
+        users = builders_taking(key.rpartition(".")[2], metadata["used_by"])
+        help = f"{metadata['used_by'].kind} {', '.join(users)}: {help}" if users else help
+    return Key(key, type_name(annotation), yaml_text(value), accepts, help)
+
+
+def builders_taking(parameter: str, registry: Registry) -> list[str]:
+    """Return the entries of `registry` whose builder takes `parameter`, or a dataclass default with that field."""
+    users = []
+    for entry in registry.entries():
+        try:
+            parameters = inspect.signature(entry.value).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for candidate in parameters:
+            default = candidate.default
+            nested = dataclasses.is_dataclass(default) and not isinstance(default, type)
+            if candidate.name == parameter or (
+                nested and parameter in {spec.name for spec in dataclasses.fields(default)}
+            ):
+                users.append(entry.name)
+                break
+    return users
 
 
 def summary(cls: type) -> str:

@@ -10,6 +10,12 @@ docs/config.md (`polo.config.describe`). A field without help fails tests/config
              finite, and a list of numbers is checked item by item
     choices  strings (or each string of a list): a tuple of names, or a `polo.core.Registry`,
              whose registered names are accepted, and module:name for a user's own
+    others   the other forms a value may take beside the choices ("a local model directory"): the
+             choices are then shown, not enforced, and the value is checked where it is used
+    options_of  a mapping of options for the entry a sibling key names in this `Registry`: each
+             entry's settings dataclass is shown by `polo config` as a section under this key
+    used_by  a `Registry` of builders (tasks): the key is shown with the entries whose builder takes
+             a parameter of its name, so its help never lists them by hand
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ def setting(
     help: str,
     range: str | None = None,
     choices: Choices | None = None,
+    others: str | None = None,
+    options_of: Registry | None = None,
+    used_by: Registry | None = None,
     default_factory: Any = MISSING,
 ) -> Any:
     """Return a dataclass field whose metadata holds its help, range and choices (list and dict defaults are copied)."""
@@ -38,7 +47,14 @@ def setting(
         parse_range(range)  # a malformed range fails when polo is imported, not when a value is checked
     if isinstance(default, (list, dict)):
         default, default_factory = MISSING, (lambda value=default: copy.deepcopy(value))
-    metadata = {"help": help, "range": range, "choices": choices}
+    metadata = {
+        "help": help,
+        "range": range,
+        "choices": choices,
+        "others": others,
+        "options_of": options_of,
+        "used_by": used_by,
+    }
     return dataclass_field(default=default, default_factory=default_factory, metadata=metadata)
 
 

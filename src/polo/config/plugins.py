@@ -1,8 +1,9 @@
-"""Recipes that name a user's registered function: ``algorithm.advantage_estimator: my_module:centered``.
+"""Recipes that name a registered part, or a user's own as ``module:name``: ``algorithm.policy_loss: my_losses:cispo``.
 
 The part before ``:`` is a module polo imports (the current directory included, as `python -m`
-would), so its ``@register_advantage("centered")`` decorator runs; the part after is the name it
-registered. Built-in names need no module.
+would), so its ``@register_policy_loss("cispo")`` decorator runs; the part after is the name it
+registered, or, for a registry that takes any attribute (tasks, rewards), the attribute itself.
+Built-in names need no module. Every failure is one `ConfigError` line naming the key.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 from types import ModuleType
 
 from polo.config.errors import ConfigError
-from polo.core.registry import Registry
+from polo.core.registry import Registered, Registry, did_you_mean
 
 
 def import_user_module(module_name: str, key: str) -> ModuleType:
@@ -32,15 +33,36 @@ def import_user_module(module_name: str, key: str) -> ModuleType:
         ) from error
 
 
-def check_registered(key: str, value: str, registry: Registry) -> None:
-    """Raise ConfigError unless `value` names a function in `registry`, importing its module first when it has one."""
+def resolve(key: str, value: str, registry: Registry) -> Registered:
+    """Return the entry `value` names in `registry`: a registered name, or module:name with the module imported.
+
+    In a registry that takes attributes (`Registry.by_attribute`) the module's attribute wins over a
+    registered name (a user's `my_rewards:correct` is theirs, not the built-in); an attribute that
+    the module also registered keeps its registration (its settings).
+    """
     module_name, _, name = value.rpartition(":")
-    if module_name:
-        import_user_module(module_name, key)
-        if name not in registry:
-            raise ConfigError(
-                f"{key}: module {module_name!r} registered no {registry.kind} named {name!r}; "
-                f"registered: {', '.join(registry.names())}"
-            )
-    elif value not in registry:
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(registry.names())} (or module:name for your own)")
+    if not module_name:
+        if value in registry:
+            return registry.entry(value)
+        raise ConfigError(f"{key}: {registry.unknown(value)}")
+    if not registry.user_entries:
+        raise ConfigError(f"{key}: {value!r} names a module, but a {registry.kind} is one of {', '.join(registry)}")
+    module = import_user_module(module_name, key)
+    if registry.by_attribute and hasattr(module, name):
+        attribute = getattr(module, name)
+        registered = [entry for entry in registry.entries() if entry.value is attribute]
+        return registered[0] if registered else Registered(value, attribute)
+    if name in registry:
+        return registry.entry(name)
+    if registry.by_attribute:
+        public = [attribute for attribute in vars(module) if not attribute.startswith("_")]
+        raise ConfigError(f"{key}: module {module_name!r} has no attribute {name!r}{did_you_mean(name, public)}")
+    raise ConfigError(
+        f"{key}: module {module_name!r} registered no {registry.kind} named {name!r}"
+        f"{did_you_mean(name, registry.names())}; registered: {', '.join(registry)}"
+    )
+
+
+def check_registered(key: str, value: str, registry: Registry) -> None:
+    """Raise ConfigError unless `value` names an entry of `registry`, importing its module first when it has one."""
+    resolve(key, value, registry)

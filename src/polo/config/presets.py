@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from polo.config.errors import ConfigError
+from polo.core.registry import did_you_mean
 
 # Each algorithm is a set of AlgorithmConfig values over the one loop. References: GRPO (Shao et al.
 # 2024, DeepSeekMath); Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"); DAPO
@@ -100,7 +101,9 @@ def apply_preset(data: dict) -> dict:
         raise ConfigError(f"algorithm: expected a mapping of AlgorithmConfig fields, got {algorithm!r}")
     name = algorithm.get("name", "grpo")
     if name not in PRESETS:
-        raise ConfigError(f"algorithm.name: {name!r} is not one of {', '.join(PRESETS)}")
+        raise ConfigError(
+            f"algorithm.name: {name!r} is not one of {', '.join(PRESETS)}{did_you_mean(str(name), PRESETS)}"
+        )
     merged = {**PRESETS[name], **algorithm, "name": name}
     aggregation = merged.get("loss_aggregation")
     if isinstance(aggregation, str) and aggregation in LOSS_AGGREGATION_ALIASES:

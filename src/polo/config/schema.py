@@ -20,10 +20,10 @@ from polo import core
 from polo.config.errors import ConfigError as ConfigError  # re-exported: older imports name it here
 from polo.config.fields import setting
 from polo.config.presets import PRESETS
+from polo.core.registry import CHECKERS, ENVIRONMENTS, MODELS, REWARDS, SAMPLERS, TASKS
 
 PRECISIONS = ("auto", "fp32", "bf16", "bf16_master")
 SCHEDULES = ("constant", "linear", "cosine")
-SAMPLERS = ("auto", "kv_cache", "static")  # polo.generation.grouped.SAMPLERS (a test holds them equal)
 
 # output.report_to: every tracker polo reports to (polo.runtime.trackers has a sink for each), and
 # the packages it needs beyond polo's own, which the polo extra of the same name installs.
@@ -154,14 +154,20 @@ class LoraSettings:
     )
 
 
+# The model every command starts from unless a recipe names another (a built-in, fetched on first use).
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
 @dataclass
 class ModelConfig:
     """Which causal LM to train."""
 
     name: str = setting(
-        "smollm2-135m-instruct",
-        help="a built-in model (smollm2-135m-instruct, gemma3-270m), a local Hugging Face model directory, "
+        DEFAULT_MODEL,
+        help="a built-in model (fetched and converted once), a local Hugging Face model directory, "
         "or a Hub id org/name[@revision] (polo.models.hub; docs/models.md)",
+        choices=MODELS,
+        others="a local model directory | org/name[@revision]",
     )
     attn_implementation: str | None = setting(
         None, help="transformers' attention: eager | sdpa; null: transformers' default (sdpa)"
@@ -182,7 +188,10 @@ class EnvironmentConfig:
     """The LM environment episodes run in (docs/tools.md); `name: null` keeps one-turn completions."""
 
     name: str | None = setting(
-        None, help="null (one-turn completions) | python_tool | module:Name (a class your module registers)"
+        None,
+        help="null: one-turn completions; else a registered environment, or module:Name for a class your module "
+        "registers (@register_environment)",
+        choices=ENVIRONMENTS,
     )
     tools: bool = setting(
         True, help='false switches the environment\'s tools off: a call is answered "the tool is off"'
@@ -191,7 +200,9 @@ class EnvironmentConfig:
     memory_mb: int = setting(256, help="address-space limit of one tool call in MiB", range=">= 16")
     max_output_chars: int = setting(200, help="a tool's answer is cut to this many characters", range=">= 1")
     options: dict[str, bool | int | float | str] = setting(
-        {}, help="keyword arguments passed to a module:Name environment"
+        {},
+        help="the environment's own options: the keys of its settings dataclass, or keyword arguments of its class",
+        options_of=ENVIRONMENTS,
     )
 
 
@@ -201,8 +212,9 @@ class TaskConfig:
 
     name: str = setting(
         "arithmetic",
-        help="arithmetic (generated) | gsm8k | jsonl (your files) | hf (Hugging Face datasets) | code "
-        "(programs run against tests in the sandbox)",
+        help="the task: a registered one, or module:Name for your own (a polo.data.Task subclass or a function "
+        "returning a Task; docs/tasks.md)",
+        choices=TASKS,
     )
     instruction: str | None = setting(
         None,
@@ -217,25 +229,39 @@ class TaskConfig:
     )
     num_train: int | None = setting(
         None,
-        help="training problems: the first N rows (arithmetic: N generated; null: all rows, arithmetic 5000)",
+        help="training problems: the first N rows (a generated task: N generated; null: every row, or the task's "
+        "own default)",
         range=">= 0",
+        used_by=TASKS,
     )
-    num_eval: int | None = setting(200, help="held-out problems: the first N rows (null: all rows)", range=">= 0")
-    seed: int = setting(0, help="arithmetic and code: which problems are drawn and how they split")
-    operators: list[str] = setting(["+"], help="arithmetic: the operators problems use (+, -, *)")
-    min_digits: int = setting(2, help="arithmetic: the fewest digits of an operand", range=">= 1")
-    max_digits: int = setting(2, help="arithmetic: the most digits of an operand", range=">= 1")
-    train_path: str | None = setting(None, help="gsm8k and jsonl: the training jsonl (gsm8k: null fetches it)")
+    num_eval: int | None = setting(
+        200, help="held-out problems: the first N rows (null: all rows)", range=">= 0", used_by=TASKS
+    )
+    seed: int = setting(0, help="which problems are drawn and how they split", used_by=TASKS)
+    operators: list[str] = setting(["+"], help="the operators problems use (+, -, *)", used_by=TASKS)
+    min_digits: int = setting(2, help="the fewest digits of an operand", range=">= 1", used_by=TASKS)
+    max_digits: int = setting(2, help="the most digits of an operand", range=">= 1", used_by=TASKS)
+    train_path: str | None = setting(
+        None,
+        help="the training data, a JSON-lines file (gsm8k: null reads train.jsonl in $POLO_GSM8K_DIR)",
+        used_by=TASKS,
+    )
     eval_path: str | None = setting(
-        None, help="gsm8k, jsonl: the held-out jsonl; hf: the held-out data file beside a task.path data file"
+        None,
+        help="the held-out data, a JSON-lines file (gsm8k: null reads test.jsonl in $POLO_GSM8K_DIR; a task over "
+        "a task.path data file: the held-out data file beside it)",
+        used_by=TASKS,
     )
     prompt_field: str | None = setting(
         None,
-        help="jsonl and hf: the row field holding the question; null: question, else TRL's prompt (text, or a list "
+        help="the row field holding the question; null: question, else TRL's prompt (text, or a list "
         "of {role, content} messages), used as it stands (docs/migrating-from-trl.md)",
+        used_by=TASKS,
     )
     answer_field: str | None = setting(
-        None, help="jsonl and hf: the row field holding the reference answer; null: answer, else TRL's solution"
+        None,
+        help="the row field holding the reference answer; null: answer, else TRL's solution",
+        used_by=TASKS,
     )
     truncate_prompts: bool = setting(
         False,
@@ -244,18 +270,30 @@ class TaskConfig:
     )
     checker: str = setting(
         "math_verify",
-        help="jsonl and hf: how an answer is judged: math_verify | exact_number | exact_string "
-        "(`polo train --help` says what each accepts)",
+        help="how an answer is judged",
+        choices=CHECKERS,
+        used_by=TASKS,
     )
     path: str | None = setting(
         None,
-        help="hf: a save_to_disk directory, a data file or directory (parquet/json/jsonl/csv) or a Hub dataset id; "
+        help="a save_to_disk directory, a data file or directory (parquet/json/jsonl/csv) or a Hub dataset id; "
         "null with datasets passed to polo.train(train_dataset=...)",
+        used_by=TASKS,
     )
-    subset: str | None = setting(None, help="hf: the Hub dataset's configuration (load_dataset's name), e.g. main")
-    split: str = setting("train", help="hf: the training split")
+    subset: str | None = setting(
+        None, help="the Hub dataset's configuration (load_dataset's name), e.g. main", used_by=TASKS
+    )
+    split: str = setting("train", help="the training split", used_by=TASKS)
     eval_split: str | None = setting(
-        None, help='hf: the held-out split; null: "test" when the dataset has one, else the last num_eval train rows'
+        None,
+        help='the held-out split; null: "test" when the dataset has one, else the last num_eval train rows',
+        used_by=TASKS,
+    )
+    options: dict[str, Any] = setting(
+        {},
+        help="the task's own options: the keys of its settings dataclass (@register_task(settings=...)), or "
+        "keyword arguments of a module:Name task beyond the task keys above",
+        options_of=TASKS,
     )
     environment: EnvironmentConfig = setting(
         default_factory=EnvironmentConfig, help="multi-turn episodes with tools (docs/tools.md)"
@@ -280,10 +318,7 @@ class SamplingConfig:
         range=">= 1",
     )
     sampler: str = setting(
-        "auto",
-        help="auto | kv_cache | static: auto is the static-cache sampler (CUDA graphs) on CUDA, the KV-cache one "
-        "on the CPU",
-        choices=SAMPLERS,
+        "auto", help="which sampler draws the completions (polo.generation.grouped)", choices=SAMPLERS
     )
     max_turns: int = setting(
         4, help="with task.environment: the model's turns per episode (max_new_tokens is per turn)", range=">= 1"
@@ -308,16 +343,14 @@ class AlgorithmConfig:
         choices=tuple(PRESETS),
     )
     advantage_estimator: str = setting(
-        "grpo",
-        help="how rewards become per-token advantages: grpo (group-relative), rloo (leave-one-out baseline, "
-        "Kool et al. 2019), reinforce_pp (batch-whitened returns), gae (a critic, Schulman et al. 2016)",
-        choices=core.ADVANTAGE_ESTIMATORS,
+        "grpo", help="how rewards become per-token advantages", choices=core.ADVANTAGE_ESTIMATORS
     )
-    policy_loss: str = setting(
-        "ppo_clip",
-        help="ppo_clip: PPO's clipped surrogate on the token ratio; gspo: the same on the length-normalised "
-        "sequence ratio (Zheng et al. 2025)",
-        choices=core.POLICY_LOSSES,
+    policy_loss: str = setting("ppo_clip", help="the per-token policy loss", choices=core.POLICY_LOSSES)
+    policy_loss_options: dict[str, Any] = setting(
+        {},
+        help="the policy loss's own options: the keys of its settings dataclass (@register_policy_loss(settings=...)), "
+        "or keyword arguments of its function",
+        options_of=core.POLICY_LOSSES,
     )
     group_size: int = setting(
         8, help="G completions sampled per prompt (the group the baseline is taken over)", range=">= 1"
@@ -344,8 +377,7 @@ class AlgorithmConfig:
     )
     kl_estimator: str = setting(
         "k3",
-        help="the per-token KL estimate: k1 = log r, k2 = (log r)²/2, k3 = r − 1 − log r (unbiased and "
-        "always ≥ 0; Schulman 2020, 'Approximating KL Divergence')",
+        help="the per-token KL estimate (Schulman 2020, 'Approximating KL Divergence')",
         choices=core.KL_ESTIMATORS,
     )
     kl_in_reward: bool = setting(
@@ -355,13 +387,14 @@ class AlgorithmConfig:
     )
     loss_aggregation: str = setting(
         "seq_mean_token_mean",
-        help="how per-token losses become one number: seq_mean_token_mean (a mean per sequence, then over "
-        "sequences; GRPO), token_mean (over all tokens; DAPO), seq_mean_token_sum_norm (sums over a constant; "
-        "Dr. GRPO), micro_batch_token_mean (over each micro-batch's tokens; TRL's bnpo); polo.core.losses",
+        help="how per-token losses become one number (polo.core.losses)",
         choices=core.LOSS_AGGREGATIONS,
     )
     update_epochs: int = setting(
-        1, help="μ: passes over each batch; the old log-probs (and so the clipping) matter when > 1", range=">= 1"
+        1,
+        help="μ: passes over each batch; the ratio to the sampling policy (and so the clipping) matters when "
+        "update_epochs × train.num_minibatches > 1",
+        range=">= 1",
     )
     dynamic_sampling: bool = setting(
         False,
@@ -396,6 +429,13 @@ class AlgorithmConfig:
         0.2, help="clip the value prediction within this of the old value (PPO2); null: unclipped", range="> 0"
     )
     value_coef: float = setting(0.5, help="weight of the value loss (matters when the trunk is shared)", range=">= 0")
+    router_aux_loss_coef: float = setting(
+        0.0,
+        help="weight of a mixture-of-experts router's load-balancing loss (Switch Transformer's, as transformers "
+        "computes it; TRL's router_aux_loss_coef) added to the update's loss; 0: off. The routers' expert load "
+        "is logged either way (polo.models.routing)",
+        range=">= 0",
+    )
 
 
 @dataclass
@@ -494,11 +534,18 @@ class Config:
     task: TaskConfig = setting(default_factory=TaskConfig, help="the prompts")
     rewards: dict[str, float] = setting(
         {"correct": 1.0},
-        help="reward functions and their weights: built-in (correct, r1_format, tag_count, code, code_fraction), "
-        "package.module:function for your own, model:PATH for a reward model (polo.rewards)",
+        help="reward functions and their weights: registered ones, package.module:function for your own, "
+        "model:PATH for a reward model (polo.rewards)",
+        choices=REWARDS,
+        others="model:PATH",
     )
     sampling: SamplingConfig = setting(default_factory=SamplingConfig, help="sampling during training")
     algorithm: AlgorithmConfig = setting(default_factory=AlgorithmConfig, help="the estimator and the loss")
     train: TrainConfig = setting(default_factory=TrainConfig, help="batch shape, optimizer and run control")
     eval: EvalConfig = setting(default_factory=EvalConfig, help="held-out evaluation")
     output: OutputConfig = setting(default_factory=OutputConfig, help="where the run writes and reports")
+
+    @property
+    def eval_max_new_tokens(self) -> int:
+        """Return the held-out evaluation's completion budget: eval.max_new_tokens, else sampling.max_new_tokens."""
+        return self.eval.max_new_tokens or self.sampling.max_new_tokens

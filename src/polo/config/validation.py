@@ -9,18 +9,22 @@ tracker packages, Hub ids, and the settings that only make sense together.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
+import inspect
 import os
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from polo import core
+from polo.config.building import build_dataclass
 from polo.config.errors import ConfigError
 from polo.config.fields import accepted, choice_names, within
-from polo.config.plugins import check_registered
-from polo.config.schema import TRACKER_PACKAGES, Config, LoraSettings
-from polo.core.registry import Registry
+from polo.config.plugins import check_registered, resolve
+from polo.config.schema import TRACKER_PACKAGES, Config, LoraSettings, TaskConfig
+from polo.core.registry import ENVIRONMENTS, REWARDS, TASKS, Registered, Registry, did_you_mean
 
 # A Hugging Face Hub repository id, namespace/name: each part 1-96 letters, digits, '_', '-' or '.',
 # starting and ending with a letter, digit or '_', with no '--' or '..' (huggingface_hub's rule).
@@ -55,10 +59,13 @@ def check_settings(config: Any, prefix: str = "") -> None:
 def check_value(key: str, value: Any, metadata: Any) -> None:
     """Raise `ConfigError` when one value is outside the range or choices its field's metadata names."""
     choices, bounds = metadata.get("choices"), metadata.get("range")
-    if isinstance(value, str) and isinstance(choices, Registry):
+    if metadata.get("others") is not None:
+        pass  # the value may take another form than the choices (a path, an id): checked where it is used
+    elif isinstance(value, str) and isinstance(choices, Registry):
         check_registered(key, value, choices)
     elif isinstance(value, str) and choices is not None and value not in choices:
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(choice_names(choices))}")
+        names = choice_names(choices)
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(names)}{did_you_mean(value, names)}")
     elif isinstance(value, float) and not within(bounds, value):
         raise ConfigError(f"{key} must be {accepted(bounds)}, got {value!r}")
     elif isinstance(value, int) and not isinstance(value, bool) and bounds is not None and not within(bounds, value):
@@ -156,6 +163,18 @@ def validate(config: Config) -> None:
         raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (the KL coefficient in the reward)")
     if not config.rewards:
         raise ConfigError("rewards: at least one reward function is needed, e.g. {correct: 1.0}")
+    check_rewards(config.rewards)
+    task_arguments(config.task)
+    environment = config.task.environment
+    if environment.name is not None:
+        entry = resolve("task.environment.name", environment.name, ENVIRONMENTS)
+        option_keywords("task.environment.options", entry, environment.options, positional=1)
+    bind_options(
+        "algorithm.policy_loss_options",
+        core.POLICY_LOSSES.entry(config.algorithm.policy_loss),
+        config.algorithm.policy_loss_options,
+        positional=2,
+    )
 
 
 def check_groups(config: Config) -> None:
@@ -170,3 +189,93 @@ def check_groups(config: Config) -> None:
         )
     if algorithm.advantage_estimator == "rloo" and algorithm.group_size < 2:
         raise ConfigError("algorithm.group_size must be at least 2 for the RLOO leave-one-out baseline")
+
+
+REWARD_MODEL_PREFIX = "model:"  # a reward model's directory, scored by polo.rewards.reward_model
+
+
+def check_rewards(rewards: Mapping[str, float]) -> None:
+    """Raise `ConfigError` for a reward name that is neither registered, nor a module's function, nor model:PATH."""
+    for name in rewards:
+        if name.startswith(REWARD_MODEL_PREFIX):
+            continue  # a directory, checked when the reward model loads
+        entry = resolve(f"rewards.{name}", name, REWARDS)
+        if not callable(entry.value):
+            raise ConfigError(
+                f"rewards.{name}: {name!r} is a {type(entry.value).__name__}, not a function (completion, row) -> float"
+            )
+
+
+def bind_options(key: str, entry: Registered, options: Mapping[str, Any], positional: int = 0) -> Callable[..., Any]:
+    """Return `entry`'s part with its options bound (`option_keywords`), or raise `ConfigError` naming `key`."""
+    keywords = option_keywords(key, entry, options, positional)
+    return functools.partial(entry.value, **keywords) if keywords else entry.value
+
+
+def option_keywords(key: str, entry: Registered, options: Mapping[str, Any], positional: int = 0) -> dict[str, Any]:
+    """Return the keyword arguments `entry`'s part takes for `options`, or raise `ConfigError` for one it does not take.
+
+    An entry with a settings dataclass gets it built from `options` (every key, type, range and
+    choice checked as a recipe's are) as the keyword `options`; one without takes `options` as
+    keyword arguments, which its signature must accept beyond the first `positional` arguments the
+    caller passes itself.
+    """
+    if entry.settings is not None:
+        built = build_dataclass(entry.settings, dict(options), key)
+        check_settings(built, f"{key}.")
+        return {"options": built}
+    accepted_names = keyword_parameters(entry.value, positional)
+    if accepted_names is not None:
+        for name in options:
+            if name not in accepted_names:
+                raise ConfigError(
+                    f"{key}.{name}: {entry.name} takes no option {name!r}{did_you_mean(name, accepted_names)}; "
+                    f"its options: {', '.join(accepted_names) or 'none'}"
+                )
+    return dict(options)
+
+
+def keyword_parameters(function: Callable[..., Any], positional: int = 0) -> list[str] | None:
+    """Return the parameters `function` takes by keyword after its first `positional` ones (None: any keyword)."""
+    parameters = signature_parameters(function)
+    if parameters is None or any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [name for name, parameter in list(parameters.items())[positional:] if parameter.kind in keyword]
+
+
+def task_arguments(task: TaskConfig, passed: Mapping[str, Any] | None = None) -> tuple[Registered, dict[str, Any]]:
+    """Return the task `task.name` names and the keyword arguments its builder gets, or raise `ConfigError`.
+
+    A parameter named like a `task` key takes that key's value when it is set (not null), or what
+    was `passed` under that name (datasets from Python); a parameter whose default is a dataclass is
+    that dataclass with its fields filled the same way (the hf task's source); `task.options` come
+    last (`bind_options`). A parameter without a default that nothing fills is a key the task needs.
+    """
+    entry = resolve("task.name", task.name, TASKS)
+    own_keys = ("name", "options", "environment")  # the task's name, its options and its episodes are not rows' keys
+    values = {spec.name: getattr(task, spec.name) for spec in dataclasses.fields(task) if spec.name not in own_keys}
+    values = {name: value for name, value in {**values, **(passed or {})}.items() if value is not None}
+    arguments: dict[str, Any] = {}
+    missing = []
+    for name, parameter in (signature_parameters(entry.value) or {}).items():
+        if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if name in values:
+            arguments[name] = values[name]
+        elif dataclasses.is_dataclass(parameter.default) and not isinstance(parameter.default, type):
+            own = {spec.name for spec in dataclasses.fields(parameter.default)}
+            arguments[name] = dataclasses.replace(parameter.default, **{k: v for k, v in values.items() if k in own})
+        elif parameter.default is inspect.Parameter.empty and name not in task.options and name != "options":
+            missing.append(f"task.{name}" if hasattr(task, name) else f"task.options.{name}")
+    if missing:
+        raise ConfigError(f"task.name={task.name} needs {' and '.join(missing)}, which the recipe leaves unset")
+    return entry, {**arguments, **option_keywords("task.options", entry, task.options)}
+
+
+def signature_parameters(function: Callable[..., Any]) -> dict[str, inspect.Parameter] | None:
+    """Return the parameters of `function` (a class: of its constructor) by name; None for one without a signature."""
+    try:
+        return dict(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None

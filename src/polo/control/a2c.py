@@ -14,7 +14,7 @@ from polo.control.rollout import Batch
 from polo.core.losses import masked_mean, value_loss
 
 
-@register_algorithm("a2c")
+@register_algorithm("a2c", help="Mnih et al. 2016")
 class A2C(OnPolicyAlgorithm):
     collects = "steps"
     uses_critic = True

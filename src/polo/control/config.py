@@ -25,15 +25,11 @@ from polo.config.schema import (
     tracker_dir_setting,
 )
 from polo.config.validation import check_output
-from polo.core.registry import Registry
+from polo.core.registry import CONTROL_ALGORITHMS, register_control_algorithm
 
 # name -> OnPolicyAlgorithm subclass; filled by `register_algorithm` in a2c.py, grpo.py, ppo.py, reinforce.py, trpo.py.
-ALGORITHMS = Registry("control algorithm")
-
-
-def register_algorithm(name: str):
-    """Return a class decorator that registers an `OnPolicyAlgorithm` as `algorithm.name: name`."""
-    return ALGORITHMS.register(name)
+ALGORITHMS = CONTROL_ALGORITHMS
+register_algorithm = register_control_algorithm
 
 
 @dataclass
@@ -69,8 +65,7 @@ class ControlAlgorithmConfig:
 
     name: str = setting(
         "ppo",
-        help="reinforce (Williams 1992) | a2c (Mnih et al. 2016) | trpo (Schulman et al. 2015) | "
-        "ppo (Schulman et al. 2017) | grpo (Shao et al. 2024, over groups of episodes from one seed)",
+        help="the on-policy algorithm",
         choices=ALGORITHMS,
     )
     gamma: float = setting(0.99, help="γ, the discount", range="(0, 1]")

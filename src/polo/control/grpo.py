@@ -31,7 +31,7 @@ def episode_group_advantages(
     return batch.flatten(expand_to_tokens(advantages, batch.mask)), episode_returns
 
 
-@register_algorithm("grpo")
+@register_algorithm("grpo", help="Shao et al. 2024, over groups of episodes from one seed")
 class GRPO(OnPolicyAlgorithm):
     collects = "episodes"
     uses_critic = False

@@ -18,7 +18,7 @@ from polo.control.rollout import Batch
 from polo.core.losses import masked_mean, value_loss
 
 
-@register_algorithm("ppo")
+@register_algorithm("ppo", help="Schulman et al. 2017")
 class PPO(OnPolicyAlgorithm):
     collects = "steps"
     uses_critic = True

@@ -15,7 +15,7 @@ from polo.control.rollout import Batch
 from polo.core.advantages import discounted_returns
 
 
-@register_algorithm("reinforce")
+@register_algorithm("reinforce", help="Williams 1992")
 class Reinforce(OnPolicyAlgorithm):
     collects = "episodes"
     uses_critic = False  # the trainer adds a critic when algorithm.baseline is true

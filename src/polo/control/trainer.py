@@ -25,6 +25,7 @@ from polo.control.envs import action_spec, make_vector_env
 from polo.control.policies import ActorCritic
 from polo.control.rollout import EpisodeCollector, EpisodeTracker, StepCollector, build_batch
 from polo.runtime.checkpoint import claim_output_dir
+from polo.runtime.device import torch_threads
 from polo.runtime.metrics import MetricsLogger
 from polo.runtime.run_lock import owned_run_dir
 from polo.runtime.trackers import Trackers
@@ -69,17 +70,17 @@ def train(
     `output.dir` against a second run from the start (`polo.runtime.run_lock`).
     """
     config = _resolve_config(config, overrides)
-    if not write_files:
-        return _run(config, write_files)
-    with owned_run_dir(config.output.dir):
-        return _run(config, write_files)
+    with torch_threads(config.train.threads):
+        if not write_files:
+            return _run(config, write_files)
+        with owned_run_dir(config.output.dir):
+            return _run(config, write_files)
 
 
 def _run(config: ControlConfig, write_files: bool) -> ControlResult:
     """Return the `ControlResult` of one run of a loaded config (the caller holds its output.dir when it writes)."""
     started = time.perf_counter()  # "seconds to solve" include building the envs and networks
     train_config, output = config.train, config.output
-    torch.set_num_threads(train_config.threads)
     _seed_everything(train_config.seed)
     algorithm_class = ALGORITHMS[config.algorithm.name]
     episodes = algorithm_class.collects == "episodes"

@@ -104,7 +104,7 @@ def trpo_step(
     }
 
 
-@register_algorithm("trpo")
+@register_algorithm("trpo", help="Schulman et al. 2015")
 class TRPO(OnPolicyAlgorithm):
     collects = "steps"
     uses_critic = True

@@ -300,7 +300,7 @@ def explained_variance(predicted: torch.Tensor, target: torch.Tensor, mask: torc
 # `algorithm` section: scale_rewards, advantage_eps, beta, gamma, lam).
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", help="group-relative (Shao et al. 2024)")
 def grpo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, None]:
     """Return GRPO's (r_i − mean_G r) / (std_G r + ε) on every token of completion i (Dr. GRPO: no std)."""
     advantages = group_advantages(
@@ -313,20 +313,20 @@ def grpo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, Non
     return expand_to_tokens(advantages, inputs.mask), None
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", help="leave-one-out baseline (Kool et al. 2019)")
 def rloo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, None]:
     """Return RLOO's r_i − mean of the other G − 1 rewards on every token of completion i."""
     return expand_to_tokens(rloo_advantages(inputs.rewards, inputs.group_size), inputs.mask), None
 
 
-@register_advantage("reinforce_pp", token_level=True)
+@register_advantage("reinforce_pp", token_level=True, help="batch-whitened returns (Hu 2025)")
 def reinforce_pp_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, None]:
     """Return REINFORCE++'s batch-whitened reward-to-go of the per-token rewards (KL folded in)."""
     token_rewards = token_level_rewards(inputs.rewards, inputs.mask, inputs.kl, settings.beta)
     return reinforce_pp_advantages(token_rewards, inputs.mask, settings.gamma), None
 
 
-@register_advantage("gae", needs_critic=True, token_level=True)
+@register_advantage("gae", needs_critic=True, token_level=True, help="a critic (Schulman et al. 2016)")
 def gae_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, torch.Tensor]:
     """Return PPO's whitened GAE(γ, λ) advantages of the per-token rewards and the returns the critic regresses to."""
     if inputs.values is None:

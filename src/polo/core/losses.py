@@ -107,7 +107,7 @@ def _with_clip_range(loss, inputs: PolicyLossInputs, settings) -> tuple[torch.Te
     )
 
 
-@register_policy_loss("ppo_clip")
+@register_policy_loss("ppo_clip", help="PPO's clipped surrogate on the token ratio")
 def ppo_clip_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return `ppo_clip_loss` of a micro-batch with the recipe's clip range (`clip_eps_low`, `clip_eps_high`)."""
     return _with_clip_range(ppo_clip_loss, inputs, settings)
@@ -142,7 +142,7 @@ def gspo_loss(
     return _clipped_surrogate(ratio, token_advantages, is_valid, eps_low, eps_high)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", help="the same on the length-normalised sequence ratio (Zheng et al. 2025)")
 def gspo_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return `gspo_loss` of a micro-batch with the recipe's clip range (`clip_eps_low`, `clip_eps_high`)."""
     return _with_clip_range(gspo_loss, inputs, settings)
@@ -188,7 +188,7 @@ def _checked(name: str, value: float) -> float:
     return value
 
 
-@register_aggregation("seq_mean_token_mean")
+@register_aggregation("seq_mean_token_mean", help="a mean per sequence, then over sequences (GRPO)")
 def seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, normalisers: LossNormalisers) -> torch.Tensor:
     """Return each sequence's mean over its tokens, averaged over the step's sequences (GRPO's objective).
 
@@ -201,7 +201,7 @@ def seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, normalisers
     return masked_mean(per_token, mask, dim=-1).sum() / _checked("num_sequences", normalisers.num_sequences)
 
 
-@register_aggregation("token_mean")
+@register_aggregation("token_mean", help="over all tokens (DAPO)")
 def token_mean(per_token: torch.Tensor, mask: torch.Tensor, normalisers: LossNormalisers) -> torch.Tensor:
     """Return the mean over every valid token of the optimizer step (DAPO's token-level loss).
 
@@ -213,7 +213,7 @@ def token_mean(per_token: torch.Tensor, mask: torch.Tensor, normalisers: LossNor
     return masked_sum(per_token, mask) / _checked("num_tokens", normalisers.num_tokens)
 
 
-@register_aggregation("seq_mean_token_sum_norm")
+@register_aggregation("seq_mean_token_sum_norm", help="sums over a constant (Dr. GRPO)")
 def seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, normalisers: LossNormalisers) -> torch.Tensor:
     """Return the sum over valid tokens divided by a constant: sequences times the longest allowed completion.
 
@@ -228,7 +228,7 @@ def seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, normali
     return masked_sum(per_token, mask) / normaliser
 
 
-@register_aggregation("micro_batch_token_mean")
+@register_aggregation("micro_batch_token_mean", help="over each micro-batch's tokens (TRL's bnpo)")
 def micro_batch_token_mean(per_token: torch.Tensor, mask: torch.Tensor, normalisers: LossNormalisers) -> torch.Tensor:
     """Return this micro-batch's mean over its own valid tokens, averaged over the step's micro-batches.
 

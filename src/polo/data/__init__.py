@@ -1,15 +1,18 @@
 """Tasks: datasets of prompts with reference answers, and the correctness check for each.
 
-Build one by name with ``build_task("arithmetic", seed=1)`` (names in ``TASKS``) or call a
-builder directly.
+Every task is registered in ``TASKS`` (`polo.core.registry`) where its builder is defined
+(``@register_task("arithmetic")``); a recipe names one by ``task.name``, or a user's own as
+``module:Name`` (a `Task` subclass or a function returning a `Task`). Build one by name with
+``build_task("arithmetic", seed=1)`` or call a builder directly.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
+import dataclasses
 
 from polo.config import Config, ConfigError, TaskConfig
+from polo.config.validation import keyword_parameters, task_arguments
+from polo.core.registry import TASKS, register_task
 from polo.data.arithmetic import OPERATIONS, arithmetic_task
 from polo.data.base import (
     DEFAULT_INSTRUCTION,
@@ -24,28 +27,19 @@ from polo.data.base import (
 from polo.data.code import code_task
 from polo.data.environments import make_environment
 from polo.data.gsm8k import gsm8k_task
-from polo.data.hf import HfSource, hf_options, hf_task
+from polo.data.hf import HfSource, hf_task
 from polo.data.jsonl import jsonl_task
-from polo.rewards.answers import CHECKERS
-
-TASKS: dict[str, Callable[..., Task]] = {
-    "arithmetic": arithmetic_task,
-    "code": code_task,
-    "gsm8k": gsm8k_task,
-    "hf": hf_task,
-    "jsonl": jsonl_task,
-}
 
 
 def build_task(name: str, **options: object) -> Task:
     """Return the task built by the registered builder ``name`` with ``options``."""
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; valid tasks: {sorted(TASKS)}")
+        raise ValueError(TASKS.unknown(name))
     builder = TASKS[name]
-    accepted = list(inspect.signature(builder).parameters)
-    unknown = sorted(set(options) - set(accepted))
+    accepted = keyword_parameters(builder)
+    unknown = sorted(set(options) - set(accepted)) if accepted is not None else []
     if unknown:
-        # Checked here so a config typo names the task and its real options, not a bare TypeError.
+        # Checked here so a typo names the task and its real options, not a bare TypeError.
         raise TypeError(f"task {name!r} has no options {unknown}; accepted options: {accepted}")
     return builder(**options)
 
@@ -68,33 +62,19 @@ __all__ = [
     "hf_task",
     "jsonl_task",
     "read_jsonl",
+    "register_task",
 ]
 
 
-# The TaskConfig fields of a task over the user's rows (jsonl, hf) besides where the rows are.
-USER_ROW_OPTIONS = ("prompt_field", "answer_field", "num_train", "num_eval", "answer_in_tags", "checker")
-
-# Which TaskConfig fields each built-in task takes.
-TASK_OPTIONS = {
-    "arithmetic": ("seed", "operators", "min_digits", "max_digits", "num_train", "num_eval", "answer_in_tags"),
-    "gsm8k": ("train_path", "eval_path", "num_train", "num_eval", "answer_in_tags"),
-    "jsonl": ("train_path", "eval_path", *USER_ROW_OPTIONS),
-    "hf": ("path", "subset", "split", "eval_split", "eval_path", *USER_ROW_OPTIONS),
-    "code": ("num_train", "num_eval", "seed"),
-}
-
-
 def make_task(config: Config, train_dataset: object = None, eval_dataset: object = None) -> Task:
-    """Return the task the config names, built with the options that task understands.
+    """Return the task the config names, its builder given the `task` keys and options it takes.
 
-    A setting the task cannot use (an unknown name or checker, a row count the data cannot meet)
-    is a `ConfigError` naming the key; this runs before any model loads, so a typo costs nothing.
-    ``train_dataset`` / ``eval_dataset`` (a ``datasets.Dataset`` or a list of dicts) make it the
-    ``hf`` task over those rows (``task.name`` hf or left at its default, ``task.path`` null).
+    A setting the task cannot use (an unknown name, a key it needs left unset, a row count the data
+    cannot meet) is a `ConfigError` naming the key; this runs before any model loads, so a typo costs
+    nothing. ``train_dataset`` / ``eval_dataset`` (a ``datasets.Dataset`` or a list of dicts) make it
+    the ``hf`` task over those rows (``task.name`` hf or left at its default, ``task.path`` null).
     """
     task_config = config.task
-    if task_config.name not in TASKS:
-        raise ConfigError(f"task.name: {task_config.name!r} is not one of {', '.join(TASKS)}")
     passed = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
     passed = {key: value for key, value in passed.items() if value is not None}
     if passed and task_config.name not in ("hf", TaskConfig.name):
@@ -102,26 +82,20 @@ def make_task(config: Config, train_dataset: object = None, eval_dataset: object
             f"task.name is {task_config.name!r} but {' and '.join(passed)} was passed; datasets make the hf task "
             "(task.name: hf)"
         )
-    name = "hf" if passed else task_config.name
-    if name in ("jsonl", "hf") and task_config.checker not in CHECKERS:
-        raise ConfigError(
-            f"task.checker: {task_config.checker!r} is not one of {', '.join(CHECKERS)} "
-            "(`polo train --help` says what each accepts)"
-        )
-    keys = TASK_OPTIONS.get(name, ())
-    options = {key: getattr(task_config, key) for key in keys if getattr(task_config, key) is not None}
-    options.update(passed)
-    if name == "hf":  # the hf task takes where its rows come from as one HfSource
-        options = hf_options(options)
+    if passed:
+        task_config = dataclasses.replace(task_config, name="hf")
+    entry, arguments = task_arguments(task_config, passed)
     few_shot = _few_shot_pairs(task_config)
     try:
-        task = build_task(name, **options)
+        task = entry.value(**arguments)
     except ValueError as error:
         # Builders check their own settings with a plain ValueError; its subclasses (bad data
         # files, decoding errors) already say what they are and pass through unchanged.
         if type(error) is not ValueError:
             raise
-        raise ConfigError(f"task {name}: {error}") from error
+        raise ConfigError(f"task {task_config.name}: {error}") from error
+    if not isinstance(task, Task):
+        raise ConfigError(f"task.name: {task_config.name} returned a {type(task).__name__}, not a polo.data.Task")
     task.few_shot = few_shot
     task.environment = make_environment(config, instruction_for(config, task), few_shot)
     return task

@@ -8,6 +8,7 @@ import operator
 import random
 from collections.abc import Callable, Sequence
 
+from polo.core.registry import register_task
 from polo.data.base import Task, default_instruction
 from polo.rewards.answers import exact_number
 
@@ -94,6 +95,7 @@ def _check_settings(operators: Sequence[str], min_digits: int, max_digits: int, 
             raise ValueError(f"{label} must be an integer >= 0, got {size!r}")
 
 
+@register_task("arithmetic", help="problems generated from a seed")
 def arithmetic_task(
     seed: int = 0,
     operators: Sequence[str] = ("+",),

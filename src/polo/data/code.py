@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from polo.core.registry import register_task
 from polo.data.base import Task, TaskDataError, first_rows, read_jsonl, text_field
 from polo.rewards.code import all_tests_pass
 from polo.rewards.judge import TestFormatError, parse_test
@@ -44,6 +45,7 @@ def read_code_problems(path: str | Path = CODE_PROBLEMS_PATH) -> list[dict]:
     return [code_row(row, path, line) for line, row in read_jsonl(path)]
 
 
+@register_task("code", help="programs run against tests in the sandbox")
 def code_task(num_train: int | None = None, num_eval: int | None = None, seed: int = 0) -> Task:
     """Return the built-in code Task: disjoint train and eval problems, shuffled by ``seed``.
 

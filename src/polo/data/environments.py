@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from polo.config import Config, ConfigError
-from polo.config.plugins import import_user_module
-from polo.core.registry import Registry
+from polo.config.plugins import resolve
+from polo.config.validation import option_keywords
+from polo.core.registry import ENVIRONMENTS, register_environment
 from polo.generation.episodes import EnvStep, EpisodeLimits, EpisodeSampler
 from polo.generation.grouped import pick_generator, pick_sampler
 from polo.generation.prompts import prompt_messages
@@ -29,13 +30,6 @@ from polo.sandbox.runner import SandboxLimits, run_python
 if TYPE_CHECKING:
     from polo.data.base import Task
     from polo.runtime.device import Compute
-
-ENVIRONMENTS = Registry("LM environment")
-
-
-def register_environment(name: str) -> Callable[[type], type]:
-    """Return a class decorator that registers an environment class under `name` (`task.environment.name`)."""
-    return ENVIRONMENTS.register(name)
 
 
 @dataclass(frozen=True)
@@ -95,7 +89,7 @@ class ChatEnvironment:
         return EnvStep(done=True)
 
 
-register_environment("one_turn")(ChatEnvironment)
+register_environment("one_turn", help="the question, one reply, judged by the rewards")(ChatEnvironment)
 
 TOOL_CALL = re.compile(r"<python>(.*?)</python>", re.DOTALL)
 
@@ -130,7 +124,7 @@ def tool_output(result, max_chars: int) -> tuple[str, bool]:
     return text, not result.ok
 
 
-@register_environment("python_tool")
+@register_environment("python_tool", help="<python>code</python> runs in the sandbox, its output the next turn")
 class PythonToolEnvironment(ChatEnvironment):
     """The model calls Python mid-answer: `<python>code</python>` runs in the sandbox, its output is the next message.
 
@@ -162,16 +156,7 @@ class PythonToolEnvironment(ChatEnvironment):
 
 def environment_class(name: str) -> type:
     """Return the environment class `name` names (a registered name or module:Name); ConfigError when there is none."""
-    module_name, _, short = name.rpartition(":")
-    if module_name:
-        import_user_module(module_name, "task.environment.name")
-    if short not in ENVIRONMENTS:
-        where = f"module {module_name!r} registered no environment named {short!r}" if module_name else repr(name)
-        raise ConfigError(
-            f"task.environment.name: {where}; registered: {', '.join(ENVIRONMENTS.names())} "
-            "(or module:Name for a class your module registers with @register_environment)"
-        )
-    return ENVIRONMENTS[short]
+    return resolve("task.environment.name", name, ENVIRONMENTS).value
 
 
 def make_environment(config: Config, instruction: str, few_shot: tuple) -> Callable[[], object] | None:
@@ -182,7 +167,8 @@ def make_environment(config: Config, instruction: str, few_shot: tuple) -> Calla
     settings = config.task.environment
     if settings.name is None:
         return None
-    cls = environment_class(settings.name)
+    entry = resolve("task.environment.name", settings.name, ENVIRONMENTS)
+    cls = entry.value
     built = EnvironmentSettings(
         instruction=instruction,
         system_prompt=config.task.system_prompt,
@@ -191,7 +177,7 @@ def make_environment(config: Config, instruction: str, few_shot: tuple) -> Calla
         limits=SandboxLimits(timeout_s=settings.timeout_s, memory_bytes=settings.memory_mb * 2**20),
         max_output_chars=settings.max_output_chars,
     )
-    options = dict(settings.options)
+    options = option_keywords("task.environment.options", entry, settings.options, positional=1)
 
     def make() -> object:
         return cls(built, **options)

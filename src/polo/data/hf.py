@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from polo.config.schema import ConfigError
+from polo.core.registry import register_task
 from polo.data.base import Task, TaskDataError, first_rows
 from polo.data.jsonl import TRL_ANSWER_FIELD, TRL_PROMPT_FIELD, prompt_instruction, row_fields, task_rows
 from polo.rewards.answers import checker as bind_checker
@@ -196,17 +197,7 @@ class HfSource:
     eval_dataset: Any = None
 
 
-# The hf task's options that say where its rows come from: `HfSource`'s fields.
-SOURCE_OPTIONS = ("path", "split", "eval_split", "eval_path", "subset", "train_dataset", "eval_dataset")
-
-
-def hf_options(options: dict) -> dict:
-    """Return `hf_task`'s keyword arguments from flat options (TaskConfig keys, datasets passed in): the
-    `SOURCE_OPTIONS` among them gathered into one ``source``."""
-    source = HfSource(**{key: value for key, value in options.items() if key in SOURCE_OPTIONS})
-    return {"source": source, **{key: value for key, value in options.items() if key not in SOURCE_OPTIONS}}
-
-
+@register_task("hf", help="Hugging Face datasets")
 def hf_task(
     source: HfSource = HfSource(),
     prompt_field: str | None = None,
@@ -308,7 +299,6 @@ __all__ = [
     "BUILDERS",
     "HfSource",
     "check_same_datasets",
-    "hf_options",
     "hf_task",
     "load_splits",
     "passed_datasets_note",

@@ -6,6 +6,7 @@ import functools
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
+from polo.core.registry import register_task
 from polo.data.base import Task, TaskDataError, default_instruction, read_jsonl, task_from_files, text_field
 from polo.generation.prompts import PROMPT_MESSAGES, QUESTION_PLACEHOLDER, TRL_PROMPT
 
@@ -144,6 +145,7 @@ def read_task_jsonl(
     return task_rows(read_jsonl(path), prompt_field, answer_field, checker_name, path)
 
 
+@register_task("jsonl", help="your jsonl files")
 def jsonl_task(
     train_path: str | Path,
     eval_path: str | Path,
@@ -156,7 +158,7 @@ def jsonl_task(
 ) -> Task:
     """Return a Task over user jsonl files, judged by the named ``checker``.
 
-    ``checker`` is one of ``CHECKERS`` (``polo.rewards.answers.CHECKER_HELP`` says what each
+    ``checker`` is one of ``CHECKERS`` (each registered with what it
     accepts); "math_verify" by default.
     """
     correctness = bind_checker(checker, answer_in_tags)  # validates the name before any I/O

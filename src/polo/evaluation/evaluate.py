@@ -20,16 +20,23 @@ has an answer scores 0.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
+from polo.config import Config, ConfigError, build_dataclass, check_settings, config_to_dict, load_config, setting
+from polo.data import instruction_for, make_task
+from polo.data.environments import sampler_for
 from polo.generation.episodes import episode_metrics
-from polo.generation.grouped import Completion, GroupSampling, sample_groups
+from polo.generation.grouped import Completion, GroupSampling, load_for_sampling, sample_groups
 from polo.rewards.answers import (
     _math_verify_timeout,
     answer_region,
@@ -41,6 +48,9 @@ from polo.rewards.answers import (
     math_verify_answer,
 )
 from polo.rewards.format import r1_format
+from polo.rewards.reward_model import REWARD_PREFIX, reward_model_reward
+from polo.runtime.device import inference_compute
+from polo.runtime.run_lock import is_run_dir, owned_run_dir
 
 AnswerKey = Callable[[str], "str | None"]
 
@@ -365,3 +375,180 @@ def greedy_accuracy(
         **(episode_metrics(episodes, scores, prefix="") if episodes else {}),
         "samples": samples,
     }
+
+
+# ---------------------------------------------------------------- polo.evaluate: a model on a recipe's task
+
+
+@dataclass
+class EvalSettings:
+    """How `polo.evaluate` samples and scores; the task, prompt, model and device come from the recipe."""
+
+    samples: int | None = setting(None, help="K completions per problem; null: 16, or 1 with greedy", range=">= 1")
+    greedy: bool = setting(False, help="one deterministic (greedy) answer per problem")
+    temperature: float = setting(0.6, help="sampling temperature (DeepSeek-R1's evaluation setting)", range=">= 0")
+    top_p: float = setting(0.95, help="nucleus sampling's top-p", range="(0, 1]")
+    limit: int | None = setting(None, help="the first N held-out problems only (null: all)", range=">= 1")
+    max_new_tokens: int | None = setting(
+        None,
+        help="the completion budget; null: the recipe's, eval.max_new_tokens else sampling.max_new_tokens",
+        range=">= 1",
+    )
+    batch_size: int = setting(64, help="sequences sampled together", range=">= 1")
+    seed: int = setting(0, help="seeds the sampling")
+    reward_model: str | None = setting(
+        None, help="PATH[?normalize]: also score every sample with this reward model (polo rm)"
+    )
+    progress: bool = setting(True, help="show a progress bar")
+
+    @property
+    def num_samples(self) -> int:
+        """Return K: `samples`, else 16, or 1 when greedy."""
+        return self.samples if self.samples is not None else 1 if self.greedy else 16
+
+
+@dataclass
+class EvalResult:
+    """What `polo.evaluate` returns: what was evaluated and how, the summary, every problem's samples."""
+
+    settings: dict  # model, task, counts, decoding, device: the "settings" of the written file
+    summary: dict  # pass@1, pass@k, cons@k (k as strings), format, answered, length, truncated, wall_time_s, ...
+    problems: list[dict]  # `score_problem`'s result per problem, with its prompt
+    output: Path | None = None  # the JSON file written, if any
+
+
+def evaluate(
+    config: Config | str | Path | dict | None = None,
+    overrides: list[str] | None = None,
+    *,
+    settings: EvalSettings | dict | None = None,
+    eval_dataset: object = None,
+    output: str | Path | None = None,
+) -> EvalResult:
+    """Return the pass@1, pass@k and cons@k of a recipe's model on its task's held-out problems (module doc).
+
+    `config` is a `polo train` recipe: a `Config`, a YAML path, a run directory (its config.yaml) or
+    a mapping, with `dotted.key=value` `overrides`. It names the model (`model.name`), the task
+    and its prompt (every task kind, user tasks and environments included, built as training builds
+    them), the device and precision (`train.device`, `train.precision`) and the default completion
+    budget (`Config.eval_max_new_tokens`). `settings` (an `EvalSettings` or a mapping of its fields)
+    says how to sample. `eval_dataset` (a `datasets.Dataset` or a list of dicts) is evaluated as the
+    hf task's held-out rows. With `output`, the result is also written there as JSON, holding the
+    lock of the run directory it lands in.
+    """
+    # Into a run directory, the run's lock comes first, before anything is read; a plain folder has no run to guard.
+    guarded = output is not None and is_run_dir(Path(output).parent)
+    with (
+        owned_run_dir(Path(output).parent, "the run directory of the output", "write the output elsewhere")
+        if guarded
+        else contextlib.nullcontext()
+    ):
+        config = load_config(_recipe(config), overrides)
+        settings = _eval_settings(settings)
+        task = make_task(config, eval_dataset, eval_dataset) if eval_dataset is not None else make_task(config)
+        rows = _held_out_rows(task.eval_rows, settings.limit, task.name)
+        return _evaluate(config, settings, task, rows, output)
+
+
+def _recipe(config: Config | str | Path | dict | None) -> str | Path | dict | None:
+    """Return a recipe `load_config` reads: a Config as its mapping, a run directory as its config.yaml."""
+    if isinstance(config, Config):
+        return config_to_dict(config)
+    if isinstance(config, (str, Path)) and Path(config).is_dir():
+        return Path(config) / "config.yaml"
+    return config
+
+
+def _eval_settings(settings: EvalSettings | dict | None) -> EvalSettings:
+    """Return `settings` as checked `EvalSettings` (`ConfigError` naming the first bad field)."""
+    if settings is None:
+        settings = EvalSettings()
+    elif not isinstance(settings, EvalSettings):
+        settings = build_dataclass(EvalSettings, dict(settings))
+    check_settings(settings)
+    if settings.greedy and settings.samples not in (None, 1):
+        raise ConfigError(f"greedy gives one answer per problem; samples is {settings.samples}")
+    return settings
+
+
+def _held_out_rows(rows: list[dict], limit: int | None, task_name: str) -> list[dict]:
+    """Return the first `limit` held-out rows (all of them when None), or raise when there are too few."""
+    if limit is not None:
+        if limit > len(rows):
+            raise ConfigError(f"limit {limit} is more than the {len(rows)} held-out problems of task {task_name}")
+        rows = rows[:limit]
+    if not rows:
+        raise ConfigError(f"task {task_name} has no held-out problems to evaluate")
+    return rows
+
+
+def _evaluate(config: Config, settings: EvalSettings, task, rows: list[dict], output: str | Path | None) -> EvalResult:
+    """Sample and score `rows` of `task` as `settings` say with the recipe's model; write `output` when given."""
+    compute = inference_compute(config.train.precision, config.train.device)
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    torch.manual_seed(settings.seed)
+    reward_model = None
+    if settings.reward_model:  # loaded first: a wrong path fails before any sampling
+        reward_model = reward_model_reward(REWARD_PREFIX + settings.reward_model, task)
+    model, tokenizer = load_for_sampling(config.model.name, compute)
+    prompts = task.prompts(tokenizer, rows, instruction_for(config, task), config.task.system_prompt)
+    temperature, top_p = (0.0, 1.0) if settings.greedy else (settings.temperature, settings.top_p)
+    sampling = GroupSampling(
+        samples=settings.num_samples,
+        max_new_tokens=settings.max_new_tokens or config.eval_max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        batch_size=settings.batch_size,
+        compute=compute,
+        progress=settings.progress,
+        description="polo eval",
+        sampler=sampler_for(config, task, compute),
+    )
+    described = _described(config, settings, task, rows, sampling)
+    print(
+        f"polo eval: {described['model']} on {described['task']}: {len(rows)} problems x {sampling.samples} "
+        f"{'greedy answer' if settings.greedy else f'samples (T={temperature}, top_p={top_p})'}, "
+        f"max {sampling.max_new_tokens} new tokens, {compute}",
+        flush=True,
+    )
+    started = time.perf_counter()
+    result = evaluate_policy(model, tokenizer, prompts, rows, task.correctness, sampling)
+    if reward_model is not None:
+        add_reward_scores(result, reward_model)
+    summary = {**result["summary"], "wall_time_s": time.perf_counter() - started}
+    written = None
+    if output is not None:
+        written = Path(output)
+        written.parent.mkdir(parents=True, exist_ok=True)
+        record = {"settings": described, "summary": summary, "problems": result["problems"]}
+        written.write_text(json.dumps(record, indent=1))
+    return EvalResult(described, summary, result["problems"], written)
+
+
+def _described(config: Config, settings: EvalSettings, task, rows: list[dict], sampling: GroupSampling) -> dict:
+    """Return the "settings" record of an evaluation: what was evaluated, and how."""
+    return {
+        "model": config.model.name,
+        "task": _task_label(config, task),
+        "answer_in_tags": config.task.answer_in_tags,
+        "num_problems": len(rows),
+        "samples": sampling.samples,
+        "greedy": settings.greedy,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_new_tokens": sampling.max_new_tokens,
+        "precision": sampling.compute.precision,
+        "device": str(sampling.compute.device),
+        "seed": settings.seed,
+        "batch_size": settings.batch_size,
+        "reward_model": settings.reward_model,
+    }
+
+
+def _task_label(config: Config, task) -> str:
+    """Return the task's name with where its held-out rows come from (a file or dataset) and its checker."""
+    source = config.task.eval_path or config.task.path
+    checker = config.task.checker if task.name in ("jsonl", "hf") else None
+    details = ", ".join(str(part) for part in (source, checker) if part)
+    return f"{task.name} ({details})" if details else task.name

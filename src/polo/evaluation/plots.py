@@ -39,6 +39,18 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
+# A series with fewer points than this draws a marker at each: a line alone leaves one point invisible, and a
+# short run's few points are its data. Longer series are lines only, as markers would hide their shape.
+MARKED_BELOW = 30
+
+
+def _line(axis, steps: list, values: list, style: str = "-", **options) -> None:
+    """Plot a series on `axis` in `style`, with a marker at each point where it has fewer than `MARKED_BELOW`."""
+    if len(steps) < MARKED_BELOW and not any(mark in style for mark in "o.sx^"):
+        options = {"marker": "o", "markersize": 3, **options}
+    axis.plot(steps, values, style, **options)
+
+
 def plot_run(output_dir: str | Path) -> list[Path]:
     """Return the paths of reward.png, accuracy.png and length.png (and r1.png with an r1_format reward), written
     from `<output_dir>/metrics.jsonl`."""
@@ -56,12 +68,12 @@ def plot_run(output_dir: str | Path) -> list[Path]:
 
     figure, axis = plt.subplots(figsize=(7, 4))
     steps, values = _series(train_rows, "reward/mean")
-    axis.plot(steps, values, label="total reward", linewidth=2)
+    _line(axis, steps, values, label="total reward", linewidth=2)
     for key in sorted(
         k for k in train_rows[-1] if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2
     ):
         steps, values = _series(train_rows, key)
-        axis.plot(steps, values, label=key.split("/")[1], alpha=0.7)
+        _line(axis, steps, values, label=key.split("/")[1], alpha=0.7)
     axis.set(xlabel="step", ylabel="reward (mean over batch)", title="Reward")
     axis.grid(alpha=0.3)
     axis.legend()
@@ -69,7 +81,7 @@ def plot_run(output_dir: str | Path) -> list[Path]:
 
     figure, axis = plt.subplots(figsize=(7, 4))
     steps, values = _series(train_rows, "accuracy")
-    axis.plot(steps, values, label="train (sampled)", alpha=0.8)
+    _line(axis, steps, values, label="train (sampled)", alpha=0.8)
     steps, values = _series(rows, "eval/accuracy")
     if steps:
         axis.plot(steps, values, "o-", label="held-out (greedy)", linewidth=2)
@@ -83,7 +95,7 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     _, low = _series(train_rows, "completion_length/min")
     _, high = _series(train_rows, "completion_length/max")
     axis.fill_between(steps, low, high, alpha=0.2, label="min-max")
-    axis.plot(steps, mean, label="mean", linewidth=2)
+    _line(axis, steps, mean, label="mean", linewidth=2)
     axis.set(xlabel="step", ylabel="tokens", title="Completion length")
     axis.grid(alpha=0.3)
     axis.legend()
@@ -105,7 +117,7 @@ def plot_tools(rows: list[dict], path: Path) -> Path:
         for key, label, style in panel:
             steps, values = _series(rows if key.startswith("eval/") else train_rows, key)
             if steps:
-                axis.plot(steps, values, style, label=label, linewidth=2 if key.startswith("eval/") else 1.2)
+                _line(axis, steps, values, style, label=label, linewidth=2 if key.startswith("eval/") else 1.2)
         axis.set(xlabel="step", ylim=(-0.02, None if panel is TOOL_USE else 1.02))
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
@@ -141,13 +153,13 @@ def draw_r1_panels(axes, rows: list[dict]) -> None:
     if steps:
         accuracy.plot(steps, values, "o-", color="#dd8452", linewidth=2, label="held-out (greedy)")
     steps, values = _series(train_rows, "accuracy")
-    accuracy.plot(steps, values, color="#4c72b0", alpha=0.6, label="train (sampled)")
+    _line(accuracy, steps, values, color="#4c72b0", alpha=0.6, label="train (sampled)")
     accuracy.set_ylim(-0.02, 1.02)
     steps, values = _series(train_rows, R1_FORMAT_KEY)
-    form.plot(steps, values, color="#55a868", linewidth=2)
+    _line(form, steps, values, color="#55a868", linewidth=2)
     form.set_ylim(-0.02, 1.02)
     steps, values = _series(train_rows, "completion_length/mean")
-    length.plot(steps, values, color="#8172b3", linewidth=2)
+    _line(length, steps, values, color="#8172b3", linewidth=2)
     for axis, (title, ylabel) in zip(axes, R1_PANELS):
         axis.set(title=title, ylabel=ylabel)
         axis.grid(alpha=0.3)

@@ -52,7 +52,7 @@ from polo.models.precision import MasterWeights, master_weights, trainer_optimiz
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
 from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
 from polo.runtime.checkpoint import claim_output_dir, mark_float32, staged_directory
-from polo.runtime.device import CPU, Compute, finetune_compute
+from polo.runtime.device import CPU, Compute, finetune_compute, torch_threads
 from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
 from polo.runtime.optimizer import build_schedule
@@ -507,7 +507,7 @@ def finetune_run(config: Any) -> Iterator[None]:
     Entered before anything looks at the directory; a signal that arrives before the first
     step stops the run there.
     """
-    with owned_run_dir(config.output.dir), StopRequest(plan=FIT_STOP_PLAN):
+    with owned_run_dir(config.output.dir), StopRequest(plan=FIT_STOP_PLAN), torch_threads(config.train.threads):
         yield
 
 
@@ -526,8 +526,6 @@ def prepare_run(config: Any, config_dict: dict) -> Compute:
     if config.output.push_to_hub:
         check_push(config.output.push_to_hub)  # before the model loads: a model that could not be pushed never trains
 
-    if config.train.threads:
-        torch.set_num_threads(config.train.threads)
     seed_everything(config.train.seed)
     output_dir = Path(config.output.dir)
     claim_output_dir(output_dir, config.output.overwrite)  # before the model loads: a refusal costs nothing

@@ -114,7 +114,7 @@ def record_step(record: EpisodeRecord, answer: EnvStep) -> None:
 def environment_steps(episodes: Sequence[Episode]) -> list[EnvStep]:
     """Return each episode's environment's answer to its last turn, the environments stepped concurrently.
 
-    A tool call is a sandboxed subprocess that the trainer only waits for (about 0.12 s each on the
+    A tool call is a sandboxed subprocess that the trainer only waits for (about 0.12 s each on a
     2-core CPU, 64 of them in a step of the tool recipe), so running one per core overlaps them.
     Each episode has its own environment instance; an environment's `step` is never run twice at once.
     """

@@ -15,12 +15,34 @@ from types import ModuleType
 
 import torch
 
+from polo.core.registry import SAMPLERS, register_sampler
 from polo.generation import cpu_sampler, static_sampler
 from polo.generation.rollouts import Decoding, EpisodeRecord, Sampler
 from polo.models.family import encode_prompts
 from polo.runtime.device import CPU, Compute
+from polo.runtime.metrics import on_terminal
 
-SAMPLERS = ("auto", "kv_cache", "static")  # the choices of `sampling.sampler`
+
+# `sampling.sampler`: each registered sampler is the function giving the sampler module for a Compute.
+@register_sampler("auto", help="the static sampler on CUDA (a captured decode step), the KV-cache one elsewhere")
+def auto_sampler(compute: Compute) -> ModuleType:
+    """Return the static-cache sampler on CUDA; elsewhere the KV-cache one, which drops finished rows (a
+    fixed-shape decode cannot)."""
+    return static_sampler if compute.is_cuda else cpu_sampler
+
+
+@register_sampler("kv_cache", help="a growing KV cache, finished rows dropped (polo.generation.cpu_sampler)")
+def kv_cache_sampler(compute: Compute) -> ModuleType:
+    """Return the KV-cache sampler, whatever the device."""
+    return cpu_sampler
+
+
+@register_sampler(
+    "static", help="a preallocated cache of fixed shapes, a CUDA graph on a GPU (polo.generation.static_sampler)"
+)
+def static_cache_sampler(compute: Compute) -> ModuleType:
+    """Return the static-cache sampler, whatever the device."""
+    return static_sampler
 
 
 @dataclass(frozen=True)
@@ -74,10 +96,8 @@ def pick_generator(name: str, compute: Compute) -> Callable:
 def sampler_module(name: str, compute: Compute) -> ModuleType:
     """Return the sampler module `name` (auto | kv_cache | static) names for `compute` (see `pick_sampler`)."""
     if name not in SAMPLERS:
-        raise ValueError(f"sampler {name!r} is not one of {', '.join(SAMPLERS)}")
-    if name == "static" or (name == "auto" and compute.is_cuda):
-        return static_sampler
-    return cpu_sampler
+        raise ValueError(f"sampling.sampler: {SAMPLERS.unknown(name)}")
+    return SAMPLERS[name](compute)
 
 
 def load_for_sampling(name: str, compute: Compute) -> tuple:
@@ -119,7 +139,8 @@ def sample_groups(
     lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts)]  # as the sampler tokenizes them (BOS included)
     results: list[list[Completion]] = [[] for _ in prompts]
     total = len(prompts) * samples_per_prompt
-    progress = {"desc": settings.description, "disable": not settings.progress}
+    # a bar only on a terminal: in a log file its redraws are one long line that other lines are glued to
+    progress = {"desc": settings.description, "disable": not settings.progress or not on_terminal()}
     with tqdm(total=total, unit="sample", dynamic_ncols=True, **progress) as bar:
         for chunk in group_batches(lengths, samples_per_prompt, settings.batch_size):
             sampled = sampler(

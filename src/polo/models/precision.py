@@ -12,7 +12,7 @@
 
 Both bf16 modes keep fp32 master weights and fp32 optimizer state, so an update of size
 lr · m/√v far below bf16's resolution (2⁻⁸ relative) still accumulates. `bf16_master` is what
-FSDP calls mixed precision with `param_dtype=bf16`; on a 2-core AVX-512-BF16 CPU it made the
+FSDP calls mixed precision with `param_dtype=bf16`; on an AVX-512-BF16 CPU it made the
 GRPO update of SmolLM2-135M about 30% faster than autocast (see benchmarks/grpo_vs_trl.py).
 """
 
@@ -39,8 +39,8 @@ class MasterWeights:
     the backward frees activations as it makes gradients, and the allocator hands that memory on.
     Keeping the 515 MiB of SmolLM2-135M's fp32 gradients for the whole run instead (as polo did)
     put them all under the activations' peak: the bench job's peak RSS was 4,345-4,425 MiB against
-    4,033-4,073 MiB, and its update 6.38-7.37 s against 6.37-6.69 s (three alternating pairs, 2-core
-    EPYC, torch 2.13; an earlier measurement, with activations recomputed and so little memory freed
+    4,033-4,073 MiB, and its update 6.38-7.37 s against 6.37-6.69 s (three alternating pairs,
+    torch 2.13; an earlier measurement, with activations recomputed and so little memory freed
     in backward, had a fresh embedding gradient cost 60 ms a step in page faults). After
     every `optimizer.step()` the masters are copied back into the model, in place (the weights keep
     their storage, so a captured CUDA graph that reads them stays valid). Tied parameters

@@ -41,7 +41,7 @@ from polo.config import (
     setting,
 )
 from polo.config.finetune import SFTConfig, load_sft_config
-from polo.config.schema import DEVICE_HELP, TRACKER_PACKAGES
+from polo.config.schema import DEFAULT_MODEL, DEVICE_HELP, TRACKER_PACKAGES
 from polo.config.validation import check_hub_repo, check_output_dir, check_trackers
 from polo.data import instruction_for, make_task
 from polo.data.base import Task
@@ -58,7 +58,7 @@ class PipelineSettings:
     dir: str = setting(
         "runs/pipeline", help="the pipeline directory: one directory per stage (<letter>_<name>), pipeline.yaml, report"
     )
-    model: str = setting("smollm2-135m-instruct", help="the first stage's model.name unless that stage sets its own")
+    model: str = setting(DEFAULT_MODEL, help="the first stage's model.name unless that stage sets its own")
     report: bool = setting(True, help="write <dir>/report.html at the end")
     progress: bool = setting(True, help="progress bars while sampling for rejection and evaluation")
     threads: int | None = setting(

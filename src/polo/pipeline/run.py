@@ -23,6 +23,7 @@ from polo.models.lora import is_adapter_dir
 from polo.pipeline.recipe import Plan, Stage, load_pipeline, same_record, stage_record
 from polo.pipeline.stage_eval import EVAL_FILE, evaluate_model, headline, read_json, write_json
 from polo.runtime.checkpoint import SaveError
+from polo.runtime.device import torch_threads
 from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.run_lock import owned_run_dir
 
@@ -65,7 +66,7 @@ def run_pipeline(recipe: str | Path | dict, overrides: list[str] | None = None) 
     the step in progress with `RunStopped`, and running the same command again continues it.
     """
     plan = load_pipeline(recipe, overrides)
-    with owned_run_dir(plan.settings.dir, "pipeline.dir"), StopRequest() as stop:
+    with owned_run_dir(plan.settings.dir, "pipeline.dir"), StopRequest() as stop, torch_threads(plan.settings.threads):
         for key, repo_id in push_targets(plan):
             check_push(repo_id, key)  # before anything runs: a model that could not be pushed is never trained
         return run_plan(plan, stop)
@@ -86,10 +87,6 @@ def run_plan(plan: Plan, stop: StopRequest) -> PipelineResult:
 
     Raises `RunStopped` once `stop` is requested, between stages at the latest.
     """
-    if plan.settings.threads:
-        import torch
-
-        torch.set_num_threads(plan.settings.threads)
     root = Path(plan.settings.dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / "pipeline.yaml").write_text(yaml.safe_dump(plan.source, sort_keys=False))

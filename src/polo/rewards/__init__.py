@@ -5,7 +5,8 @@ a callable with the attribute ``batched = True`` that takes ``(completions, rows
 one float per completion (a learned reward model scores a whole batch in one forward pass), or
 a function in TRL's form ``(prompts, completions, completion_ids, **columns) -> list[float | None]``,
 told apart by its signature (`polo.rewards.forms`).
-Rewards are named in configs by a builtin name (``BUILTIN_REWARDS``), by a reward model
+Rewards are named in configs by a registered name (``REWARDS``, `polo.core.registry`: each built-in
+registers itself with ``@register_reward`` where it is defined), by a reward model
 ``"model:PATH"`` (see `polo.finetune.reward_model`), by an import path ``"package.module:function"``,
 or passed directly as callables; ``RewardSet`` combines them with weights and keeps each one's
 raw column for logging.
@@ -26,6 +27,7 @@ import torch
 
 from polo.config.plugins import import_user_module
 from polo.config.schema import ConfigError
+from polo.core.registry import REWARDS, register_reward
 from polo.rewards.answers import (
     CHECKERS,
     answer_region,
@@ -37,7 +39,7 @@ from polo.rewards.answers import (
     math_verify_answer,
     parse_number,
 )
-from polo.rewards.code import code_fraction_reward, code_reward
+from polo.rewards.code import code_fraction_reward, code_reward  # noqa: F401  (imported, they register)
 from polo.rewards.format import r1_format, tag_count
 from polo.rewards.forms import RewardProgress, TrlReward, reward_caller
 from polo.runtime.device import CPU
@@ -53,26 +55,7 @@ logger = logging.getLogger(__name__)
 _SNIPPET_CHARS = 80
 
 
-def _task_correctness(task: Task) -> RewardFn:
-    """Return the task's own correctness function (the ``"correct"`` reward)."""
-    return task.correctness
-
-
-def _ignoring_task(reward: RewardFn) -> Callable[[Task], RewardFn]:
-    """Return a builtin factory that gives ``reward`` whatever the task."""
-    return lambda task: reward
-
-
-# Builtin name -> factory taking the task. "correct" depends on the task, which is why every
-# entry is a factory rather than the function itself.
-BUILTIN_REWARDS: dict[str, Callable[[Task], RewardFn]] = {
-    "correct": _task_correctness,
-    # The shared instance, so its result cache also serves the code task's correctness check.
-    "code": _ignoring_task(code_reward),
-    "code_fraction": _ignoring_task(code_fraction_reward),
-    "r1_format": _ignoring_task(r1_format),
-    "tag_count": _ignoring_task(tag_count),
-}
+BUILTIN_REWARDS = REWARDS  # the older name of the registry
 
 
 class RewardFunctionError(RuntimeError):
@@ -123,8 +106,8 @@ def resolve_reward(name_or_callable: str | RewardFn, task: Task) -> tuple[str, R
         raise TypeError(
             f"a reward must be a name or a callable, got {type(name_or_callable).__name__} {name_or_callable!r}"
         )
-    if name_or_callable in BUILTIN_REWARDS:
-        return name_or_callable, BUILTIN_REWARDS[name_or_callable](task)
+    if name_or_callable in REWARDS and ":" not in name_or_callable:
+        return name_or_callable, REWARDS[name_or_callable](task)
     if name_or_callable.startswith("model:"):
         from polo.rewards.reward_model import LOG_NAME, reward_model_reward
 
@@ -133,7 +116,7 @@ def resolve_reward(name_or_callable: str | RewardFn, task: Task) -> tuple[str, R
         # Logged under the function's own name: shorter columns, and RewardSet rejects clashes.
         return name_or_callable.rpartition(":")[2], import_reward(name_or_callable)
     raise ValueError(
-        f"unknown reward {name_or_callable!r}; builtin rewards: {sorted(BUILTIN_REWARDS)}, "
+        f"unknown reward {name_or_callable!r}; registered rewards: {', '.join(REWARDS)}, "
         "a reward model as 'model:PATH', or your own function as 'package.module:function'"
     )
 
@@ -344,7 +327,7 @@ class RewardSet:
 
     def __init__(self, weights: Mapping[str | RewardFn, float], task: Task, on_error: str = "raise") -> None:
         if not weights:
-            raise ValueError(f"a RewardSet needs at least one reward; builtin rewards: {sorted(BUILTIN_REWARDS)}")
+            raise ValueError(f"a RewardSet needs at least one reward; registered rewards: {', '.join(REWARDS)}")
         if on_error not in ("raise", "zero"):
             raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
         self.task = task
@@ -455,6 +438,7 @@ class RewardSet:
 __all__ = [
     "BUILTIN_REWARDS",
     "CHECKERS",
+    "REWARDS",
     "RewardFn",
     "RewardFunctionError",
     "RewardSet",
@@ -469,6 +453,7 @@ __all__ = [
     "math_verify_answer",
     "parse_number",
     "r1_format",
+    "register_reward",
     "resolve_reward",
     "tag_count",
 ]

@@ -31,6 +31,8 @@ from fractions import Fraction
 
 from math_verify import parse, verify
 
+from polo.core.registry import CHECKERS, register_checker, register_reward
+
 # The last <answer> block; the tempered content pattern makes "<answer>a<answer>b</answer>"
 # yield "b" rather than "a<answer>b".
 _ANSWER_BLOCK = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL)
@@ -331,30 +333,29 @@ def math_verify_answer(completion: str, row: dict, answer_in_tags: bool = False)
     return float(verify(list(reference), predicted, timeout_seconds=timeout))
 
 
-# The names the jsonl and hf tasks' ``checker`` option accepts, each with what it counts as right:
-# the one list that validation (`checker`), `polo train --help` and the README's table follow.
-_CHECKER_TABLE: tuple[tuple[str, Callable[..., float], str], ...] = (
-    (
-        "math_verify",
-        math_verify_answer,
-        'the final answer equals the reference as maths, in any notation ("0.5", "1/2", "$\\frac{1}{2}$", '
-        '"\\boxed{1/2}"); any reference math-verify can parse (numbers, fractions, LaTeX expressions)',
-    ),
-    (
-        "exact_number",
-        exact_number,
-        'the final number equals the reference numerically ("85", "85.0", "1,000" for 1000); '
-        "every reference must be a plain number, checked when the data loads",
-    ),
-    (
-        "exact_string",
-        exact_string,
-        "the answer (the last <answer> block, else the whole completion) equals the reference as text, "
-        "ignoring case and surrounding spaces; for short text answers",
-    ),
-)
-CHECKERS: dict[str, Callable[..., float]] = {name: function for name, function, _ in _CHECKER_TABLE}
-CHECKER_HELP: dict[str, str] = {name: accepts for name, _, accepts in _CHECKER_TABLE}
+@register_reward("correct", per_task=True, help="the task's own correctness check, 1 or 0")
+def task_correctness(task) -> Callable[[str, dict], float]:
+    """Return the task's own correctness function (the ``"correct"`` reward: the task's checker decides)."""
+    return task.correctness
+
+
+# The answer checkers the jsonl and hf tasks' ``checker`` option accepts, each with what it counts as
+# right: the registry that validation, `polo train --help`, `polo config` and the README's table follow.
+register_checker(
+    "math_verify",
+    help='the final answer equals the reference as maths, in any notation ("0.5", "1/2", "$\\frac{1}{2}$", '
+    '"\\boxed{1/2}"); any reference math-verify can parse (numbers, fractions, LaTeX expressions)',
+)(math_verify_answer)
+register_checker(
+    "exact_number",
+    help='the final number equals the reference numerically ("85", "85.0", "1,000" for 1000); '
+    "every reference must be a plain number, checked when the data loads",
+)(exact_number)
+register_checker(
+    "exact_string",
+    help="the answer (the last <answer> block, else the whole completion) equals the reference as text, "
+    "ignoring case and surrounding spaces; for short text answers",
+)(exact_string)
 DEFAULT_CHECKER = "math_verify"  # the jsonl and hf tasks' default (TaskConfig.checker)
 
 
@@ -367,12 +368,12 @@ def checker_help(indent: str = "  ", width: int = 100) -> str:
             initial_indent=indent,
             subsequent_indent=indent * 3,
         )
-        for name, accepts in CHECKER_HELP.items()
+        for name, accepts in ((entry.name, entry.help) for entry in CHECKERS.entries())
     )
 
 
 def checker(name: str, answer_in_tags: bool = False) -> Callable[[str, dict], float]:
     """Return the named correctness checker with ``answer_in_tags`` bound."""
     if name not in CHECKERS:
-        raise ValueError(f"unknown checker {name!r}; valid checkers: {sorted(CHECKERS)}")
+        raise ValueError(CHECKERS.unknown(name))
     return functools.partial(CHECKERS[name], answer_in_tags=answer_in_tags)

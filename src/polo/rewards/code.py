@@ -34,6 +34,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from polo.core.registry import register_reward
 from polo.rewards.judge import MAX_VALUE_CHARS, LeafError, ParsedTest, UnreadableValue, judge, parse_test, read_value
 from polo.sandbox.runner import SandboxError, SandboxLimits, SandboxResult, run_python, shipped_text
 
@@ -301,8 +302,11 @@ def _scored(code: str | None, tests: list[str], limits: SandboxLimits) -> CodeRe
 
 _CACHE: collections.OrderedDict[tuple, CodeResult] = collections.OrderedDict()
 
-code_reward = CodeReward()
-code_fraction_reward = CodeReward(partial_credit=True)
+# One shared instance each, so the result cache also serves the code task's correctness check.
+code_reward = register_reward("code", help="1 when the program passes every test of the row, else 0")(CodeReward())
+code_fraction_reward = register_reward("code_fraction", help="the fraction of the row's tests the program passes")(
+    CodeReward(partial_credit=True)
+)
 
 
 def all_tests_pass(completion: str, row: dict) -> float:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from polo.core.registry import register_reward
+
 # Block content may not contain any of the four tags, so repeated or nested blocks fail.
 _NO_TAGS = r"(?:(?!</?think>|</?answer>).)*"
 _R1_LAYOUT = re.compile(rf"<think>{_NO_TAGS}</think>\s*<answer>{_NO_TAGS}</answer>", re.DOTALL)
@@ -16,6 +18,7 @@ _R1_LAYOUT = re.compile(rf"<think>{_NO_TAGS}</think>\s*<answer>{_NO_TAGS}</answe
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
+@register_reward("r1_format", help="the R1 format: reasoning in <think>, the answer in <answer> (DeepSeek-AI 2025)")
 def r1_format(completion: str, row: dict) -> float:
     """Return 1.0 if the completion is exactly one think block then one answer block, else 0.0.
 
@@ -25,6 +28,7 @@ def r1_format(completion: str, row: dict) -> float:
     return float(_R1_LAYOUT.fullmatch(completion.strip()) is not None)
 
 
+@register_reward("tag_count", help="0.25 for each of the four R1 tags written exactly once")
 def tag_count(completion: str, row: dict) -> float:
     """Return partial format credit in [0, 1]: 0.25 per tag that occurs exactly once.
 

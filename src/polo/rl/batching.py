@@ -121,7 +121,7 @@ class UpdateBatch:
 
     rollouts: Rollouts
     advantages: torch.Tensor
-    old_logprobs: torch.Tensor | None = None  # the sampling policy's, scored when mu > 1, a critic or kl_in_reward
+    old_logprobs: torch.Tensor | None = None  # the sampling policy's: several optimizer steps, a critic, kl_in_reward
     reference_logprobs: torch.Tensor | None = None  # the reference's, scored when beta > 0
     old_values: torch.Tensor | None = None  # the critic's values before the update (None without a critic)
     returns: torch.Tensor | None = None  # the critic's regression targets (None without a critic)

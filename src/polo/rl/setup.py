@@ -28,11 +28,12 @@ from polo.models.hub import check_push
 from polo.models.loading import frozen_copy, load_policy, resolve_model_path, setup_activation_checkpointing
 from polo.models.lora import add_adapters, freeze_base_dtype, load_adapters
 from polo.models.precision import MasterWeights, master_weights, trainer_optimizer
+from polo.models.routing import check_router_loss
 from polo.rewards import RewardSet
 from polo.rl.critic import Critic, build_critic
 from polo.rl.guard import RollbackState, check_guard_settings
 from polo.rl.modules import UpdateModules
-from polo.rl.update import Learner, update_modules
+from polo.rl.update import Learner, optimizer_steps_per_batch, update_modules
 from polo.runtime import parallel
 from polo.runtime.checkpoint import Checkpointer, claim_output_dir, load_trainer_state
 from polo.runtime.device import Compute, train_compute
@@ -88,7 +89,7 @@ class Run:
 
 def optimizer_steps(config: Config) -> int:
     """Return how many optimizer steps the RL run takes in all (the schedule's length)."""
-    return max(config.train.steps * config.train.num_minibatches * config.algorithm.update_epochs, 1)
+    return max(config.train.steps * optimizer_steps_per_batch(config), 1)
 
 
 def checked_config(config, overrides: list[str] | None) -> Config:
@@ -131,6 +132,7 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
     # A LoRA checkpoint holds only the adapter: the base model comes from model.name again.
     start_from = str(resume_from) if resume_from is not None and not lora.r else config.model.name
     model, tokenizer = load_policy(start_from, attn_implementation=config.model.attn_implementation)
+    check_router_loss(model, config.algorithm.router_aux_loss_coef)
     model = model.to(compute.device)
     model.train()
     setup_activation_checkpointing(model, config.train.gradient_checkpointing, compute.available_memory())
@@ -226,8 +228,6 @@ def set_up(
     config = checked_config(config, overrides)
     output_dir = Path(config.output.dir)
     compute = train_compute(config)
-    if config.train.threads:
-        torch.set_num_threads(config.train.threads)
     task = make_task(config, train_dataset, eval_dataset)
     if train_dataset is not None:
         config = replace(config, task=replace(config.task, name="hf"))

@@ -34,7 +34,7 @@ from polo.rl.batching import (
     trim_padding,
 )
 from polo.rl.setup import Run
-from polo.rl.update import policy_update
+from polo.rl.update import optimizer_steps_per_batch, policy_update
 from polo.runtime import parallel
 from polo.runtime.device import Compute, memory_metrics
 from polo.runtime.trackers import logs_tables
@@ -65,7 +65,9 @@ class PreUpdateScores:
     """Each (batch, completion_len), scored before the update; None where the step does not need it."""
 
     reference_logprobs: torch.Tensor | None = None  # under the reference (beta > 0)
-    old_logprobs: torch.Tensor | None = None  # under the sampling policy (mu > 1, a critic, or kl_in_reward)
+    old_logprobs: torch.Tensor | None = (
+        None  # under the sampling policy (several optimizer steps, a critic, kl_in_reward)
+    )
     old_values: torch.Tensor | None = None  # the critic's values
 
 
@@ -367,7 +369,8 @@ def score_before_update(run: Run, rollouts: Rollouts) -> PreUpdateScores:
     """Return the reference log-probs, the old log-probs and the critic's old values the step needs.
 
     The reference is scored only when beta > 0; old log-probs only when the update needs them
-    (update_epochs > 1, or the KL folded into the rewards); old values only with a critic.
+    (more than one optimizer step per batch, `polo.rl.update.optimizer_steps_per_batch`, or the KL
+    folded into the rewards); old values only with a critic.
     """
     alg, micro_batch_size, temperature = (
         run.config.algorithm,
@@ -384,7 +387,7 @@ def score_before_update(run: Run, rollouts: Rollouts) -> PreUpdateScores:
         scores.old_values, scores.old_logprobs = run.critic.score(
             run.model, rollouts, micro_batch_size, run.compute, temperature
         )
-    if scores.old_logprobs is None and (alg.update_epochs > 1 or alg.kl_in_reward):
+    if scores.old_logprobs is None and (optimizer_steps_per_batch(run.config) > 1 or alg.kl_in_reward):
         with parallel.gathered_weights(run.model):
             scores.old_logprobs = score_completions(run.model, rollouts, micro_batch_size, run.compute, temperature)
     return scores

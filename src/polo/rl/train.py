@@ -24,7 +24,7 @@ from polo.rl.publish import publish_model
 from polo.rl.setup import Run, set_up
 from polo.rl.step import StepResult, rl_step, sampling_weights
 from polo.runtime import parallel
-from polo.runtime.device import resolve_device
+from polo.runtime.device import resolve_device, torch_threads
 from polo.runtime.errors import NonFiniteLossError
 from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
@@ -71,7 +71,7 @@ def train(
     try:
         # The lock comes before anything looks at output.dir; a stop signal during set-up is held until the loop
         # can stop cleanly.
-        with owned_run_dir(config.output.dir), StopRequest(say_on_main):
+        with owned_run_dir(config.output.dir), StopRequest(say_on_main), torch_threads(config.train.threads):
             rollback = None
             while True:  # once, unless the divergence guard rolls the run back (polo.rl.guard)
                 try:
@@ -221,7 +221,7 @@ class HeldOutEvaluation:
         self.rows = parallel.eval_share(run.task.eval_rows)
         self.prompts = run.task.prompts(run.tokenizer, self.rows, run.instruction, run.config.task.system_prompt)
         self.sampling = GroupSampling(
-            max_new_tokens=run.config.eval.max_new_tokens or run.config.sampling.max_new_tokens,
+            max_new_tokens=run.config.eval_max_new_tokens,
             batch_size=run.config.eval.batch_size,
             compute=run.compute,
             sampler=run.sampler,

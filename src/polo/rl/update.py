@@ -16,10 +16,12 @@ import torch
 
 from polo import core
 from polo.config import Config
+from polo.config.validation import bind_options
 from polo.generation.rollouts import Rollouts
 from polo.kernels import attends_blockwise
 from polo.models.critic import completion_values
 from polo.models.loading import recompute_scope
+from polo.models.routing import RoutingSums, recorded_routing
 from polo.rl.batching import UpdateBatch, micro_batches, trim_padding
 from polo.rl.critic import Critic, value_loss
 from polo.rl.modules import UpdateModules, build_update_modules
@@ -27,7 +29,30 @@ from polo.runtime import parallel
 from polo.runtime.device import Compute
 from polo.runtime.errors import NonFiniteLossError
 
-SUM_KEYS = ("kl", "entropy", "clip_low", "clip_high", "tokens", "loss", "grad_norm", "value_loss", "critic_grad_norm")
+SUM_KEYS = (
+    "kl",
+    "entropy",
+    "clip_low",
+    "clip_high",
+    "ratio",
+    "approx_kl",
+    "tokens",
+    "loss",
+    "grad_norm",
+    "value_loss",
+    "critic_grad_norm",
+)
+
+
+def optimizer_steps_per_batch(config: Config) -> int:
+    """Return how many optimizer steps train on one sampled batch: `update_epochs` x `train.num_minibatches`.
+
+    When it is more than one, every step after the first trains a policy that has already moved
+    since sampling, so its importance ratio must be taken against log-probs scored under the
+    sampling policy before the update (GRPO's π_old, Shao et al. 2024 eq. 3; GSPO's, Zheng et al.
+    2025 eq. 5). With exactly one, the policy is still the sampling one and the ratio is 1.
+    """
+    return config.algorithm.update_epochs * config.train.num_minibatches
 
 
 def update_modules(model, critic: Critic | None) -> UpdateModules:
@@ -79,8 +104,14 @@ class UpdateContext:
         if self.alg.mask_truncated:  # DAPO's overlong filtering: truncated completions teach nothing
             self.loss_mask = self.loss_mask * (~self.rollouts.truncated).float().unsqueeze(-1)
         self.kl_in_loss = self.ref_logprobs is not None and not self.alg.kl_in_reward
-        self.policy_loss = core.POLICY_LOSSES[self.alg.policy_loss]
+        self.policy_loss = bind_options(  # a loss's own options (algorithm.policy_loss_options), checked and bound
+            "algorithm.policy_loss_options",
+            core.POLICY_LOSSES.entry(self.alg.policy_loss),
+            self.alg.policy_loss_options,
+            positional=2,
+        )
         self.sums = {key: 0.0 for key in SUM_KEYS}
+        self.routing = RoutingSums()
 
 
 def policy_loss_term(
@@ -101,7 +132,20 @@ def policy_loss_term(
         ctx.sums["kl"] += float((kl.detach() * mask).sum())
     ctx.sums["clip_low"] += float(stats.get("clip_low_count", 0.0))
     ctx.sums["clip_high"] += float(stats.get("clip_high_count", 0.0))
+    add_drift(ctx, logprobs.detach(), old, mask, stats)
     return core.aggregate_loss(per_token, mask, alg.loss_aggregation, normalisers)
+
+
+def add_drift(ctx: UpdateContext, logprobs: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, stats: dict) -> None:
+    """Add to `ctx.sums` how far the policy being trained has moved from the one that sampled, over `mask`'s tokens:
+    the k3 estimate of KL(π_old ‖ π) (`approx_kl`, as `polo control` logs it) and the importance ratio the loss
+    took (its `ratio_sum`: GSPO's sequence ratio on each token), or the token ratio π / π_old where it gives none."""
+    valid = mask.bool()
+    ctx.sums["approx_kl"] += float(core.masked_sum(core.kl_k3(old, logprobs), valid))
+    ratio_sum = stats.get("ratio_sum")
+    if ratio_sum is None:
+        ratio_sum = core.masked_sum(torch.exp(torch.where(valid, logprobs - old, 0.0)), valid)
+    ctx.sums["ratio"] += float(ratio_sum)
 
 
 def trunk_tokens(model: torch.nn.Module, part: Rollouts, group_size: int) -> int:
@@ -123,7 +167,11 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.
     loss, values = torch.zeros((), device=mask.device), None
     tokens = trunk_tokens(ctx.learner.model, part, ctx.rollouts.group_size)
     if ctx.train_policy or (critic is not None and critic.value_head is not None):
-        with ctx.compute.autocast(), recompute_scope(ctx.learner.model, tokens):
+        with (
+            ctx.compute.autocast(),
+            recompute_scope(ctx.learner.model, tokens),
+            recorded_routing(ctx.learner.model) as routing,
+        ):
             logprobs, entropy, values = modules.policy(
                 *inputs,
                 temperature=ctx.config.sampling.temperature,
@@ -131,7 +179,10 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.
                 group_size=ctx.rollouts.group_size,
             )
     if ctx.train_policy:
-        loss = policy_loss_term(ctx, logprobs.float(), micro, mask, normalisers)
+        # The loss maths in fp32 at least: bf16 log-probs are widened, fp64 ones (an exact comparison) kept.
+        logprobs = logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
+        loss = policy_loss_term(ctx, logprobs, micro, mask, normalisers)
+        loss = loss + ctx.routing.add(routing, alg.router_aux_loss_coef, normalisers.num_micro_batches)
         ctx.sums["entropy"] += float((entropy * mask).sum())
     if values is not None:  # value head on the shared trunk: one backward for both losses
         head_loss = value_loss(values, ctx.batch, micro, mask, alg, normalisers)
@@ -199,12 +250,15 @@ def update_metrics(ctx: UpdateContext, optimizer_steps: int) -> dict:
                 "entropy": sums["entropy"] / tokens,
                 "clip_fraction/low": sums["clip_low"] / tokens,
                 "clip_fraction/high": sums["clip_high"] / tokens,
+                "approx_kl": sums["approx_kl"] / tokens,
+                "ratio/mean": sums["ratio"] / tokens,
             }
         )
     if ctx.kl_in_loss and ctx.train_policy:
         metrics["kl"] = sums["kl"] / tokens
     elif ctx.ref_logprobs is not None and ctx.old_logprobs is not None:  # k1 of the sampled batch
         metrics["kl"] = core.masked_mean(ctx.old_logprobs - ctx.ref_logprobs, ctx.rollouts.model_token_mask).item()
+    metrics.update(ctx.routing.metrics())
     if ctx.critic is not None:
         metrics["value/loss"] = sums["value_loss"] / optimizer_steps
         if ctx.critic.optimizer is not None:

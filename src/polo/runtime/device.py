@@ -142,6 +142,23 @@ def host_available_memory() -> int | None:
     return available
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int | None):
+    """Within the block torch runs `threads` intra-op threads (None: as many as it had); after it, as many as before.
+
+    The count is one setting for the whole process, and it decides how reductions split their sums
+    (polo's RMSNorm weight gradient, torch's own): a run that set it and left it would change the
+    numbers of every later run in the same process, a test suite's among them.
+    """
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 CPU = Compute(torch.device("cpu"))  # fp32 on the CPU: the default of library functions called without a run
 
 

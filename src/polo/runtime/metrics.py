@@ -1,10 +1,12 @@
-"""Run logging: one metrics row per step to JSONL and the trackers (TensorBoard, wandb, ...), and a progress bar."""
+"""Run logging: one metrics row per step to JSONL and the trackers (TensorBoard, wandb, ...), and the run's progress:
+a bar on a terminal, one line a step anywhere else (a log file, a pipe, a scheduler's output)."""
 
 from __future__ import annotations
 
 import atexit
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +38,32 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in kept))
 
 
+def on_terminal() -> bool:
+    """Return whether stderr, where progress goes, is a terminal: a bar redraws there, and nowhere else."""
+    return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+
+
+def quiet_library_bars() -> None:
+    """Turn off the progress bars of transformers and the Hub ("Loading weights", "Writing model shards"): in a log
+    file each is a line of carriage returns, at every load and every checkpoint. Called where output is no terminal."""
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+        disable_progress_bars()
+    except ImportError:  # neither is needed to log a run
+        pass
+
+
+def progress_line(step: int, total: int, summary: dict) -> str:
+    """Return the one line a step prints where there is no bar, e.g. "polo: step 3/40 reward=0.25 accuracy=0.5"."""
+    fields = " ".join(
+        f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}" for key, value in summary.items()
+    )
+    return f"polo: step {step}/{total} {fields}".rstrip()
+
+
 class MetricsLogger:
     """Writes metrics rows to `<dir>/metrics.jsonl` and the run's trackers, and drives the progress bar.
 
@@ -54,7 +82,7 @@ class MetricsLogger:
         self.main = is_main_process()
         self.path = output_dir / "metrics.jsonl"
         self.sinks: list[Sink] = []
-        self.bar = None
+        self.bar, self.lines, self.total_steps = None, False, total_steps
         if not self.main:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -65,7 +93,10 @@ class MetricsLogger:
                 print(f"polo: reporting to {sink.where}", flush=True)
         if any(getattr(sink, "where", None) for sink in self.sinks):
             atexit.register(self.close)  # a run that stops on an error still finishes its tracker runs
-        if progress:
+        self.lines = progress and not on_terminal()
+        if not on_terminal():
+            quiet_library_bars()
+        if progress and not self.lines:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="polo", unit="step", dynamic_ncols=True)
@@ -123,7 +154,10 @@ class MetricsLogger:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
 
     def advance(self, step: int, summary: dict) -> None:
-        """Move the progress bar to `step` and show the summary fields (step, reward, ...)."""
+        """Move the progress bar to `step` and show the summary fields (step, reward, ...); without a terminal, print
+        them as one line on stderr instead."""
+        if self.main and self.lines:
+            print(progress_line(step, self.total_steps, summary), file=sys.stderr, flush=True)
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix(

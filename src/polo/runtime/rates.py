@@ -1,9 +1,9 @@
 """How fast this CPU multiplies in fp32 and in bf16, measured once and cached: what `precision: auto` is decided by.
 
-A CPU's flags say what it could do, not what its kernels do: an Intel VM that lists
-`avx512_bf16` without AMX ran bf16 matmuls at about half its fp32 rate (issue 28: 167 against
-320 GFLOP/s at SmolLM2-135M's own shapes), while an AMD EPYC with AVX-512 BF16 runs bf16 about
-three times faster than fp32. So where the flags allow bf16, polo times both dtypes at a
+A CPU's flags say what it could do, not what its kernels do: a VM that lists
+`avx512_bf16` without AMX ran bf16 matmuls at about half its fp32 rate (167 against 320 GFLOP/s
+at SmolLM2-135M's own shapes), while another CPU with AVX-512 BF16 ran bf16 about three times
+faster than fp32. So where the flags allow bf16, polo times both dtypes at a
 language model's matmul shapes and picks the faster. The answer is cached under
 `$POLO_CACHE/matmul_rates.json`, keyed by the CPU (model, family, stepping, flags), thread count, torch
 version and any environment variable that changes the kernels (`cache_key`), so a machine measures once
@@ -57,8 +57,8 @@ class MatmulRates:
 
 # Environment variables that change which matmul kernels run, so a measurement taken without them does
 # not hold with them. ONEDNN_MAX_CPU_ISA=AVX512_CORE, for one, keeps oneDNN off the AVX-512 BF16
-# instructions: on a 2-core AMD EPYC whose bf16 matmuls otherwise run at ~950 GFLOP/s (fp32 ~210), bf16
-# fell to ~170, below fp32 (torch 2.13), the very inversion of issue 28's Intel VM.
+# instructions: on a CPU whose bf16 matmuls otherwise ran at ~950 GFLOP/s (fp32 ~210), bf16 fell to
+# ~170, below fp32 (torch 2.13): the inversion that flags alone cannot foresee.
 KERNEL_ENVIRONMENT = (
     "ONEDNN_MAX_CPU_ISA",
     "DNNL_MAX_CPU_ISA",
@@ -66,8 +66,8 @@ KERNEL_ENVIRONMENT = (
     "DNNL_DEFAULT_FPMATH_MODE",
     "ATEN_CPU_CAPABILITY",
 )
-# The /proc/cpuinfo fields that tell CPUs apart: a VM's model name can be as bare as "AMD EPYC", the same
-# for generations with and without AVX-512 BF16.
+# The /proc/cpuinfo fields that tell CPUs apart: a VM's model name can be as bare as a vendor's line, the
+# same for generations with and without AVX-512 BF16.
 CPU_IDENTITY_FIELDS = ("model name", "cpu family", "model", "stepping")
 
 
@@ -93,7 +93,7 @@ def cpu_model() -> str:
 
 def cpu_identity() -> str:
     """Return the CPU as a cached measurement is keyed: its model name, family, model and stepping, and a digest
-    of its flags (a VM's flags change with its host's), e.g. "AMD EPYC | family 26 model 2 stepping 1 | flags 25fc08b1".
+    of its flags (a VM's flags change with its host's), e.g. "<model> | family 26 model 2 stepping 1 | flags 25fc08b1".
     """
     fields = _cpuinfo_fields()
     numbers = " ".join(f"{name.split()[-1]} {fields[name]}" for name in CPU_IDENTITY_FIELDS[1:] if name in fields)
@@ -189,7 +189,7 @@ def measure_rates() -> MatmulRates:
     """Return freshly measured fp32, bf16 and oneDNN-packed fp32 matmul rates of this CPU (a fraction of a second).
 
     bf16 is timed only where the CPU has native bf16 (0 elsewhere): emulated, it ran at ~3 GFLOP/s and
-    the probe took 13 s (a 2-core EPYC with oneDNN held to AVX2).
+    the probe took 13 s (oneDNN held to AVX2).
     """
     with torch.no_grad():
         if native_bf16():

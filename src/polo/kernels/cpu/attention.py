@@ -92,7 +92,9 @@ def polo_attention(module, query, key, value, attention_mask, *args, shared_layo
 
 
 # Keyword arguments of transformers' attention call that SDPA-with-GQA handles exactly as its
-# sdpa_attention_forward does (the mask already carries causality, padding and any sliding window).
+# sdpa_attention_forward does (the mask already carries causality, padding and any sliding window),
+# and the flags a model's forward hands down to every layer that only say what it returns: a
+# mixture-of-experts model passes `output_router_logits` to its attention too.
 _PLAIN_KWARGS = {
     "dropout",
     "scaling",
@@ -100,6 +102,9 @@ _PLAIN_KWARGS = {
     "position_ids",
     "sliding_window",
     "output_attentions",
+    "output_hidden_states",
+    "output_router_logits",
+    "return_dict",
     "use_cache",
     "cache_position",
 }
@@ -127,7 +132,7 @@ def decode_step(query: torch.Tensor) -> bool:
     Such a step goes to `eager_attention` in any dtype: for SmolLM2-135M's 64 rows over 70 cached keys
     one layer took 163 against 376 us through `decode_attention`'s SDPA in bf16, and 225 against 533
     us in fp32; 25 rows over 140 keys, 183 against 245 (bf16) and 194 against 267 us (fp32); about even
-    at 8 rows over 200 (117 against 104 in bf16, 108 against 110 in fp32; torch 2.13, 2-core EPYC).
+    at 8 rows over 200 (117 against 104 in bf16, 108 against 110 in fp32; torch 2.13).
     """
     return query.device.type == "cpu" and query.shape[-2] == 1 and not torch.is_grad_enabled()
 
@@ -144,7 +149,7 @@ def eager_attention(query, key, value, mask, scaling: float | None) -> torch.Ten
     its query always sees its own just-cached key. For bf16 training on the CPU: forward and
     backward of SmolLM2-135M's completion block (32 rows x 40 queries over 142 keys) took 7.7 ms per
     layer against 14.8 ms in fp32 flash attention and 23 ms in bf16 flash; gradients within 0.5 %
-    (relative norm) of fp32's (torch 2.13, 2-core EPYC).
+    (relative norm) of fp32's (torch 2.13).
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[-2]
@@ -195,7 +200,7 @@ class MaskedSoftmax(torch.autograd.Function):
     forward(scores (batch, heads, q, k), mask (batch or 1, q, k) bool or None) -> weights, same shape
     and dtype, computed in fp32 and rounded once, as torch's softmax does. Backward is torch's
     softmax backward from the saved weights (a hidden key's weight is 0, and so its gradient). In bf16
-    64 x 9 x 32 rows over 86 keys took 0.77 ms against 1.78 ms for torch's softmax alone (2-core EPYC).
+    64 x 9 x 32 rows over 86 keys took 0.77 ms against 1.78 ms for torch's softmax alone.
     """
 
     @staticmethod
@@ -217,8 +222,8 @@ def query_key_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     keys there are a cache's filled part, a strided view, which torch's oneDNN matmul copies into a
     contiguous tensor first; as the left operand they are copied as they lie, as the right operand
     (keysᵀ) transposed, which is slower. For 64 rows x 3 kv heads over 100 of 160 cached positions
-    (SmolLM2-135M), 114 against 274 us a layer; 25 rows over 140, 74 against 158 (torch 2.13, 2-core
-    EPYC). fp32 goes to MKL, which reads the strides as they are.
+    (SmolLM2-135M), 114 against 274 us a layer; 25 rows over 140, 74 against 158 (torch 2.13).
+    fp32 goes to MKL, which reads the strides as they are.
     """
     if queries.dtype == torch.bfloat16 and queries.device.type == "cpu" and queries.shape[-2] <= 16:
         return torch.matmul(keys, queries.transpose(-1, -2)).transpose(-1, -2).contiguous()  # small: q rows x k
@@ -281,8 +286,8 @@ def decode_attention(query, key, value, mask, scaling: float | None) -> torch.Te
     The G query heads that share a key/value head become G query rows of that head, so SDPA runs
     on (batch, kv_heads, G, d) without repeating keys and values. transformers does this only when
     a mask is given; without one it asks SDPA for `enable_gqa`, whose CPU kernel took 1.9 ms per
-    layer for 32 rows x 130 cached tokens of SmolLM2-135M against 0.38 ms this way (torch 2.13,
-    2-core EPYC): over half of a 64-token rollout.
+    layer for 32 rows x 130 cached tokens of SmolLM2-135M against 0.38 ms this way (torch 2.13):
+    over half of a 64-token rollout.
     """
     batch, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
@@ -303,8 +308,8 @@ def shared_prompt_decode(query, own_keys, own_values, shared, scaling: float | N
     that share a key/value head) are the rows of one matmul. Scores are matmul outputs in the
     inputs' dtype, the softmax accumulates in fp32, as in transformers' eager attention. One layer
     for 8 prompts x 8 rows of SmolLM2-135M over a 102-token prompt took 268 us against 497 us for
-    SDPA over the prompt repeated per row; 12 x 16 rows, 613 against 2,210 us (torch 2.13, 2-core
-    EPYC, bf16): a decode step's attention reads the cache from memory and does little else.
+    SDPA over the prompt repeated per row; 12 x 16 rows, 613 against 2,210 us (torch 2.13,
+    bf16): a decode step's attention reads the cache from memory and does little else.
     """
     batch, heads, _, dim = query.shape
     prompts, kv_heads, group, length, _ = own_keys.shape
@@ -334,7 +339,7 @@ def native_decode(query, keys, values, valid, shared, scaling: float | None) -> 
     `eager_attention` and `shared_prompt_decode` compute, with fp32 scores and weights (no bf16
     rounding between the products), reading the cache in place: for SmolLM2-135M's 64 rows over 70
     cached keys, 79 against 231 us a layer in bf16 (100 against 222 in fp32); 8 prompts x 8 rows over
-    a 27-token prompt and 20 own tokens, 61 against 219 us (torch 2.13, 2-core EPYC). None without
+    a 27-token prompt and 20 own tokens, 61 against 219 us (torch 2.13). None without
     the native library, off the CPU, with a gradient, in a dtype other than float32 / bfloat16, or with query,
     keys and values in different dtypes.
     """

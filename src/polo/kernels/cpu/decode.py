@@ -8,8 +8,8 @@ forwards, packed by `prepacked_linears`; polo's decode attention) and drops the 
 native kernels run, the rotary embedding of the queries and of the keys is one call each (`rotary`,
 decode_step.cpp) instead of five ops, and each residual add is fused into the norm after it (`add_rms_norm`).
 
-Measured on the bench's step-1 prompts (32 rows, 8 per prompt, SmolLM2-135M in bf16, 2-core AMD
-EPYC family 25, bf16 ~400 GFLOP/s), four alternating rounds of 60 steps: 50.0-55.4 ms a step through
+Measured on the bench's step-1 prompts (32 rows, 8 per prompt, SmolLM2-135M in bf16, on a CPU
+with bf16 at ~400 GFLOP/s), four alternating rounds of 60 steps: 50.0-55.4 ms a step through
 the forward, 45.3-52.3 ms here. Most of a step is kernels: the linears alone take ~28-31 ms at 32
 rows (~300 GFLOP/s), attention ~4 ms; without the rotary embedding and the residual adds the step
 took ~4 ms less, so fusing those is worth at most that.

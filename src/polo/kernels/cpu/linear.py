@@ -72,7 +72,7 @@ def prepacked_linears(model, batch_hint: int, fp32: bool = False, bf16: bool = T
 
     fp32 layers too with `fp32`, which the caller sets where `polo.runtime.rates` measured packed
     fp32 faster than torch's own fp32 matmul. torch's CPU wheels multiply fp32 with MKL's sgemm,
-    which on a 2-core AMD EPYC ran at ~215 GFLOP/s where oneDNN's packed kernel ran at ~490 (1,024
+    which on one AVX-512 CPU ran at ~215 GFLOP/s where oneDNN's packed kernel ran at ~490 (1,024
     rows; torch 2.13). At decode sizes: 64 rows x 576 -> 1,536 took 243 µs against 587, the LM head
     (576 -> 49,152) 9.1 ms against 30.3. The sums are taken in another order, so fp32 outputs differ
     from `F.linear`'s in the last bits (~1e-4 absolute on outputs of size ~10).
@@ -122,7 +122,7 @@ def prepacked_linears(model, batch_hint: int, fp32: bool = False, bf16: bool = T
 
 
 # Sibling projections that read the same input, multiplied as one packed matmul while sampling (the names every
-# Llama-like family in transformers uses). At 32 rows on a 2-core AMD EPYC (family 25, bf16 ~420 GFLOP/s), 30 layers
+# Llama-like family in transformers uses). At 32 rows on a CPU with bf16 at ~420 GFLOP/s, 30 layers
 # of SmolLM2-135M per decode step: q, k, v 5.43 ms apart against 3.79 merged; gate, up 11.09 against 10.21 (the same
 # bf16 outputs bit for bit there). Alone, k and v (576 -> 192) ran at ~120 GFLOP/s, under half the wide layers' rate.
 MERGED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -220,7 +220,7 @@ class OneDnnLinear(torch.autograd.Function):
     one oneDNN call on transposed views (Wᵀ is (in, out); gᵀ and xᵀ are (out, rows) and
     (in, rows)); see `onednn_linear` for what each view costs.
 
-    Why by hand: torch's CPU wheels multiply fp32 with MKL's sgemm, which on a 2-core AMD EPYC
+    Why by hand: torch's CPU wheels multiply fp32 with MKL's sgemm, which on one AVX-512 CPU
     ran at ~190-215 GFLOP/s where oneDNN ran at 300-490 for the same products (SmolLM2-135M's
     layer shapes over 2,088 rows, torch 2.13: forward 473 against 189, ∂x 426 against 215, ∂W
     333 against 211), and no library routes a training linear's three products there.

@@ -242,7 +242,7 @@ def split_common_prefix(
 # The packed row's length is rounded up to a multiple of this many tokens. oneDNN's bf16 matmuls on
 # the CPU run ~15 % slower when the row count is not a multiple of 8: SmolLM2-135M's four projection
 # shapes at 2,161 rows ran at 821-844 GFLOP/s, at 2,168 rows at 950-956 (time-weighted, torch 2.13,
-# 2-core EPYC with AVX-512 BF16, whose 2048^3 probe gives ~950).
+# a CPU with AVX-512 BF16 whose 2048^3 probe gives ~950).
 ROW_MULTIPLE = 8
 
 
@@ -343,7 +343,7 @@ def shared_attention(
         # Gathers along the token dimension as whole (h·d) rows with index_select: its backward adds
         # rows (index_add_), where advanced indexing over a middle dimension goes through index_put_
         # with accumulation, 6x slower on the CPU (forward + backward of one layer's queries, 1,808
-        # tokens into 2,480 block slots: 0.53 against 3.17 ms; torch 2.13, 2-core EPYC).
+        # tokens into 2,480 block slots: 0.53 against 3.17 ms; torch 2.13).
         def to_blocks(x: torch.Tensor) -> torch.Tensor:  # (1, h, T, d) -> (groups, h, P + G·C, d)
             return x[0].transpose(0, 1).index_select(0, index).unflatten(0, (groups, length)).transpose(1, 2)
 

@@ -39,6 +39,8 @@ namespace {
 constexpr int64_t kGrainElements = 16384;
 
 inline int64_t grain_rows(int64_t d) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(d, 1)); }
+// The most row chunks the RMSNorm backward splits dw's sum into (each its own d floats).
+constexpr int64_t kMaxChunks = 64;
 
 // ---- RMSNorm -------------------------------------------------------------------------------------
 
@@ -171,7 +173,9 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rms_norm_backward(const at::Te
   int64_t chunks = 0;
   float* partial_data = nullptr;
   if (weight_grad) {
-    chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / grain_rows(d)));
+    // as many chunks as the rows fill, never as many as there are threads: the sum's order, and so dw to the
+    // last bit, is the same whatever the thread count
+    chunks = std::max<int64_t>(1, std::min<int64_t>(kMaxChunks, rows / grain_rows(d)));
     partial = at::zeros({chunks, d}, x.options().dtype(at::kFloat));
     partial_data = partial.data_ptr<float>();
   }

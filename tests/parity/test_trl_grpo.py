@@ -1,0 +1,97 @@
+"""polo's GRPO-family update against TRL 1.16's own GRPOTrainer code, on identical inputs, in fp64 (trl_oracle.py).
+
+Every setting the two share gives the same advantages and the same gradient at every optimizer step, to 1e-6
+relative (max |polo − TRL| / max |TRL|). What is left is rounding: TRL's Bessel factor count / (count − 1) is an fp32
+number (1.5e-8 relative); everything else agrees to ~1e-15.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+trl = pytest.importorskip("trl", reason="TRL is the oracle of these tests: install polo's dev extras (trl==1.16.0)")
+
+from trl_oracle import TRL_VERSION, Setting, make_data, polo_config, polo_train, relative_error, trl_train  # noqa: E402
+
+TOLERANCE = 1e-6
+
+# Each shared setting, with a cut of the batch into optimizer steps that exercises it. TRL's DAPO normaliser is the
+# generation batch's tokens per optimizer step, polo's the step's own: they agree when one optimizer step takes the
+# whole batch (test_trl_conventions.py shows the difference otherwise).
+SHARED = {
+    "grpo": Setting(),
+    "grpo_minibatches": Setting(num_minibatches=4),  # one epoch cut into four optimizer steps
+    "grpo_epochs": Setting(epochs=3, num_minibatches=2),
+    "grad_accumulation": Setting(micro_batch_size=2, num_minibatches=2),  # 4 micro-batches per optimizer step
+    "dapo": Setting(loss_type="dapo", epochs=2, learning_rate=10.0),  # a token mean: smaller steps than grpo's
+    "clip_higher": Setting(loss_type="dapo", epsilon_high=0.28, epochs=3, learning_rate=10.0),
+    "mask_truncated": Setting(loss_type="dapo", mask_truncated=True, epochs=2, learning_rate=10.0),
+    # unscaled advantages and a sum over a constant: small gradients, so larger steps to reach the clip range
+    "dr_grpo": Setting(loss_type="dr_grpo", scale_rewards="none", num_minibatches=2, epochs=2, learning_rate=30.0),
+    "bnpo": Setting(loss_type="bnpo", micro_batch_size=2, num_minibatches=2, epochs=2),
+    "scale_rewards_none": Setting(scale_rewards="none", num_minibatches=2, learning_rate=10.0),
+    "gspo": Setting(sequence_ratio=True, epsilon_low=3e-4, epsilon_high=4e-4, num_minibatches=2),
+    "gspo_epochs": Setting(sequence_ratio=True, epsilon_low=3e-4, epsilon_high=4e-4, epochs=2, micro_batch_size=2),
+    "k3_beta": Setting(beta=0.1, epochs=2, num_minibatches=2),
+    "k3_beta_gspo": Setting(sequence_ratio=True, beta=0.04, epsilon_low=3e-4, epsilon_high=4e-4, num_minibatches=2),
+    "mask_truncated_grpo": Setting(mask_truncated=True, num_minibatches=2, beta=0.05),
+}
+
+
+@pytest.fixture(scope="module")
+def eos(tiny_model_dir) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir)).eos_token_id
+
+
+def test_the_oracle_is_the_pinned_trl():
+    assert trl.__version__ == TRL_VERSION
+
+
+@pytest.mark.parametrize("name", list(SHARED))
+def test_polo_computes_what_trl_computes(name, tiny_model_dir, eos, tmp_path):
+    setting = SHARED[name]
+    data = make_data(setting, eos)
+    polo, oracle = polo_train(setting, data), trl_train(setting, data, tiny_model_dir, tmp_path)
+
+    steps = setting.num_minibatches * setting.epochs
+    assert len(polo.gradients) == len(oracle.gradients) == steps
+    assert relative_error(polo.advantages, oracle.advantages) <= TOLERANCE
+    for step, (ours, theirs) in enumerate(zip(polo.gradients, oracle.gradients), start=1):
+        assert relative_error(ours, theirs) <= TOLERANCE, f"optimizer step {step}"
+    if steps > 1:  # later steps took ratios away from 1, and some were clipped: the clipped branch was compared
+        clipped = oracle.metrics.get("clip_ratio/region_mean", [])
+        assert max(clipped) > 0 and polo.metrics["clip_fraction/low"] + polo.metrics["clip_fraction/high"] > 0
+    if setting.mask_truncated:  # some completions were truncated, and left out of the loss
+        assert data.truncated.any()
+
+
+@pytest.mark.parametrize(
+    ("name", "change"),
+    [
+        ("grpo_epochs", {"clip_eps_high": 0.28}),  # clip-higher on one side only
+        ("k3_beta", {"beta": 0.09}),
+        ("dr_grpo", {"loss_aggregation": "token_mean"}),
+        ("grpo_minibatches", {"scale_rewards": False}),
+    ],
+)
+def test_the_comparison_catches_a_changed_setting(name, change, tiny_model_dir, eos, tmp_path):
+    """Negative control: polo with one setting changed no longer matches TRL."""
+    setting = SHARED[name]
+    data = make_data(setting, eos)
+    oracle = trl_train(setting, data, tiny_model_dir, tmp_path)
+    changed = polo_train(setting, data, polo_config(setting, **change))
+    errors = [relative_error(ours, theirs) for ours, theirs in zip(changed.gradients, oracle.gradients)]
+    assert max(errors) > 1e3 * TOLERANCE, errors
+
+
+def test_a_different_batch_is_caught_too(tiny_model_dir, eos, tmp_path):
+    """Negative control on the data: TRL on another draw of rewards disagrees with polo."""
+    setting = SHARED["grpo_epochs"]
+    data = make_data(setting, eos)
+    other = dataclasses.replace(data, rewards=make_data(setting, eos, seed=1).rewards)
+    polo, oracle = polo_train(setting, data), trl_train(setting, other, tiny_model_dir, tmp_path)
+    assert relative_error(polo.advantages, oracle.advantages) > 1e-2
