@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 datasets = pytest.importorskip("datasets")
 trl_rewards = pytest.importorskip("trl.rewards")  # TRL's own accuracy reward, as its quick start imports it
@@ -15,6 +16,7 @@ import polo  # noqa: E402
 from polo.data import HfSource, hf_task  # noqa: E402
 from polo.generation.prompts import QUESTION_PLACEHOLDER  # noqa: E402
 from polo.rewards import RewardSet  # noqa: E402
+from polo.rl.step import scored_rows  # noqa: E402
 
 accuracy_reward = trl_rewards.accuracy_reward
 
@@ -72,3 +74,14 @@ def test_the_accuracy_reward_over_conversational_prompts(tiny_model_dir, tmp_pat
     metrics, samples = one_step(tiny_model_dir, tmp_path / "run", accuracy_reward, CONVERSATIONAL)
     assert len(metrics) == 1 and "reward/accuracy_reward/mean" in metrics[0]
     assert all(sample["prompt"].startswith("<|im_start|>user\nWhat is ") for sample in samples)
+
+
+def test_a_completion_no_reward_applied_to_is_marked_unscored_for_the_advantages():
+    nan = float("nan")
+    columns = {
+        "only_long": torch.tensor([1.0, nan, nan, 0.0]),
+        "only_short": torch.tensor([nan, nan, 2.0, nan]),
+        "overlong": torch.tensor([0.0, 0.0, 0.0, 0.0]),  # shaping, never None: not a reward function
+    }
+    assert scored_rows(columns, ["only_long", "only_short"]).tolist() == [True, False, True, True]
+    assert scored_rows(columns, ["overlong"]) is None  # every completion scored

@@ -69,7 +69,12 @@ def zero_spread_groups(rewards: torch.Tensor, group_size: int, atol: float = 0.0
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-4, batch_std: bool = False
+    rewards: torch.Tensor,
+    group_size: int,
+    scale_by_std: bool = True,
+    eps: float = 1e-4,
+    batch_std: bool = False,
+    scored: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return GRPO group-relative advantages `(batch,)`.
 
@@ -85,8 +90,15 @@ def group_advantages(
     advantages (rounding in the mean would otherwise leave tiny values scaled up by 1/eps),
     and so does a group of one.
 
+    `scored` (batch,) bool, when given, marks the completions some reward applied to: the others
+    are left out of their group's mean and std and get advantage 0, as TRL's GRPOTrainer treats a
+    completion every reward function returned None for (`scored_group_advantages`; its std is the
+    group's, also under `batch_std`).
+
     Shapes: rewards (batch,) → advantages (batch,).
     """
+    if scored is not None:
+        return scored_group_advantages(rewards, scored, group_size, scale_by_std, eps)
     grouped = _grouped(rewards, group_size)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)
     if scale_by_std and batch_std:
@@ -103,6 +115,32 @@ def _batch_std(rewards: torch.Tensor) -> torch.Tensor:
     count, mean = totals[1], totals[0] / totals[1].clamp(min=1.0)
     squares = all_reduce_sum(((rewards - mean) ** 2).sum())
     return torch.sqrt(squares / (count - 1).clamp(min=1.0)) if count > 1 else torch.zeros_like(mean)
+
+
+def scored_group_advantages(
+    rewards: torch.Tensor, scored: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
+    """Return `group_advantages` over the scored completions of each group only, 0 for the others `(batch,)`.
+
+        A_i = (r_i − mean_{j∈S} r_j) / (std_{j∈S} r + eps)   for i ∈ S, the group's scored completions
+        A_i = 0                                              for i ∉ S
+
+    std_S is the sample standard deviation over S (divide by |S| − 1); a group with fewer than two
+    scored completions, or whose scored rewards are all equal, gets zero advantages.
+
+    Shapes: rewards (batch,), scored (batch,) bool → advantages (batch,).
+    """
+    grouped, mask = _grouped(rewards, group_size), _grouped(scored, group_size)
+    count = mask.sum(dim=1, keepdim=True)
+    mean = torch.where(mask, grouped, 0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    advantages = torch.where(mask, grouped - mean, 0.0)
+    if scale_by_std:
+        std = (advantages.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        advantages = advantages / (std + eps)
+    high = torch.where(mask, grouped, -torch.inf).max(dim=1, keepdim=True).values
+    low = torch.where(mask, grouped, torch.inf).min(dim=1, keepdim=True).values
+    flat = (count < 2) | (high <= low)
+    return torch.where(flat | ~mask, 0.0, advantages).reshape(-1)
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -287,6 +325,7 @@ def grpo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, Non
         scale_by_std=bool(settings.scale_rewards),
         eps=settings.advantage_eps,
         batch_std=settings.scale_rewards == "batch",
+        scored=inputs.scored,
     )
     return expand_to_tokens(advantages, inputs.mask), None
 

@@ -282,7 +282,9 @@ class AdvantageInputs:
     rewards (batch,) total reward per completion; mask (batch, seq) 1 on completion tokens;
     groups of `group_size` rows are contiguous. `kl` (batch, seq) is the per-token KL to the
     reference when `algorithm.kl_in_reward` folds it into the rewards (else None); `values`
-    (batch, seq) are the critic's values before the update (None without a critic).
+    (batch, seq) are the critic's values before the update (None without a critic). `scored`
+    (batch,) bool is False for a completion no reward applied to (every TRL-form reward returned
+    None), None when every completion was scored; `grpo` leaves those out of its group statistics.
     """
 
     rewards: torch.Tensor
@@ -290,6 +292,7 @@ class AdvantageInputs:
     group_size: int
     kl: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    scored: torch.Tensor | None = None
 
 
 @dataclass

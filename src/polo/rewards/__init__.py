@@ -2,7 +2,9 @@
 
 A reward is any plain function ``(completion: str, row: dict) -> float``, or a *batched* one:
 a callable with the attribute ``batched = True`` that takes ``(completions, rows)`` and returns
-one float per completion (a learned reward model scores a whole batch in one forward pass).
+one float per completion (a learned reward model scores a whole batch in one forward pass), or
+a function in TRL's form ``(prompts, completions, completion_ids, **columns) -> list[float | None]``,
+told apart by its signature (`polo.rewards.forms`).
 Rewards are named in configs by a registered name (``REWARDS``, `polo.core.registry`: each built-in
 registers itself with ``@register_reward`` where it is defined), by a reward model
 ``"model:PATH"`` (see `polo.finetune.reward_model`), by an import path ``"package.module:function"``,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -393,14 +393,34 @@ def score_before_update(run: Run, rollouts: Rollouts) -> PreUpdateScores:
     return scores
 
 
-def compute_advantages(batch: Batch, scores: PreUpdateScores, config: Config) -> UpdateBatch:
-    """Return the update's batch: the rollouts, advantages from the registered estimator and the losses' targets."""
+def scored_rows(columns: dict[str, torch.Tensor], reward_names: Sequence[str]) -> torch.Tensor | None:
+    """Return (batch,) bool, False where every reward function returned None (NaN in each of their columns); None
+    when every completion was scored."""
+    own = [columns[name] for name in reward_names if name in columns]
+    if not own:
+        return None
+    scored = ~torch.stack([column.isnan() for column in own]).all(dim=0)
+    return None if bool(scored.all()) else scored
+
+
+def compute_advantages(
+    batch: Batch, scores: PreUpdateScores, config: Config, reward_names: Sequence[str] = ()
+) -> UpdateBatch:
+    """Return the update's batch: the rollouts, advantages from the registered estimator and the losses' targets.
+
+    `reward_names` are the reward functions among `batch.columns`, whose None (NaN) marks a completion
+    none of them applied to (`scored_rows`)."""
     alg = config.algorithm
     kl = (
         core.kl_estimate(scores.old_logprobs, scores.reference_logprobs, alg.kl_estimator) if alg.kl_in_reward else None
     )
     inputs = core.AdvantageInputs(
-        batch.rewards, batch.rollouts.completion_mask.float(), alg.group_size, kl=kl, values=scores.old_values
+        batch.rewards,
+        batch.rollouts.completion_mask.float(),
+        alg.group_size,
+        kl=kl,
+        values=scores.old_values,
+        scored=scored_rows(batch.columns or {}, reward_names),
     )
     advantages, returns = core.ADVANTAGE_ESTIMATORS[alg.advantage_estimator](inputs, alg)
     return UpdateBatch(
@@ -439,7 +459,7 @@ def rl_step(run: Run, step: int) -> StepResult:
     rollouts = batch.rollouts
 
     started = time.perf_counter()
-    update_batch = compute_advantages(batch, score_before_update(run, rollouts), run.config)
+    update_batch = compute_advantages(batch, score_before_update(run, rollouts), run.config, run.reward_set.names)
     timings["reference"] = time.perf_counter() - started
     advantages = update_batch.advantages
     completions = completion_rows(batch, advantages) if logs_tables(run.config.output.report_to) else None

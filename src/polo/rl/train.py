@@ -56,8 +56,9 @@ def train(
     """Train a causal LM with the configured policy-optimization algorithm and return the result.
 
     `config` is a `Config`, a recipe path or a mapping; `overrides` are `dotted.key=value`
-    strings. `reward_functions` maps extra callables `(completion, row) -> float` to weights,
-    added to the configured rewards. `train_dataset` / `eval_dataset` (a `datasets.Dataset` or a
+    strings. `reward_functions` maps extra callables to weights, added to the configured rewards:
+    polo's `(completion, row) -> float` or TRL's `(prompts, completions, completion_ids, **columns)`
+    (`polo.rewards.forms`). `train_dataset` / `eval_dataset` (a `datasets.Dataset` or a
     list of dicts) are the rows of the hf task (`polo.data.hf`; a resume needs the same ones again).
     Launched by `torchrun`, every process calls it and the run is data-parallel (see
     `polo.runtime.parallel`); the process group is joined and left here.
