@@ -16,7 +16,7 @@ from polo.runtime.resume import (
     changed_keys,
     check_changes,
     checkpoint_problem,
-    forget_changes_after,
+    forget_changes_from,
     newest_intact,
     recipe_text,
     record_changes,
@@ -159,6 +159,28 @@ def test_config_yaml_keeps_the_starting_values_and_says_when_each_change_took_ef
     assert yaml.safe_load(recipe_text(current, tmp_path)) == RUN
     assert current["algorithm"]["group_size"] == 2  # the caller's recipe is not touched
 
-    forget_changes_after(tmp_path, 5)  # a resume from step 4 re-does step 6: its changes are void
+    forget_changes_from(tmp_path, 6)  # a resume from step 6 re-does steps 7 on: the changes made there are void
     assert [row["step"] for row in map(json.loads, (tmp_path / CHANGES_FILE).read_text().splitlines())] == [4]
     assert started_recipe(current, tmp_path)[0]["model"]["name"] == "models/b"  # no longer a change: as given
+
+
+def test_checking_reads_no_weights_and_maps_the_trainer_state_instead_of_reading_it(tmp_path, monkeypatch):
+    import safetensors
+    import safetensors.torch
+
+    checkpoint = write_checkpoint(tmp_path, 2)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a weights file was loaded")
+
+    for module, name in ((safetensors.torch, "load_file"), (safetensors.torch, "load"), (safetensors, "safe_open")):
+        monkeypatch.setattr(module, name, no_weights)
+    real_load, calls = torch.load, []
+
+    def recording_load(*args, **kwargs):
+        calls.append(kwargs)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    assert checkpoint_problem(checkpoint) is None
+    assert [call.get("mmap") for call in calls] == [True]

@@ -46,7 +46,7 @@ from polo.runtime.resume import (
     changed_keys,
     check_changes,
     damaged_line,
-    forget_changes_after,
+    forget_changes_from,
     newest_intact,
     recipe_text,
     record_changes,
@@ -298,8 +298,8 @@ def set_up(
             truncate_metrics(output_dir / "samples.jsonl", 0)
     if is_main_process():
         output_dir.mkdir(parents=True, exist_ok=True)
-        if resume_from is not None and rollback is None:  # changes recorded after a step re-done now are void
-            forget_changes_after(output_dir, run.start_step)
+        if resume_from is not None and rollback is None:  # changes from an earlier try at these steps are void
+            forget_changes_from(output_dir, run.start_step)
             record_changes(output_dir, run.start_step, changes)
         note = passed_datasets_note(task) if train_dataset is not None else ""
         (output_dir / "config.yaml").write_text(note + recipe_text(config_to_dict(config), output_dir))

@@ -107,9 +107,12 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
             return problem
     try:
         torch.load(state, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as error:  # a truncated zip fails here: its central directory is at the end
-        reason = " ".join(str(error).split())[:120]
-        return f"{TRAINER_STATE} cannot be read ({type(error).__name__}: {reason})"
+    except Exception:  # a truncated zip fails here (its central directory is at the end), or mmap is not to be had
+        try:
+            torch.load(state, map_location="cpu", weights_only=False)
+        except Exception as error:
+            reason = " ".join(str(error).split())[:120]
+            return f"{TRAINER_STATE} cannot be read ({type(error).__name__}: {reason})"
     return None
 
 
@@ -241,10 +244,11 @@ def recorded_changes(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def forget_changes_after(output_dir: Path, step: int) -> None:
-    """Drop recorded changes that took effect after `step` (a resume from an earlier checkpoint re-does those steps)."""
+def forget_changes_from(output_dir: Path, step: int) -> None:
+    """Drop the recorded changes that took effect after step `step` or later: a resume from checkpoint `step` re-does
+    the steps they applied to, and records its own changes again."""
     rows = recorded_changes(output_dir)
-    kept = [row for row in rows if row["step"] <= step]
+    kept = [row for row in rows if row["step"] < step]
     if len(kept) != len(rows):
         text = "".join(json.dumps(row) + "\n" for row in kept)
         (Path(output_dir) / CHANGES_FILE).write_text(text)
