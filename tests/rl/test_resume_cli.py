@@ -219,6 +219,9 @@ def test_resuming_a_finished_run_says_it_is_finished_and_changes_nothing(finishe
     ) in out
     assert snapshot(run_dir) == before  # no second evaluation row, no new checkpoint or model card
     assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in row] == [4]
+    assert main(["train", recipe, "output.resume=true", "train.steps=2"]) == 0  # past the end: finished as well
+    assert "holds a finished run (step-000004, train.steps=2): nothing to resume" in capsys.readouterr().out
+    assert snapshot(run_dir) == before
 
 
 def test_train_steps_0_does_nothing_and_says_so(tiny_model_dir, tmp_path, monkeypatch, capsys):

@@ -42,17 +42,16 @@ from polo.runtime.parallel import is_main_process
 from polo.runtime.resume import (
     CHANGES_FILE,
     Change,
-    RunFinishedError,
     changed_keys,
     check_changes,
     damaged_line,
+    finished_run,
     forget_changes_from,
     newest_intact,
     recipe_text,
     record_changes,
     saved_recipe,
     set_aside,
-    step_of,
 )
 from polo.runtime.seeding import restore_rng, seed_everything
 
@@ -146,12 +145,9 @@ def find_resume_point(config: Config, checkpointer: Checkpointer) -> tuple[Path 
         if is_main_process():
             print(f"polo: resume=true but no checkpoint in {checkpointer.root}; starting from step 0")
         return None, []
-    steps = config.train.steps
-    if step_of(resume_from) > steps or (step_of(resume_from) == steps and (resume_from / "README.md").exists()):
-        raise RunFinishedError(
-            f"polo: output.dir {config.output.dir} holds a finished run ({resume_from.name}, train.steps={steps}): "
-            "nothing to resume; raise train.steps to train on, or start again with output.overwrite=true"
-        )
+    finished = finished_run(resume_from, config.train.steps, Path(config.output.dir))
+    if finished is not None:
+        raise finished
     saved = saved_recipe(resume_from, Path(config.output.dir)) or {}
     changes = changed_keys(saved, config_to_dict(config), RESUME_KEYS)
     allowed = check_changes(changes, config.output.allow_changes, resume_from, "output.allow_changes")

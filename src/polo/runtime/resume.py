@@ -53,6 +53,22 @@ def step_of(checkpoint: Path) -> int:
     return int(Path(checkpoint).name.split("-")[-1])
 
 
+def finished_run(checkpoint: Path, steps: int, output_dir: Path) -> RunFinishedError | None:
+    """Return the news that resuming from `checkpoint` has nothing left to do with `steps` steps, or None when it has.
+
+    A run is finished when its checkpoint is past `steps`, or at `steps` with the model card its
+    end writes (README.md): a checkpoint at `steps` without one was saved by a stop before the
+    final evaluation, which the resume then does.
+    """
+    step = step_of(checkpoint)
+    if step < steps or (step == steps and not (Path(checkpoint) / "README.md").is_file()):
+        return None
+    return RunFinishedError(
+        f"polo: output.dir {output_dir} holds a finished run ({Path(checkpoint).name}, train.steps={steps}): "
+        "nothing to resume; raise train.steps to train on, or start again with output.overwrite=true"
+    )
+
+
 def safetensors_problem(path: Path) -> str | None:
     """Return what is wrong with a safetensors file (truncated, a bad header), or None when it is whole.
 
