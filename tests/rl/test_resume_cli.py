@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -268,9 +269,9 @@ def unshare_works() -> bool:
     """Return whether this machine lets a process bind-mount a folder read-only in its own mount namespace."""
     if shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", "mount --bind / /mnt && mount -o remount,bind,ro /mnt"], capture_output=True
-    )
+    with tempfile.TemporaryDirectory() as folder:
+        mount = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} && ! touch {folder}/x"
+        probe = subprocess.run(["unshare", "-rm", "sh", "-c", mount], capture_output=True)
     return probe.returncode == 0
 
 
