@@ -530,6 +530,24 @@ class EvalConfig:
     batch_size: int = setting(64, help="prompts decoded together", range=">= 1")
 
 
+# The keys that say what a `polo train` run is: a resume whose recipe changes one is refused unless
+# output.allow_changes names it (polo.runtime.resume). The model is also the KL reference (beta > 0).
+RESUME_KEYS = (
+    "model.name",
+    "algorithm.name",
+    "algorithm.advantage_estimator",
+    "algorithm.policy_loss",
+    "algorithm.loss_aggregation",
+    "algorithm.kl_estimator",
+    "algorithm.group_size",
+    "task.name",
+    "task.path",
+    "task.subset",
+    "task.train_path",
+    "task.eval_path",
+)
+
+
 @dataclass
 class OutputConfig:
     """Where a run writes, how often it checkpoints, resuming, trackers and the Hub."""
@@ -541,6 +559,12 @@ class OutputConfig:
     keep_checkpoints: int = setting(2, help="periodic checkpoints kept (the newest)", range=">= 1")
     resume: bool = setting(False, help="continue from the newest checkpoint in dir (docs/cluster.md)")
     overwrite: bool = setting(False, help="a fresh run into a directory holding an earlier run removes that run first")
+    allow_changes: list[str] = setting(
+        [],
+        help="keys a resume may change although they define the run (any other change to them is refused); "
+        "each change is recorded in dir/config_changes.jsonl and config.yaml keeps the starting value",
+        choices=RESUME_KEYS,
+    )
     report_to: list[str] = report_to_setting()
     project: str | None = project_setting()
     run_name: str | None = run_name_setting()

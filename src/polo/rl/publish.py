@@ -15,6 +15,7 @@ from polo.config import config_to_dict
 from polo.models.hub import HeldOut, ModelCard, publish
 from polo.models.lora import is_adapter_dir
 from polo.runtime.parallel import is_main_process
+from polo.runtime.resume import started_recipe
 
 if TYPE_CHECKING:
     from polo.rl.setup import Run
@@ -30,13 +31,16 @@ def publish_model(run: Run, eval_after: dict | None) -> Path | None:
     if not is_main_process() or final is None:
         return None
     config = run.config
+    # What the run started from, with a line per change a resume was allowed (polo.runtime.resume): the card
+    # never names a later model.name as the base of the whole run.
+    started, changes = started_recipe(config_to_dict(config), run.output_dir)
     card = ModelCard(
         location=config.output.push_to_hub or str(final),
-        base_model=config.model.name,
-        method=config.algorithm.name,
+        base_model=started["model"]["name"],
+        method=started["algorithm"]["name"],
         trained_on=run.task.name,
         steps=int(final.name.split("-")[1]),
-        recipe=yaml.safe_dump(config_to_dict(config), sort_keys=False),
+        recipe=changes + yaml.safe_dump(started, sort_keys=False),
         held_out=HeldOut(
             f"Greedy decoding on {len(run.task.eval_rows)} held-out problems",
             ("accuracy",),

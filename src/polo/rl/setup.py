@@ -1,8 +1,9 @@
 """Everything an RL run holds, built once before the first step: `set_up(config) -> Run`.
 
-The order matters and is kept exactly (the random streams depend on it): task and rewards,
-checkpoint lookup, seeding, the policy, its reference or LoRA adapters, FSDP sharding, master
-weights, the optimizer, the critic, the schedule, and finally the resumed state.
+The order matters and is kept exactly (the random streams depend on it): the checkpoint lookup
+and its checks (files only, `polo.runtime.resume`), task and rewards, seeding, the policy, its
+reference or LoRA adapters, FSDP sharding, master weights, the optimizer, the critic, the
+schedule, and finally the resumed state.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import yaml
 
 from polo import core
 from polo.config import Config, ConfigError, config_to_dict, load_config
+from polo.config.schema import RESUME_KEYS
 from polo.data import instruction_for, make_task
 from polo.data.base import Task
 from polo.data.environments import sampler_for
@@ -40,6 +42,20 @@ from polo.runtime.device import Compute, train_compute
 from polo.runtime.metrics import truncate_metrics
 from polo.runtime.optimizer import build_schedule
 from polo.runtime.parallel import is_main_process
+from polo.runtime.resume import (
+    CHANGES_FILE,
+    Change,
+    changed_keys,
+    check_changes,
+    damaged_line,
+    finished_run,
+    forget_changes_from,
+    newest_intact,
+    recipe_text,
+    record_changes,
+    saved_recipe,
+    set_aside,
+)
 from polo.runtime.seeding import restore_rng, seed_everything
 
 
@@ -112,14 +128,39 @@ def checked_config(config, overrides: list[str] | None) -> Config:
     return config
 
 
-def find_resume_point(config: Config, checkpointer: Checkpointer) -> Path | None:
-    """Return the checkpoint to resume from, or None for a fresh run (refused over an earlier run unless overwrite)."""
-    resume_from = checkpointer.latest() if config.output.resume else None
+def find_resume_point(config: Config, checkpointer: Checkpointer) -> tuple[Path | None, list[Change]]:
+    """Return (the checkpoint to resume from or None for a fresh run, the recipe changes output.allow_changes allows).
+
+    Reads only files: a damaged newest checkpoint is named and set aside for the newest intact
+    one, a change to a key that defines the run (`RESUME_KEYS`) is refused, and a finished run
+    raises `RunFinishedError`. A fresh run's claim on output.dir is `claim_output_dir`'s.
+    """
+    if not config.output.resume:
+        return None, []
+    resume_from, damaged = newest_intact(checkpointer.root)
+    parallel.barrier()  # every rank has looked before the main process moves anything
+    if is_main_process():
+        for checkpoint in damaged:
+            print(damaged_line(checkpoint, resume_from), flush=True)
+            set_aside(checkpoint)
+    parallel.barrier()
     if resume_from is None:
-        claim_output_dir(Path(config.output.dir), config.output.overwrite, config.output.resume)
-    if config.output.resume and resume_from is None and is_main_process():
-        print(f"polo: resume=true but no checkpoint in {checkpointer.root}; starting from step 0")
-    return resume_from
+        if is_main_process():
+            print(f"polo: resume=true but no checkpoint in {checkpointer.root}; starting from step 0")
+        return None, []
+    finished = finished_run(resume_from, config.train.steps, Path(config.output.dir))
+    if finished is not None:
+        raise finished
+    saved = saved_recipe(resume_from, Path(config.output.dir)) or {}
+    changes = changed_keys(saved, config_to_dict(config), RESUME_KEYS)
+    allowed = check_changes(changes, config.output.allow_changes, resume_from, "output.allow_changes")
+    if allowed and is_main_process():
+        print(
+            f"polo: resuming from {resume_from.name} with {', '.join(map(str, allowed))}, as output.allow_changes "
+            f"allows (recorded in {CHANGES_FILE})",
+            flush=True,
+        )
+    return resume_from, allowed
 
 
 def load_models(config: Config, compute: Compute, resume_from: Path | None) -> tuple:
@@ -226,15 +267,21 @@ def set_up(
     from the starting model when it is None, as a resume would, then skips the batches it names.
     """
     config = checked_config(config, overrides)
+    # What config.yaml records: passed datasets make the hf task (make_task refuses them with another task.name).
+    recorded = config if train_dataset is None else replace(config, task=replace(config.task, name="hf"))
     output_dir = Path(config.output.dir)
+    checkpointer = Checkpointer(
+        output_dir, config.output.keep_checkpoints, yaml.safe_dump(config_to_dict(recorded), sort_keys=False)
+    )
+    # Before anything loads: a refused resume or a damaged checkpoint costs nothing.
+    resume_from, changes = find_resume_point(recorded, checkpointer) if rollback is None else (rollback.checkpoint, [])
     compute = train_compute(config)
     task = make_task(config, train_dataset, eval_dataset)
-    if train_dataset is not None:
-        config = replace(config, task=replace(config.task, name="hf"))
+    config = recorded
     reward_set = RewardSet({**config.rewards, **(reward_functions or {})}, task, on_error=config.train.on_reward_error)
     check_guard_settings(config)
-    checkpointer = Checkpointer(output_dir, config.output.keep_checkpoints)
-    resume_from = find_resume_point(config, checkpointer) if rollback is None else rollback.checkpoint
+    if resume_from is None and rollback is None:
+        claim_output_dir(output_dir, config.output.overwrite, config.output.resume)
     if train_dataset is not None and resume_from is not None:
         check_same_datasets(output_dir / "config.yaml", task)
     note = passed_datasets_note(task) if train_dataset is not None else ""  # the rows as given, before any cut
@@ -272,5 +319,8 @@ def set_up(
             truncate_metrics(output_dir / "samples.jsonl", 0)
     if is_main_process():
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(note + yaml.safe_dump(config_to_dict(config), sort_keys=False))
+        if resume_from is not None and rollback is None:  # changes from an earlier try at these steps are void
+            forget_changes_from(output_dir, run.start_step)
+            record_changes(output_dir, run.start_step, changes)
+        (output_dir / "config.yaml").write_text(note + recipe_text(config_to_dict(config), output_dir))
     return run

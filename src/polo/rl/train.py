@@ -30,6 +30,7 @@ from polo.runtime.errors import NonFiniteLossError
 from polo.runtime.interrupt import RunStopped, StopRequest
 from polo.runtime.metrics import MetricsLogger, read_metrics
 from polo.runtime.parallel import is_main_process
+from polo.runtime.resume import RunFinishedError
 from polo.runtime.run_lock import owned_run_dir
 from polo.runtime.trackers import Trackers
 
@@ -68,6 +69,9 @@ def train(
             load_config(config_to_dict(config) if isinstance(config, Config) else config, overrides),
             None,
         )
+    if config.train.steps == 0:  # nothing to train: no model loads and output.dir stays as it is
+        say_on_main(f"polo: train.steps=0: nothing to train; nothing was loaded, and {config.output.dir} is untouched")
+        return TrainResult(Path(config.output.dir), 0)
     joined, finished = parallel.init_from_environment(resolve_device(config.train.device)), False
     try:
         # The lock comes before anything looks at output.dir; a stop signal during set-up is held until the loop
@@ -88,6 +92,10 @@ def train(
                     )
                     finished = True
                     return result
+                except RunFinishedError as done:  # resumed after its end: say so, evaluate and save nothing again
+                    say_on_main(str(done))
+                    finished = True
+                    return finished_result(config)
                 except Rollback as request:
                     rollback = request.state  # the failed run's frames go with the exception, before the rebuild
                 if is_main_process():
@@ -156,6 +164,14 @@ def train_loop(run: Run) -> TrainResult:
     return TrainResult(
         run.output_dir, config.train.steps, run.eval_before, eval_after, read_metrics(run.output_dir / "metrics.jsonl")
     )
+
+
+def finished_result(config: Config) -> TrainResult:
+    """Return what a finished run in `output.dir` left: its metrics and held-out results, read from its files."""
+    output_dir, steps = Path(config.output.dir), config.train.steps
+    evaluations = [output_dir / f"eval_step{step:06d}.json" for step in (0, steps)]
+    before, after = (json.loads(path.read_text()) if path.is_file() else None for path in evaluations)
+    return TrainResult(output_dir, steps, before, after, read_metrics(output_dir / "metrics.jsonl"))
 
 
 def say_on_main(line: str) -> None:

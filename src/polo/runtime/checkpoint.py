@@ -84,11 +84,17 @@ def staged_directory(target: Path, what: str, keeps: str = "") -> Iterator[Path]
 
 
 class Checkpointer:
-    """Saves and finds checkpoint directories `<dir>/checkpoints/step-NNNNNN`."""
+    """Saves and finds checkpoint directories `<dir>/checkpoints/step-NNNNNN`.
 
-    def __init__(self, output_dir: Path, keep: int):
+    `recipe` (the run's config as YAML text) is written into each checkpoint as config.yaml: a
+    resume compares the recipe it is given with the one the checkpoint was trained under
+    (`polo.runtime.resume`).
+    """
+
+    def __init__(self, output_dir: Path, keep: int, recipe: str | None = None):
         self.root = output_dir / "checkpoints"
         self.keep = keep
+        self.recipe = recipe
 
     def latest(self) -> Path | None:
         complete = [path for path in self.root.glob("step-*") if (path / "trainer_state.pt").exists()]
@@ -134,6 +140,8 @@ class Checkpointer:
             ):  # transformers writes the in-memory (bf16) dtype; the saved weights are the fp32 masters
                 mark_float32(staging / "config.json")
             tokenizer.save_pretrained(str(staging))
+            if self.recipe is not None:
+                (staging / "config.yaml").write_text(self.recipe)
             state = {
                 "step": step,
                 "optimizer": optimizer_state,
@@ -181,6 +189,7 @@ RUN_FILES = (
     "metrics.jsonl",
     "samples.jsonl",
     "config.yaml",
+    "config_changes.jsonl",
     "summary.json",
     "reward.png",
     "accuracy.png",
@@ -202,13 +211,40 @@ def previous_run(output_dir: Path) -> list[Path]:
     return found + sorted(output_dir.glob("eval_step*.json"))
 
 
+def finished_a_step(output_dir: Path) -> bool:
+    """Return True when the run in `output_dir` finished at least one step: a checkpoint, a final model, a summary, or
+    a metrics row past step 0.
+
+    A run that failed before its first step (a bad reward, a model that did not fit) leaves
+    config.yaml, tensorboard/ and maybe a step-0 evaluation: nothing a rerun would lose.
+    """
+    output_dir = Path(output_dir)
+    if any(output_dir.glob("checkpoints/*step-*")) or (output_dir / "final").exists():
+        return True
+    if (output_dir / "summary.json").exists():
+        return True
+    metrics = output_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return False
+    with open(metrics) as handle:
+        for line in handle:
+            try:
+                row = json.loads(line)
+            except ValueError:  # a partial last line, or not polo's: either way no finished step
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int | float) and row["step"] >= 1:
+                return True
+    return False
+
+
 def claim_output_dir(output_dir: Path, overwrite: bool, resume: bool | None = None) -> None:
     """Refuse to start a fresh run over an earlier run's files unless `overwrite`, which removes them first.
 
     Call it only when the run does not continue from a checkpoint. `resume` is None for commands
     that cannot resume (polo sft, rm, dpo), else the run's `output.resume` (True here means it was
-    asked for but there is no checkpoint to continue from). Every rank may call it: all refuse
-    alike, and only the main process removes anything.
+    asked for but there is no checkpoint to continue from). The files of a run that never finished
+    a step are no run to protect: they are replaced, with a line that says so. Every rank may call
+    it: all refuse alike, and only the main process removes anything.
     """
     found = previous_run(output_dir)
     if not found:
@@ -216,7 +252,8 @@ def claim_output_dir(output_dir: Path, overwrite: bool, resume: bool | None = No
     names = ", ".join(path.name + ("/" if path.is_dir() else "") for path in found[:4]) + (
         ", ..." if len(found) > 4 else ""
     )
-    if not overwrite:
+    finished = finished_a_step(output_dir)
+    if not overwrite and finished:
         if resume:
             raise OutputDirInUseError(
                 f"output.resume=true but output.dir {output_dir} has no complete checkpoint, only an earlier run's "
@@ -231,4 +268,7 @@ def claim_output_dir(output_dir: Path, overwrite: bool, resume: bool | None = No
     if is_main_process():
         for path in found:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-        print(f"polo: output.overwrite=true: removed the earlier run in {output_dir} ({names})")
+        if not finished:
+            print(f"polo: output.dir {output_dir} held only a run that never finished a step ({names}): replaced")
+        else:
+            print(f"polo: output.overwrite=true: removed the earlier run in {output_dir} ({names})")

@@ -37,6 +37,10 @@ class RunDirLockedError(ConfigError):
     """Another live process holds the run directory; this command touched nothing there."""
 
 
+class RunDirUnwritableError(ConfigError):
+    """The run directory, or the folder it would be made in, cannot be written; nothing was written there."""
+
+
 @dataclass(frozen=True)
 class LockHolder:
     """Who holds a run directory: what its lock file says."""
@@ -114,9 +118,8 @@ class RunDirLock:
         Raises `RunDirLockedError` (one line naming the holder) when another process holds it.
         """
         self.created_directory = not self.directory.exists()
-        self.directory.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -140,6 +143,23 @@ class RunDirLock:
         os.write(fd, LockHolder.current().text().encode())
         self.fd = fd
         return self
+
+    def _open(self) -> int:
+        """Return a descriptor of the lock file, made with its directory where missing.
+
+        Raises `RunDirUnwritableError` (one line) where either cannot be made: a read-only file
+        system, a parent this user may not write, a name already taken by a file.
+        """
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            named = Path(error.filename) if error.filename else None
+            where = f": {named}" if named is not None and named not in (self.path, self.directory) else ""
+            raise RunDirUnwritableError(
+                f"{self.what} {self.directory} cannot be written ({error.strerror or error}{where}): "
+                f"{self.instead or f'pick another {self.what}'}"
+            ) from None
 
     def _still_linked(self, fd: int) -> bool:
         """Return True when `fd` is still the file at `self.path` (a releasing holder unlinks it before unlocking)."""
