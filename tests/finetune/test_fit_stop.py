@@ -1,5 +1,4 @@
-"""polo sft, rm and dpo stop at SIGTERM after the step in progress, and say how to start again (they keep no
-checkpoint)."""
+"""polo sft, rm and dpo stop at SIGTERM after the step in progress, save it, and say how to continue."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from polo.runtime.metrics import read_metrics
 from polo.runtime.run_lock import LOCK_FILE
 
 
-def test_sigterm_during_an_sft_step_finishes_it_then_stops_with_the_command_to_start_again(
+def test_sigterm_during_an_sft_step_finishes_and_saves_it_then_stops_with_the_command_to_resume(
     tiny_model_dir, tmp_path, monkeypatch, capsys
 ):
     path = tmp_path / "sft.yaml"
@@ -30,14 +29,15 @@ def test_sigterm_during_an_sft_step_finishes_it_then_stops_with_the_command_to_s
     monkeypatch.setattr(fit_module, "_backpropagate", signalling)
     assert main(["sft", str(path), "train.seed=1"]) == EXIT_STOPPED
     captured = capsys.readouterr()
-    assert (
-        "polo: SIGTERM: stopping after this step (polo sft, rm and dpo keep no checkpoint: the run starts again)"
-        in captured.out
+    assert "polo: SIGTERM: stopping after this step and saving a checkpoint (send SIGTERM again to abort now)" in (
+        captured.out
     )
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000002"
     assert captured.err.strip().splitlines()[-1] == (
-        "polo: stopped by SIGTERM after step 2; polo sft cannot resume; start it again with: "
-        f"polo sft {path} train.seed=1 output.overwrite=true"
+        f"polo: stopped by SIGTERM after step 2; saved {checkpoint}; resume with: "
+        f"polo sft {path} train.seed=1 output.resume=true"
     )
     assert [row["step"] for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in row] == [1, 2]
+    assert (checkpoint / "trainer_state.pt").exists() and (checkpoint / "model.safetensors").exists()
     assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / LOCK_FILE).exists()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

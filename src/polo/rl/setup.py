@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import yaml
 
 from polo import core
 from polo.config import Config, ConfigError, config_to_dict, load_config
@@ -32,8 +31,9 @@ from polo.rl.guard import RollbackState, check_guard_settings
 from polo.rl.modules import UpdateModules
 from polo.rl.update import Learner, update_modules
 from polo.runtime import parallel
-from polo.runtime.checkpoint import Checkpointer, claim_output_dir, load_trainer_state
+from polo.runtime.checkpoint import Checkpointer, load_trainer_state
 from polo.runtime.device import Compute, train_compute
+from polo.runtime.lifecycle import resume_point, snapshot_config
 from polo.runtime.metrics import truncate_metrics
 from polo.runtime.optimizer import build_schedule
 from polo.runtime.parallel import is_main_process
@@ -111,12 +111,7 @@ def checked_config(config, overrides: list[str] | None) -> Config:
 
 def find_resume_point(config: Config, checkpointer: Checkpointer) -> Path | None:
     """Return the checkpoint to resume from, or None for a fresh run (refused over an earlier run unless overwrite)."""
-    resume_from = checkpointer.latest() if config.output.resume else None
-    if resume_from is None:
-        claim_output_dir(Path(config.output.dir), config.output.overwrite, config.output.resume)
-    if config.output.resume and resume_from is None and is_main_process():
-        print(f"polo: resume=true but no checkpoint in {checkpointer.root}; starting from step 0")
-    return resume_from
+    return resume_point(Path(config.output.dir), checkpointer, config.output.resume, config.output.overwrite)
 
 
 def load_models(config: Config, compute: Compute, resume_from: Path | None) -> tuple:
@@ -245,8 +240,6 @@ def set_up(
         if resume_from is None and is_main_process():  # back to the starting model: the rows logged since go
             truncate_metrics(output_dir / "metrics.jsonl", 0)
             truncate_metrics(output_dir / "samples.jsonl", 0)
-    if is_main_process():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        note = passed_datasets_note(task) if train_dataset is not None else ""
-        (output_dir / "config.yaml").write_text(note + yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    note = passed_datasets_note(task) if train_dataset is not None else ""
+    snapshot_config(output_dir, config_to_dict(config), note)
     return run
