@@ -51,7 +51,7 @@ def stop_then_resume(command: str, recipe: dict, tmp_path: Path, step: int) -> P
     ), stopped.stderr
     assert "Traceback" not in stopped.stderr and not (run_dir / "final").exists()
     assert not (run_dir / LOCK_FILE).exists()
-    again = polo(*shlex.split(last_line.partition("resume with: ")[2]))
+    again = polo(*shlex.split(last_line.partition("resume with: polo ")[2]))
     assert again.returncode == 0, again.stdout + again.stderr
     return run_dir
 
