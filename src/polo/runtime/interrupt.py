@@ -79,7 +79,7 @@ class RunStopped(KeyboardInterrupt):
 
     `step` is None for a pipeline stopped between stages (`where` is then the finished stage).
     A `KeyboardInterrupt`, so a notebook caller sees it as the Ctrl-C it often is. `resumable` is
-    False for runs that cannot continue from a checkpoint (`polo sft`, `rm`, `dpo`); `where` names
+    False for runs that cannot continue from a checkpoint (`polo control`); `where` names
     the pipeline stage it stopped in, when it did.
     """
 
