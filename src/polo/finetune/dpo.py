@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from polo import core
+from polo.config import ConfigError
 from polo.config.finetune import DPOConfig, load_dpo_config
 from polo.data.preferences import read_rankings
 from polo.finetune.fit import (
@@ -146,7 +147,7 @@ def with_logps(examples: Sequence[Example], logps: Sequence[Sequence[float]]) ->
     """Return the examples with `reference_logps` set from `logps` (one list per example, as a checkpoint keeps
     them)."""
     if len(logps) != len(examples):
-        raise ValueError(
+        raise ConfigError(
             f"the checkpoint holds reference log-probs of {len(logps)} rankings, the data has {len(examples)}: "
             "resume with the data the run started with"
         )
