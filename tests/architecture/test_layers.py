@@ -223,3 +223,41 @@ def test_a_future_warning_fails_the_test_that_raised_it():
 
     with pytest.raises(FutureWarning, match="going away"):
         warnings.warn("this argument is going away", FutureWarning, stacklevel=1)
+
+
+# A training loop logs a metrics row per step and turns stop signals into a clean stop: one module does both for
+# every trainer (polo.runtime.lifecycle), and the pipeline stops between its stages.
+LIFECYCLE = "polo/runtime/lifecycle.py"
+LOOP_PARTS = {
+    "MetricsLogger": (LIFECYCLE,),
+    "StopRequest": (LIFECYCLE, "polo/pipeline/run.py"),
+    "RunStopped": (LIFECYCLE, "polo/pipeline/run.py", "polo/runtime/interrupt.py"),
+}
+
+
+def loop_part_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """Return (line, name) of every call that builds a training loop's part (`LOOP_PARTS`) in a module."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            function = node.func
+            name = function.id if isinstance(function, ast.Name) else getattr(function, "attr", "")
+            if name in LOOP_PARTS:
+                found.append((node.lineno, name))
+    return found
+
+
+def test_only_the_lifecycle_runs_a_training_loop():
+    """A second loop would open its own metrics logger and stop handling: only the lifecycle builds them."""
+    found = [
+        f"{relative}:{line} {name}("
+        for relative, tree in polo_sources_outside(())
+        for line, name in loop_part_calls(tree)
+        if relative not in LOOP_PARTS[name]
+    ]
+    assert found == [], "a trainer is a step plugged into polo.runtime.lifecycle.run_lifecycle, not a loop of its own"
+
+
+def test_the_loop_check_finds_a_second_loop():
+    source = "logger = metrics.MetricsLogger(out, 3)\nwith StopRequest() as stop:\n    raise RunStopped(2, 1, None)\n"
+    assert loop_part_calls(ast.parse(source)) == [(1, "MetricsLogger"), (2, "StopRequest"), (3, "RunStopped")]

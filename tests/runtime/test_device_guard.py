@@ -8,6 +8,7 @@ on (under the factory check alone), as a user places a model and its inputs befo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -71,41 +72,41 @@ def test_a_ppo_step_with_its_critic_names_the_device_of_every_tensor(tiny_model_
     assert "value/loss" in metrics and "value/explained_variance" in metrics
 
 
-def test_an_sft_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path):
-    from polo.data.preferences import Demonstration
-    from polo.finetune.fit import fit, prepare_model
-    from polo.finetune.sft import SFTObjective, encode_demonstrations, load_sft_config
-    from polo.models.loading import load_policy
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
 
+
+def test_an_sft_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path):
+    from polo.config.finetune import load_sft_config
+    from polo.finetune.sft import SFTTrainer
+
+    demos = [{"prompt": f"What is {i} + 1?", "response": f"{i + 1}"} for i in range(4)]
     config = load_sft_config(
         {
             "model": {"name": str(tiny_model_dir)},
-            "data": {"train_path": "unused.jsonl"},
+            "data": {"train_path": write_jsonl(tmp_path / "demos.jsonl", demos), "max_length": 64},
             "train": {"max_steps": 1, "batch_size": 4, "micro_batch_size": 2, "device": "cpu", "precision": "fp32"},
             "output": {"dir": str(tmp_path / "sft"), "report_to": [], "progress": False},
         }
     )
-    model, tokenizer = load_policy(str(tiny_model_dir))
-    demos = [Demonstration(({"role": "user", "content": f"What is {i} + 1?"},), f"{i + 1}") for i in range(4)]
-    examples = encode_demonstrations(tokenizer, demos, None, 64)
+    trainer = SFTTrainer(config)  # polo's attention: the batch runs without its padding
+    model = trainer.trainee.model
     before = model.lm_head.weight.detach().clone()
     with implicit_device_guard():
-        trainee = prepare_model(model, CPU)  # polo's attention: the batch runs without its padding
-        rows, _, _ = fit(trainee, examples, SFTObjective(tokenizer.pad_token_id, CPU.device), config)
-    assert rows[0]["loss"] > 0 and not torch.equal(before, model.lm_head.weight.detach())
+        report = trainer.step(1)
+    assert report.metrics["loss"] > 0 and not torch.equal(before, model.lm_head.weight.detach())
 
 
 def test_a_dpo_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path):
-    from polo.data.preferences import Ranking
-    from polo.finetune.dpo import DPOObjective, load_dpo_config, with_reference_logps
-    from polo.finetune.fit import fit, prepare_model
-    from polo.finetune.reward_model import encode_rankings
-    from polo.models.loading import load_policy
+    from polo.config.finetune import load_dpo_config
+    from polo.finetune.dpo import DPOTrainer, with_reference_logps
 
+    rankings = [{"prompt": "Say 1.", "ranked": ["1", "2", "3"]}, {"prompt": "Say 1.", "ranked": ["one", "two"]}]
     config = load_dpo_config(
         {
             "model": {"name": str(tiny_model_dir)},
-            "data": {"train_path": "unused.jsonl"},
+            "data": {"train_path": write_jsonl(tmp_path / "rankings.jsonl", rankings), "max_length": 64},
             "train": {
                 "max_steps": 1,
                 "batch_size": 2,
@@ -117,14 +118,14 @@ def test_a_dpo_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path):
             "output": {"dir": str(tmp_path / "dpo"), "report_to": [], "progress": False},
         }
     )
-    model, tokenizer = load_policy(str(tiny_model_dir))
-    prompt = ({"role": "user", "content": "Say 1."},)
-    examples = encode_rankings(tokenizer, [Ranking(prompt, ("1", "2", "3")), Ranking(prompt, ("one", "two"))], None, 64)
+    trainer = DPOTrainer(config)
     with implicit_device_guard():
-        trainee = prepare_model(model, CPU)
-        examples = with_reference_logps(model, examples, tokenizer.pad_token_id, 2, CPU)  # the frozen reference's pass
-        rows, _, _ = fit(trainee, examples, DPOObjective(tokenizer.pad_token_id, 0.1, device=CPU.device), config)
-    assert rows[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # log 2: the policy starts as its reference
+        scored = with_reference_logps(
+            trainer.trainee.model, trainer.train_examples, trainer.tokenizer.pad_token_id, 2, CPU
+        )
+        report = trainer.step(1)
+    assert [example.reference_logps for example in scored] == [e.reference_logps for e in trainer.train_examples]
+    assert report.metrics["loss"] == pytest.approx(0.6931, abs=1e-3)  # log 2: the policy starts as its reference
 
 
 def test_an_eval_batch_names_the_device_of_every_tensor(tiny_model_dir):

@@ -2,7 +2,8 @@
 
 - POLO_TEST_SIGTERM=PHASE:N   send this process SIGTERM once, in the middle of PHASE of step N:
                               sampling (its first sampling round), update (the policy update),
-                              checkpoint (while writing checkpoint N);
+                              checkpoint (while writing checkpoint N), fit (the backward
+                              pass of optimizer step N of polo sft, rm or dpo);
 - POLO_TEST_HOLD_UNTIL=PATH   once the run has taken its directory's lock, before it checks or writes
                               anything there, wait until PATH exists (at most two minutes).
 
@@ -49,12 +50,16 @@ def _install_sigterm(spec: str) -> None:
         from polo.rl import step as module
 
         _signal_before(module, "policy_update", lambda args: calls.append(1) or len(calls) == target)
+    elif phase == "fit":  # _backpropagate(trainee, batch, objective, micro_batch_size, name, step)
+        from polo.finetune import fit as module
+
+        _signal_before(module, "_backpropagate", lambda args: args[-1] == target)
     elif phase == "checkpoint":  # Checkpointer._write(self, step, ...)
         from polo.runtime.checkpoint import Checkpointer
 
         _signal_before(Checkpointer, "_write", lambda args: args[1] == target)
     else:
-        raise ValueError(f"POLO_TEST_SIGTERM={spec!r}: the phase must be sampling, update or checkpoint")
+        raise ValueError(f"POLO_TEST_SIGTERM={spec!r}: the phase must be sampling, update, fit or checkpoint")
 
 
 def _install_hold(path: str) -> None:

@@ -119,6 +119,40 @@ def hub_private_setting() -> Any:
     return setting(False, help="a repository push_to_hub creates is private")
 
 
+def save_every_setting(default: int) -> Any:
+    """Return the `output.save_every` field of the commands that checkpoint."""
+    return setting(
+        default, help="checkpoint every N steps (and on a stop signal); 0 disables periodic ones", range=">= 0"
+    )
+
+
+def keep_checkpoints_setting() -> Any:
+    """Return the `output.keep_checkpoints` field of the commands that checkpoint."""
+    return setting(2, help="periodic checkpoints kept (the newest)", range=">= 1")
+
+
+def resume_setting() -> Any:
+    """Return the `output.resume` field of the commands that checkpoint."""
+    return setting(False, help="continue from the newest checkpoint in dir (docs/cluster.md)")
+
+
+@dataclass
+class CallbackConfig:
+    """A callback the run calls at its start, each step, evaluation and checkpoint, and its end (docs/callbacks.md)."""
+
+    name: str = setting("", help="EarlyStopping (polo's own), or module:Name for a class of yours")
+    options: dict[str, bool | int | float | str] = setting({}, help="keyword arguments of its constructor")
+
+
+def callbacks_setting() -> Any:
+    """Return the `output.callbacks` field every training command shares (polo.runtime.callbacks)."""
+    return setting(
+        [],
+        help="callbacks of the run, each {name: EarlyStopping or module:Name, options: {...}}; "
+        "polo.runtime.callbacks (docs/callbacks.md)",
+    )
+
+
 def device_setting() -> Any:
     """Return the `train.device` field every training command shares."""
     return setting("auto", help=DEVICE_HELP)
@@ -553,11 +587,9 @@ class OutputConfig:
     """Where a run writes, how often it checkpoints, resuming, trackers and the Hub."""
 
     dir: str = setting("runs/grpo", help="the run directory: config.yaml, metrics.jsonl, checkpoints/, plots")
-    save_every: int = setting(
-        10, help="checkpoint every N steps (and at the end); 0 disables periodic ones", range=">= 0"
-    )
-    keep_checkpoints: int = setting(2, help="periodic checkpoints kept (the newest)", range=">= 1")
-    resume: bool = setting(False, help="continue from the newest checkpoint in dir (docs/cluster.md)")
+    save_every: int = save_every_setting(10)
+    keep_checkpoints: int = keep_checkpoints_setting()
+    resume: bool = resume_setting()
     overwrite: bool = setting(False, help="a fresh run into a directory holding an earlier run removes that run first")
     allow_changes: list[str] = setting(
         [],
@@ -573,6 +605,7 @@ class OutputConfig:
     progress: bool = setting(True, help="show a progress bar")
     push_to_hub: str | None = push_to_hub_setting()
     hub_private: bool = hub_private_setting()
+    callbacks: list[CallbackConfig] = callbacks_setting()
 
 
 @dataclass

@@ -18,6 +18,8 @@ from pathlib import Path
 from polo.config import ConfigError, OptimizerConfig, build_dataclass, check_settings, read_recipe, setting
 from polo.config.fields import override
 from polo.config.schema import (
+    CallbackConfig,
+    callbacks_setting,
     project_setting,
     report_to_setting,
     run_name_setting,
@@ -166,6 +168,7 @@ class ControlOutputConfig:
     plots: bool = setting(True, help="draw the return and diagnostics curves at the end")
     progress: bool = setting(True, help="show a progress bar")
     log_every: int = setting(1, help="write a metrics row every N updates", range=">= 1")
+    callbacks: list[CallbackConfig] = callbacks_setting()
 
 
 @dataclass

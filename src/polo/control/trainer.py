@@ -1,4 +1,5 @@
-"""The one on-policy loop: collect → build the batch → the algorithm's update → log; repeat.
+"""The one on-policy trainer: a step is collect → build the batch → the algorithm's update (the loop around it,
+logging, stop signals and callbacks are `polo.runtime.lifecycle`'s).
 
     result = polo.control.train("recipes/ppo_cartpole.yaml", ["train.seed=3"])
 
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 # Imported for their @register_algorithm: each adds its class to ALGORITHMS.
 from polo.control import a2c, grpo, ppo, reinforce, trpo  # noqa: F401
@@ -24,10 +24,10 @@ from polo.control.config import ALGORITHMS, ControlConfig, config_to_dict, load_
 from polo.control.envs import action_spec, make_vector_env
 from polo.control.policies import ActorCritic
 from polo.control.rollout import EpisodeCollector, EpisodeTracker, StepCollector, build_batch
+from polo.runtime.callbacks import run_callbacks
 from polo.runtime.checkpoint import claim_output_dir
 from polo.runtime.device import torch_threads
-from polo.runtime.metrics import MetricsLogger
-from polo.runtime.run_lock import owned_run_dir
+from polo.runtime.lifecycle import Cadence, Ending, StepReport, run_lifecycle, snapshot_config
 from polo.runtime.trackers import Trackers
 
 
@@ -61,70 +61,118 @@ def train(
     overrides: list[str] | None = None,
     *,
     write_files: bool = True,
+    callbacks: list | None = None,
 ) -> ControlResult:
     """Run one classic-control training run and return its `ControlResult`.
 
     `config` is a `ControlConfig`, or a recipe (YAML path or mapping) to which `overrides`
     (`dotted.key=value`) are applied. With `write_files=False` nothing is written to disk
     (no metrics, plots or TensorBoard): for benchmarks and tests. A run that writes holds its
-    `output.dir` against a second run from the start (`polo.runtime.run_lock`).
+    `output.dir` against a second run from the start (`polo.runtime.run_lock`). `callbacks` are
+    called after every update (`polo.runtime.callbacks`; after those `output.callbacks` names).
     """
     config = _resolve_config(config, overrides)
-    with torch_threads(config.train.threads):
-        if not write_files:
-            return _run(config, write_files)
-        with owned_run_dir(config.output.dir):
-            return _run(config, write_files)
+    output_dir = config.output.dir if write_files else None
+    with torch_threads(config.train.threads):  # the caller's thread count comes back after the run
+        return run_lifecycle(
+            lambda rollback: ControlTrainer(config, write_files),
+            output_dir,
+            run_callbacks(config, callbacks),
+            "stopping after this update (polo control keeps no checkpoint: the run starts again)",
+        )
 
 
-def _run(config: ControlConfig, write_files: bool) -> ControlResult:
-    """Return the `ControlResult` of one run of a loaded config (the caller holds its output.dir when it writes)."""
-    started = time.perf_counter()  # "seconds to solve" include building the envs and networks
-    train_config, output = config.train, config.output
-    _seed_everything(train_config.seed)
-    algorithm_class = ALGORITHMS[config.algorithm.name]
-    episodes = algorithm_class.collects == "episodes"
-    grouped = config.algorithm.name == "grpo"
-    num_envs = train_config.episodes_per_update if episodes else config.env.num_envs
-    # Grouped episodes need each copy reset from its own seed, which only one-env-per-copy allows.
-    env = make_vector_env(config.env.id, num_envs, "sync" if grouped else config.env.vectorization)
-    actions = action_spec(env.single_action_space)
-    policy = _make_policy(config, env, actions, algorithm_class)
-    algorithm = algorithm_class(policy, config)
-    tracker = EpisodeTracker(num_envs, train_config.solve_window, train_config.target_return)
-    seed_source = np.random.default_rng(train_config.seed)
-    collector = _make_collector(config, env, actions, tracker, episodes)
-    output_dir = Path(output.dir)
-    logger = _open_logger(config, output_dir, num_envs) if write_files else None
+class ControlTrainer:
+    """A control run as the lifecycle drives it (`polo.runtime.lifecycle.Trainer`): a step is one update.
 
-    tracker.started = started
-    updates = 0
-    try:
-        while tracker.env_steps < train_config.total_steps:
-            progress = tracker.env_steps / train_config.total_steps
-            episodes_before = len(tracker.returns)
-            seeds = _episode_seeds(seed_source, num_envs, config.algorithm.group_size, grouped) if episodes else None
-            rollout = collector.collect(policy, seeds) if episodes else collector.collect(policy)
-            batch = build_batch(rollout, policy, config.env.reward_scale)
-            metrics = algorithm.update(batch, progress)
-            updates += 1
-            if logger is not None and (
-                updates % output.log_every == 0 or tracker.env_steps >= train_config.total_steps
-            ):
-                logger.log(_metrics_row(tracker, updates, episodes_before, started, metrics))
-                logger.advance(
-                    min(tracker.env_steps, train_config.total_steps), {"return": tracker.recent_mean() or 0.0}
-                )
-            if train_config.stop_at_target and tracker.solved_at_step is not None:
-                break
-    finally:
-        env.close()
-        if logger is not None:
-            _close_logger(logger, tracker, config)
-    seconds = time.perf_counter() - started
-    if write_files and output.plots:
-        _plot_run(output_dir)
-    return _result(tracker, updates, seconds, output_dir if write_files else None, policy)
+    The run ends after `train.total_steps` environment steps (or once solved, with
+    `train.stop_at_target`); it keeps no checkpoint and evaluates nothing held out.
+    """
+
+    name, start_step, eval_before = "polo control", 0, None
+
+    def __init__(self, config: ControlConfig, write_files: bool):
+        self.started = time.perf_counter()  # "seconds to solve" include building the envs and networks
+        train_config, output = config.train, config.output
+        self.config, self.write_files = config, write_files
+        _seed_everything(train_config.seed)
+        algorithm_class = ALGORITHMS[config.algorithm.name]
+        self.episodes = algorithm_class.collects == "episodes"
+        self.grouped = config.algorithm.name == "grpo"
+        self.num_envs = train_config.episodes_per_update if self.episodes else config.env.num_envs
+        # Grouped episodes need each copy reset from its own seed, which only one-env-per-copy allows.
+        self.env = make_vector_env(config.env.id, self.num_envs, "sync" if self.grouped else config.env.vectorization)
+        actions = action_spec(self.env.single_action_space)
+        self.policy = _make_policy(config, self.env, actions, algorithm_class)
+        self.algorithm = algorithm_class(self.policy, config)
+        self.tracker = EpisodeTracker(self.num_envs, train_config.solve_window, train_config.target_return)
+        self.seed_source = np.random.default_rng(train_config.seed)
+        self.collector = _make_collector(config, self.env, actions, self.tracker, self.episodes)
+        self.output_dir = Path(output.dir) if write_files else None
+        self.trackers = Trackers.of(config)
+        self.cadence = Cadence(total_steps=train_config.total_steps, resumable=False, progress=output.progress)
+        if self.output_dir is not None:
+            # An earlier run's files are never silently replaced: refuse, or remove them with output.overwrite.
+            claim_output_dir(self.output_dir, output.overwrite)
+            snapshot_config(self.output_dir, config_to_dict(config))
+        self.tracker.started = self.started
+        self.updates = 0
+
+    def banner(self) -> str:
+        config = self.config
+        return (
+            f"polo control: {config.algorithm.name} on {config.env.id}, {self.num_envs} envs, "
+            f"{config.train.total_steps:,} steps, writing to {config.output.dir}"
+        )
+
+    def finished(self, step: int) -> bool:
+        train_config, tracker = self.config.train, self.tracker
+        solved = train_config.stop_at_target and tracker.solved_at_step is not None
+        return tracker.env_steps >= train_config.total_steps or solved
+
+    def step(self, step: int) -> StepReport:
+        """Collect a rollout, update on it; return the metrics row every `output.log_every` updates and at the end."""
+        config, tracker = self.config, self.tracker
+        progress = tracker.env_steps / config.train.total_steps
+        episodes_before, solved_before = len(tracker.returns), tracker.solved_at_step
+        seeds = (
+            _episode_seeds(self.seed_source, self.num_envs, config.algorithm.group_size, self.grouped)
+            if self.episodes
+            else None
+        )
+        rollout = self.collector.collect(self.policy, seeds) if self.episodes else self.collector.collect(self.policy)
+        batch = build_batch(rollout, self.policy, config.env.reward_scale)
+        metrics = self.algorithm.update(batch, progress)
+        self.updates += 1
+        messages = [_solved_line(tracker, config)] if solved_before is None and tracker.solved_at_step else []
+        if not (self.updates % config.output.log_every == 0 or tracker.env_steps >= config.train.total_steps):
+            return StepReport(None, messages=messages)
+        row = _metrics_row(tracker, self.updates, episodes_before, self.started, metrics)
+        position = min(tracker.env_steps, config.train.total_steps)
+        return StepReport(row, messages=messages, summary={"return": tracker.recent_mean() or 0.0}, position=position)
+
+    def judge(self, step: int, metrics: dict) -> str | None:
+        return None
+
+    def rollback(self, step: int, reason: str) -> None:
+        raise RuntimeError(f"polo control does not roll back: {reason}")
+
+    def evaluate(self, step: int) -> None:
+        return None
+
+    def save(self, step: int) -> None:
+        return None
+
+    def latest_checkpoint(self) -> None:
+        return None
+
+    def finish(self, ending: Ending) -> ControlResult:
+        """Close the environments, draw the plots; return the result."""
+        self.env.close()
+        seconds = time.perf_counter() - self.started
+        if self.output_dir is not None and self.config.output.plots:
+            _plot_run(self.output_dir)
+        return _result(self.tracker, self.updates, seconds, self.output_dir, self.policy)
 
 
 def _resolve_config(config: ControlConfig | str | Path | dict | None, overrides: list[str] | None) -> ControlConfig:
@@ -158,21 +206,6 @@ def _make_collector(
     return StepCollector(env, actions, tracker, config.train.rollout_steps, config.train.seed)
 
 
-def _open_logger(config: ControlConfig, output_dir: Path, num_envs: int) -> MetricsLogger:
-    """Return the run's metrics logger, after claiming `output_dir` and writing `config.yaml`."""
-    train_config, output = config.train, config.output
-    # An earlier run's files are never silently replaced: refuse, or remove them with output.overwrite.
-    claim_output_dir(output_dir, output.overwrite)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    logger = MetricsLogger(output_dir, train_config.total_steps, 0, output.progress, trackers=Trackers.of(config))
-    logger.write(
-        f"polo control: {config.algorithm.name} on {config.env.id}, {num_envs} envs, "
-        f"{train_config.total_steps:,} steps, writing to {output_dir}"
-    )
-    return logger
-
-
 def _metrics_row(tracker: EpisodeTracker, updates: int, episodes_before: int, started: float, metrics: dict) -> dict:
     """Return the metrics row for the latest update: episodes it finished, throughput, the algorithm's metrics."""
     elapsed = time.perf_counter() - started
@@ -190,15 +223,13 @@ def _metrics_row(tracker: EpisodeTracker, updates: int, episodes_before: int, st
     }
 
 
-def _close_logger(logger: MetricsLogger, tracker: EpisodeTracker, config: ControlConfig) -> None:
-    """Close the logger, first reporting when (if ever) the run was solved."""
+def _solved_line(tracker: EpisodeTracker, config: ControlConfig) -> str:
+    """Return the line that says when the run was solved."""
     train_config = config.train
-    if tracker.solved_at_step is not None:
-        logger.write(
-            f"solved: mean return of the last {train_config.solve_window} episodes reached "
-            f"{train_config.target_return} after {tracker.solved_at_step:,} steps ({tracker.solved_at_seconds:.1f} s)"
-        )
-    logger.close()
+    return (
+        f"solved: mean return of the last {train_config.solve_window} episodes reached "
+        f"{train_config.target_return} after {tracker.solved_at_step:,} steps ({tracker.solved_at_seconds:.1f} s)"
+    )
 
 
 def _plot_run(output_dir: Path) -> None:

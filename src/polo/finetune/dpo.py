@@ -21,31 +21,26 @@ Logged like TRL's DPOTrainer: `rewards/chosen`, `rewards/rejected` (the implicit
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from polo import core
-from polo.config import config_to_dict
+from polo.config import ConfigError
 from polo.config.finetune import DPOConfig, load_dpo_config
 from polo.data.preferences import read_rankings
 from polo.finetune.fit import (
     Example,
     FinetuneResult,
+    FitTrainer,
     collate_rankings,
     encode_splits,
-    evaluate_objective,
-    finetune_run,
-    finish_run,
-    fit,
+    finetune,
     pair_indices,
-    prepare_model,
-    prepare_run,
     ranking_logprobs,
-    save_model,
     score_sequences,
 )
 from polo.finetune.reward_model import encode_rankings, num_pairs
@@ -103,43 +98,71 @@ def with_reference_logps(
     return [replace(example, reference_logps=tuple(values)) for example, values in zip(examples, scores)]
 
 
-def dpo(config: DPOConfig | str | Path | dict | None = None, overrides: list[str] | None = None) -> FinetuneResult:
-    """Train a policy with DPO on ranked comparisons and return the result; it lands in `<output.dir>/final`."""
-    from polo.models.loading import load_policy
+class DPOTrainer(FitTrainer):
+    """`polo dpo`: the DPO loss against the starting model, whose log-probs are scored once, before the first
+    update (and kept in every checkpoint, so a resumed run needs no second model)."""
 
-    config = load_dpo_config(config, overrides)
-    with finetune_run(config):
-        started = time.perf_counter()
-        compute = prepare_run(config, config_to_dict(config))
-        model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
-        # The reference is scored in the weights the policy trains in (bf16 under bf16_master), so the
-        # log-ratios start at exactly 0; activations are recomputed only in training (`recomputes_activations`).
-        trainee = prepare_model(model, compute, config.train.gradient_checkpointing)
-        model = trainee.model
-        data, micro, pad_id = config.data, config.train.micro_batch_size, tokenizer.pad_token_id
-        train_examples, eval_examples = encode_splits(tokenizer, data, read_rankings, encode_rankings)
-        # The reference is the starting model: score every response with it before the first update.
-        train_examples = with_reference_logps(model, train_examples, pad_id, micro, compute)
-        eval_examples = with_reference_logps(model, eval_examples, pad_id, micro, compute) if eval_examples else []
-        objective = DPOObjective(pad_id, config.dpo.beta, config.dpo.nll_weight, compute.device)
-        evaluate = (
-            (lambda: evaluate_objective(model, eval_examples, objective, micro, compute)) if eval_examples else None
-        )
-        rows, before, after = fit(
-            trainee,
-            train_examples,
-            objective,
-            config,
-            evaluate=evaluate,
-            name="polo dpo",
-            headline=("loss", "rewards/accuracies", "rewards/margins"),
-        )
-        output_dir = Path(config.output.dir)
-        model_dir = save_model(trainee, tokenizer, output_dir / "final")
-        held_out = HeldOut(
-            f"Implicit-reward preference accuracy and margin on {len(eval_examples)} held-out rankings",
+    name, method, headline = "polo dpo", "dpo", ("loss", "rewards/accuracies", "rewards/margins")
+
+    def load(self, source: str) -> tuple[torch.nn.Module, Any]:
+        from polo.models.loading import load_policy
+
+        return load_policy(source, attn_implementation=self.config.model.attn_implementation)
+
+    def examples(self, state: dict | None) -> tuple[list[Example], list[Example]]:
+        """Return the rankings with their reference log-probs: scored now in a fresh run (the reference is scored
+        in the weights the policy trains in, so the log-ratios start at exactly 0), read from `state` in a
+        resumed one."""
+        train_examples, eval_examples = encode_splits(self.tokenizer, self.config.data, read_rankings, encode_rankings)
+        if state is not None:
+            saved = state["reference_logps"]
+            return with_logps(train_examples, saved["train"]), with_logps(eval_examples, saved["eval"])
+        model, pad_id, micro = self.trainee.model, self.tokenizer.pad_token_id, self.config.train.micro_batch_size
+        train_examples = with_reference_logps(model, train_examples, pad_id, micro, self.compute)
+        if eval_examples:
+            eval_examples = with_reference_logps(model, eval_examples, pad_id, micro, self.compute)
+        return train_examples, eval_examples
+
+    def make_objective(self) -> DPOObjective:
+        dpo = self.config.dpo
+        return DPOObjective(self.tokenizer.pad_token_id, dpo.beta, dpo.nll_weight, self.compute.device)
+
+    def run_state(self) -> dict:
+        logps = {
+            name: [list(example.reference_logps) for example in examples]
+            for name, examples in (("train", self.train_examples), ("eval", self.eval_examples))
+        }
+        return {"reference_logps": logps}
+
+    def held_out(self, before: dict | None, after: dict | None) -> HeldOut:
+        return HeldOut(
+            f"Implicit-reward preference accuracy and margin on {len(self.eval_examples)} held-out rankings",
             ("rewards/accuracies", "rewards/margins"),
             before,
             after,
         )
-        return finish_run(config, model_dir, rows, "dpo", held_out, started)
+
+
+def with_logps(examples: Sequence[Example], logps: Sequence[Sequence[float]]) -> list[Example]:
+    """Return the examples with `reference_logps` set from `logps` (one list per example, as a checkpoint keeps
+    them)."""
+    if len(logps) != len(examples):
+        raise ConfigError(
+            f"the checkpoint holds reference log-probs of {len(logps)} rankings, the data has {len(examples)}: "
+            "resume with the data the run started with"
+        )
+    return [replace(example, reference_logps=tuple(values)) for example, values in zip(examples, logps)]
+
+
+def dpo(
+    config: DPOConfig | str | Path | dict | None = None,
+    overrides: list[str] | None = None,
+    *,
+    callbacks: list | None = None,
+) -> FinetuneResult:
+    """Train a policy with DPO on ranked comparisons and return the result; it lands in `<output.dir>/final`.
+
+    With `output.resume=true` a stopped run continues from its newest checkpoint, exactly;
+    `callbacks` follow `polo.runtime.callbacks`.
+    """
+    return finetune(DPOTrainer, load_dpo_config(config, overrides), callbacks)

@@ -5,30 +5,31 @@
   (`polo.generation.cpu_sampler`), so the response positions are always the last columns.
 - `sequence_logprobs`: log π(y|x) summed over the response tokens (never the prompt's), and
   `sequence_rewards`: a sequence-classification model's scalar for each whole sequence.
-- `fit`: the small loop. AdamW, warm-up then a schedule, gradient accumulation over
-  micro-batches, gradient clipping, one metrics row per optimizer step (metrics.jsonl, the
-  `output.report_to` trackers, progress bar through `polo.runtime.metrics.MetricsLogger`), held-out
-  evaluation before, every `train.eval_every` steps and after.
+- `FitTrainer`: the step. AdamW, warm-up then a schedule, gradient accumulation over
+  micro-batches, gradient clipping, one metrics row per optimizer step; its checkpoints hold the
+  model, optimizer, schedule, random streams and data position, so a stopped run resumes exactly.
+  Everything around the step (logging, held-out evaluation before, every `train.eval_every` steps
+  and after, checkpoints, stop signals, callbacks) is the run lifecycle's (`polo.runtime.lifecycle`).
 - `publish_finetuned`: the model card in `<output.dir>/final` and the `output.push_to_hub` upload.
 
 The recipe sections the three commands share (`data`, `train`, `output`) are in
 `polo.config.finetune`.
 
-An *objective* tells `fit` what to learn: `units(example)` is how many things an example's loss
+An *objective* tells the trainer what to learn: `units(example)` is how many things an example's loss
 is averaged over (response tokens for SFT, pairs for a ranking), and `loss(model, examples)`
-returns the loss *summed* over those units plus summed statistics. `fit` divides both by the
+returns the loss *summed* over those units plus summed statistics. The step divides both by the
 units of the whole optimizer batch, so accumulating micro-batches gives exactly the gradient of
 the full batch, and every logged statistic is a mean per unit.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,13 +52,14 @@ from polo.models.loading import recompute_scope, setup_activation_checkpointing
 from polo.models.precision import MasterWeights, master_weights, trainer_optimizer
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
 from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
-from polo.runtime.checkpoint import claim_output_dir, mark_float32, staged_directory
+from polo.runtime.callbacks import run_callbacks
+from polo.runtime.checkpoint import Checkpointer, load_trainer_state, mark_float32, staged_directory
 from polo.runtime.device import CPU, Compute, finetune_compute, torch_threads
-from polo.runtime.interrupt import RunStopped, StopRequest
-from polo.runtime.metrics import MetricsLogger, read_metrics
+from polo.runtime.lifecycle import Cadence, Ending, Evaluation, StepReport, resume_point, run_lifecycle, snapshot_config
+from polo.runtime.metrics import read_metrics, truncate_metrics
 from polo.runtime.optimizer import build_schedule
 from polo.runtime.parallel import is_main_process
-from polo.runtime.run_lock import owned_run_dir
+from polo.runtime.seeding import restore_rng, seed_everything
 from polo.runtime.trackers import Trackers
 
 # ---------------------------------------------------------------- tokens
@@ -272,7 +274,7 @@ def prepare_model(model: torch.nn.Module, compute: Compute, gradient_checkpointi
 
 
 class Objective(Protocol):
-    """What `fit` optimises (see the module docstring)."""
+    """What a `FitTrainer` optimises (see the module docstring)."""
 
     def units(self, example: Example) -> int: ...
 
@@ -347,78 +349,168 @@ def save_model(trainee: Trainee, tokenizer, target: Path) -> Path:
     return target
 
 
-def fit(
-    trainee: Trainee,
-    train_examples: Sequence[Example],
-    objective: Objective,
-    config: Any,
-    *,
-    evaluate: Callable[[], dict[str, float]] | None = None,
-    name: str = "polo",
-    headline: tuple[str, ...] = ("loss",),
-) -> tuple[list[dict], dict | None, dict | None]:
-    """Train `trainee.model` in place on `train_examples`; return (metrics rows, held-out metrics before, after).
+class FitTrainer:
+    """A fine-tuning run as the lifecycle drives it (`polo.runtime.lifecycle.Trainer`); SFT, RM and DPO subclass it.
 
-    `config` is a recipe config with `train` (`polo.config.finetune.FinetuneTrainConfig`) and
-    `output` (`FinetuneOutputConfig`) sections. Each optimizer step takes `train.batch_size` examples of a
-    per-epoch shuffle and backpropagates `objective.loss / units(batch)` micro-batch by
-    micro-batch. `evaluate()` returns held-out metrics (logged with an `eval/` prefix). The
-    `headline` metrics go to the progress bar.
+    Built in this order (the random streams depend on it): the Compute, seeds, the resume point,
+    the model (the checkpoint's when resuming), the examples, the objective, the optimizer and
+    schedule, the resumed state (optimizer, schedule, random streams, data position), config.yaml.
+    A subclass says how its model loads (`load`), which examples it reads (`examples`), what it
+    optimises (`make_objective`) and evaluates, and what its final model needs (`finish_model`).
+    Each optimizer step takes `train.batch_size` examples of a per-epoch shuffle and backpropagates
+    `objective.loss / units(batch)` micro-batch by micro-batch.
     """
-    train, output = config.train, config.output
-    output_dir = Path(output.dir)
-    if not train_examples:
-        raise ValueError("there are no training examples")
-    steps_per_epoch = math.ceil(len(train_examples) / train.batch_size)
-    total_steps = (
-        steps_per_epoch * train.epochs
-        if train.max_steps is None
-        else min(train.max_steps, steps_per_epoch * train.epochs)
-    )
-    model, compute = trainee.model, trainee.compute
-    optimizer = trainer_optimizer(
-        [parameter for parameter in model.parameters() if parameter.requires_grad], train, trainee.masters
-    )
-    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]  # the masters'
-    scheduler = build_schedule(optimizer, train, total_steps)
-    if is_main_process():
-        (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run must not mix with an old run's rows
-    logger = MetricsLogger(output_dir, total_steps, 0, output.progress, trackers=Trackers.of(config))
-    logger.write(f"{name}: {len(train_examples)} examples, {total_steps} steps of {train.batch_size} | {compute}")
 
-    eval_before = _held_out(evaluate, logger, 0)
-    model.train()
-    with StopRequest(logger.write, FIT_STOP_PLAN) as stop:
-        for step, batch in _optimizer_batches(train_examples, train.batch_size, total_steps, train.seed):
-            if (
-                stop.requested
-            ):  # one process, no ranks to agree with; a fine-tuning run keeps no checkpoints to resume from
-                logger.close()
-                raise RunStopped(stop.signum, step - 1, None, resumable=False)
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            sums, units = _backpropagate(trainee, batch, objective, train.micro_batch_size, logger, name, step)
-            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, train.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            row = _step_row(step, steps_per_epoch, batch, units, sums, grad_norm, scheduler.get_last_lr()[0], started)
-            logger.log(row)
-            logger.advance(step, {key: row[key] for key in headline if key in row})
-            if train.eval_every and step % train.eval_every == 0 and step != total_steps:
-                _held_out(evaluate, logger, step)
-    eval_after = _held_out(evaluate, logger, total_steps)
-    logger.close()
-    return read_metrics(output_dir / "metrics.jsonl"), eval_before, eval_after
+    name, method, headline = "polo fit", "fit", ("loss",)
+
+    def __init__(self, config: Any):
+        self.config, self.started = config, time.perf_counter()
+        train, output = config.train, config.output
+        self.output_dir, self.trackers = Path(output.dir), Trackers.of(config)
+        self.compute = prepare_run(config)
+        self.checkpointer = Checkpointer(self.output_dir, output.keep_checkpoints)
+        resume_from = resume_point(self.output_dir, self.checkpointer, output.resume, output.overwrite)
+        state = load_trainer_state(resume_from) if resume_from is not None else None
+        model, self.tokenizer = self.load(str(resume_from) if resume_from is not None else config.model.name)
+        self.trainee = prepare_model(model, self.compute, train.gradient_checkpointing)
+        self.train_examples, self.eval_examples = self.examples(state)
+        if not self.train_examples:
+            raise ValueError("there are no training examples")
+        self.objective = self.make_objective()
+        self.steps_per_epoch = math.ceil(len(self.train_examples) / train.batch_size)
+        total_steps = self.steps_per_epoch * train.epochs
+        total_steps = total_steps if train.max_steps is None else min(train.max_steps, total_steps)
+        trainable = [parameter for parameter in self.trainee.model.parameters() if parameter.requires_grad]
+        self.optimizer = trainer_optimizer(trainable, train, self.trainee.masters)
+        self.parameters = [parameter for group in self.optimizer.param_groups for parameter in group["params"]]
+        self.scheduler = build_schedule(self.optimizer, train, total_steps)
+        self.cadence = Cadence(
+            total_steps=total_steps,
+            save_every=output.save_every,
+            eval_before=bool(self.eval_examples),
+            eval_every=train.eval_every,
+            eval_after=bool(self.eval_examples),
+            progress=output.progress,
+        )
+        self.start_step, self.eval_before = 0, None
+        self.restore(state)
+        self.trainee.model.train()
+        batches = _optimizer_batches(self.train_examples, train.batch_size, total_steps, train.seed)
+        self.batches = itertools.islice(batches, self.start_step, None)  # a resumed run's data position
+        snapshot_config(self.output_dir, config_to_dict(config))
+
+    # ------------------------------------------------ what each command says
+
+    def load(self, source: str) -> tuple[torch.nn.Module, Any]:
+        """Return (model, tokenizer) from `source`: model.name, or the checkpoint a run resumes from."""
+        raise NotImplementedError
+
+    def examples(self, state: dict | None) -> tuple[list[Example], list[Example]]:
+        """Return (training examples, held-out examples); `state` is the resumed checkpoint's (None: fresh)."""
+        raise NotImplementedError
+
+    def make_objective(self) -> Objective:
+        raise NotImplementedError
+
+    def held_out_metrics(self) -> dict[str, float]:
+        """Return the held-out metrics of the model now (the objective's statistics per unit by default)."""
+        micro = self.config.train.micro_batch_size
+        return evaluate_objective(self.trainee.model, self.eval_examples, self.objective, micro, self.compute)
+
+    def held_out(self, before: dict | None, after: dict | None) -> HeldOut:
+        """Return the model card's held-out section."""
+        raise NotImplementedError
+
+    def run_state(self) -> dict:
+        """Return what a checkpoint keeps besides the weights, optimizer, schedule and random streams."""
+        return {}
+
+    def finish_model(self, model_dir: Path) -> None:
+        """Write what the final model needs besides its weights (a reward model's statistics)."""
+
+    # ------------------------------------------------ the lifecycle's trainer
+
+    def restore(self, state: dict | None) -> None:
+        """Continue from a checkpoint's state: optimizer, schedule, random streams, step; or start a fresh run."""
+        metrics = self.output_dir / "metrics.jsonl"
+        if state is None:
+            if is_main_process():
+                metrics.unlink(missing_ok=True)  # a fresh run must not mix with an old run's rows
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"])
+        self.start_step, self.eval_before = state["step"], state.get("eval_before")
+        if is_main_process():
+            truncate_metrics(metrics, self.start_step)
+
+    def banner(self) -> str:
+        train = self.config.train
+        return (
+            f"{self.name}: {len(self.train_examples)} examples, {self.cadence.total_steps} steps of "
+            f"{train.batch_size} | {self.compute}" + (f" | from step {self.start_step}" if self.start_step else "")
+        )
+
+    def finished(self, step: int) -> bool:
+        return step >= self.cadence.total_steps
+
+    def step(self, step: int) -> StepReport:
+        """Take optimizer step `step` on the next batch; return its row, every statistic a mean per unit."""
+        train = self.config.train
+        _, batch = next(self.batches)
+        started = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums, units = _backpropagate(self.trainee, batch, self.objective, train.micro_batch_size, self.name, step)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, train.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        learning_rate = self.scheduler.get_last_lr()[0]
+        row = _step_row(step, self.steps_per_epoch, batch, units, sums, grad_norm, learning_rate, started)
+        return StepReport(row, summary={key: row[key] for key in self.headline if key in row})
+
+    def judge(self, step: int, metrics: dict) -> str | None:
+        return None  # no divergence guard: a non-finite loss stops the run (`_backpropagate`)
+
+    def rollback(self, step: int, reason: str) -> Any:
+        raise RuntimeError(f"{self.name} does not roll back: {reason}")
+
+    def evaluate(self, step: int) -> Evaluation | None:
+        if not self.eval_examples:
+            return None
+        result = self.held_out_metrics()
+        line = f"step {step}: held-out " + ", ".join(f"{key} {value:.4g}" for key, value in result.items())
+        return Evaluation(result, {f"eval/{key}": value for key, value in result.items()}, line)
+
+    def save(self, step: int) -> Path | None:
+        trainee = self.trainee
+        extra = {"eval_before": self.eval_before, **self.run_state()}
+        return self.checkpointer.save(
+            step, trainee.model, self.tokenizer, self.optimizer, self.scheduler, extra, trainee.masters
+        )
+
+    def latest_checkpoint(self) -> Path | None:
+        return self.checkpointer.latest()
+
+    def finish(self, ending: Ending) -> FinetuneResult:
+        """Save the final model with its model card (and upload it), write summary.json; return the result."""
+        model_dir = save_model(self.trainee, self.tokenizer, self.output_dir / "final")
+        self.finish_model(model_dir)
+        held_out = self.held_out(self.eval_before, ending.eval_after)
+        publish_finetuned(self.config, model_dir, ending.last_step, self.method, held_out)
+        seconds = time.perf_counter() - self.started
+        before, after = self.eval_before, ending.eval_after
+        write_summary(self.output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
+        rows = read_metrics(self.output_dir / "metrics.jsonl")
+        return FinetuneResult(self.output_dir, model_dir, ending.last_step, before, after, rows, seconds)
 
 
-def _held_out(evaluate: Callable[[], dict[str, float]] | None, logger: MetricsLogger, step: int) -> dict | None:
-    """Return the held-out metrics at `step` after logging them (None without an `evaluate`)."""
-    if evaluate is None:
-        return None
-    result = evaluate()
-    logger.log({"step": step, **{f"eval/{key}": value for key, value in result.items()}})
-    logger.write(f"step {step}: held-out " + ", ".join(f"{key} {value:.4g}" for key, value in result.items()))
-    return result
+def finetune(trainer: Callable[[Any], FitTrainer], config: Any, callbacks: list | None = None) -> FinetuneResult:
+    """Return the result of a fine-tuning run of `trainer(config)` through the lifecycle (`polo.runtime.lifecycle`).
+
+    `callbacks` come after those the recipe's `output.callbacks` names (`polo.runtime.callbacks`).
+    """
+    with torch_threads(config.train.threads):  # the caller's thread count comes back after the run
+        return run_lifecycle(lambda rollback: trainer(config), config.output.dir, run_callbacks(config, callbacks))
 
 
 def _optimizer_batches(
@@ -442,7 +534,6 @@ def _backpropagate(
     batch: Sequence[Example],
     objective: Objective,
     micro_batch_size: int,
-    logger: MetricsLogger,
     name: str,
     step: int,
 ) -> tuple[dict[str, float], int]:
@@ -458,7 +549,6 @@ def _backpropagate(
             loss_sum, stats = objective.loss(trainee.model, group)
         loss = loss_sum / units
         if not torch.isfinite(loss):
-            logger.close()
             raise NonFiniteLossError(f"{name}: loss is {loss.item()} at step {step}; try a lower train.learning_rate")
         loss.backward()
         for key, value in stats.items():
@@ -496,42 +586,18 @@ def _step_row(
     }
 
 
-FIT_STOP_PLAN = "stopping after this step (polo sft, rm and dpo keep no checkpoint: the run starts again)"
-
-
-@contextmanager
-def finetune_run(config: Any) -> Iterator[None]:
-    """Yield while holding `output.dir` (`polo.runtime.run_lock`), stop signals turned into requests
-    (`polo.runtime.interrupt`).
-
-    Entered before anything looks at the directory; a signal that arrives before the first
-    step stops the run there.
-    """
-    with owned_run_dir(config.output.dir), StopRequest(plan=FIT_STOP_PLAN), torch_threads(config.train.threads):
-        yield
-
-
-def prepare_run(config: Any, config_dict: dict) -> Compute:
-    """Set threads and seeds, write `<output.dir>/config.yaml`; return the Compute of train.device and train.precision.
+def prepare_run(config: Any) -> Compute:
+    """Set threads and seeds; return the Compute of train.device and train.precision.
 
     The precision is decided as `polo train` decides it (`polo.runtime.device.finetune_compute`).
 
     Whether `output.push_to_hub` can be pushed to is asked here, before any model loads.
     """
-    import yaml
-
-    from polo.runtime.seeding import seed_everything
-
     compute = finetune_compute(config.train.precision, config.train.device)  # first: a missing device costs nothing
     if config.output.push_to_hub:
         check_push(config.output.push_to_hub)  # before the model loads: a model that could not be pushed never trains
 
     seed_everything(config.train.seed)
-    output_dir = Path(config.output.dir)
-    claim_output_dir(output_dir, config.output.overwrite)  # before the model loads: a refusal costs nothing
-    if is_main_process():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
     return compute
 
 
@@ -552,22 +618,6 @@ def write_summary(output_dir: Path, **fields: Any) -> None:
     """Write `<output_dir>/summary.json` (the held-out figures before and after, the run time)."""
     if is_main_process():
         (output_dir / "summary.json").write_text(json.dumps(fields, indent=1, default=str) + "\n")
-
-
-def finish_run(
-    config: Any, model_dir: Path, rows: list[dict], method: str, held_out: HeldOut, started: float
-) -> FinetuneResult:
-    """Write the model card (and push it), then `summary.json`; return the run's `FinetuneResult`.
-
-    `method` is sft, dpo or reward model; `held_out` holds the held-out figures before and after.
-    """
-    steps = len([row for row in rows if "loss" in row])
-    publish_finetuned(config, model_dir, steps, method, held_out)
-    seconds = time.perf_counter() - started
-    before, after = held_out.before, held_out.after
-    output_dir = Path(config.output.dir)
-    write_summary(output_dir, model_dir=model_dir, eval_before=before, eval_after=after, seconds=seconds)
-    return FinetuneResult(output_dir, model_dir, steps, before, after, rows, seconds)
 
 
 def publish_finetuned(config: Any, model_dir: Path, steps: int, method: str, held_out: HeldOut) -> None:

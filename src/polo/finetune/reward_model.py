@@ -19,30 +19,25 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from polo import core
-from polo.config import config_to_dict
 from polo.config.finetune import RewardModelConfig, load_reward_model_config
 from polo.data.preferences import Ranking, read_rankings, write_jsonl
 from polo.finetune.fit import (
     Example,
     FinetuneResult,
+    FitTrainer,
     collate_rankings,
     encode,
     encode_splits,
-    finetune_run,
-    finish_run,
-    fit,
+    finetune,
     pair_indices,
-    prepare_model,
-    prepare_run,
     ranking_rewards,
-    save_model,
     score_sequences,
 )
 from polo.generation.prompts import render_prompt
@@ -151,58 +146,70 @@ def new_reward_model(name_or_path: str, tokenizer, attn_implementation: str | No
     return model
 
 
-def train_reward_model(
-    config: RewardModelConfig | str | Path | dict | None = None, overrides: list[str] | None = None
-) -> FinetuneResult:
-    """Train a reward model on ranked comparisons and return the result; it lands in `<output.dir>/final`."""
-    from polo.models.loading import load_tokenizer
+class RewardModelTrainer(FitTrainer):
+    """`polo rm`: the Bradley-Terry loss of a causal LM's trunk with a scalar head; its final model carries the score
+    statistics that `model:PATH?normalize` uses."""
 
-    config = load_reward_model_config(config, overrides)
-    with finetune_run(config):
-        started = time.perf_counter()
-        compute = prepare_run(config, config_to_dict(config))
-        tokenizer = load_tokenizer(config.model.name)
-        model = new_reward_model(config.model.name, tokenizer, config.model.attn_implementation)
-        trainee = prepare_model(model, compute, config.train.gradient_checkpointing)
-        model = trainee.model
-        data = config.data
-        train_examples, eval_examples = encode_splits(tokenizer, data, read_rankings, encode_rankings)
-        pad_id = tokenizer.pad_token_id
-        micro = config.train.micro_batch_size
-        last_scores: list[list[float]] = []
+    name, method, headline = "polo rm", "reward model", ("loss", "accuracy")
 
-        def evaluate() -> dict[str, float]:
-            last_scores[:] = score_sequences(ranking_rewards, model, eval_examples, pad_id, micro, compute)
-            return ranking_metrics(last_scores)
+    def load(self, source: str) -> tuple[torch.nn.Module, Any]:
+        from polo.models.loading import load_tokenizer
 
-        rows, before, after = fit(
-            trainee,
-            train_examples,
-            PairwiseObjective(pad_id, compute.device),
-            config,
-            evaluate=evaluate if eval_examples else None,
-            name="polo rm",
-            headline=("loss", "accuracy"),
+        tokenizer = load_tokenizer(source)
+        return new_reward_model(source, tokenizer, self.config.model.attn_implementation), tokenizer
+
+    def examples(self, state: dict | None) -> tuple[list[Example], list[Example]]:
+        self.last_scores: list[list[float]] = []
+        return encode_splits(self.tokenizer, self.config.data, read_rankings, encode_rankings)
+
+    def make_objective(self) -> PairwiseObjective:
+        return PairwiseObjective(self.tokenizer.pad_token_id, self.compute.device)
+
+    def scores(self, examples: Sequence[Example]) -> list[list[float]]:
+        """Return the reward model's score of every response of `examples`, grouped per ranking."""
+        micro = self.config.train.micro_batch_size
+        return score_sequences(
+            ranking_rewards, self.trainee.model, examples, self.tokenizer.pad_token_id, micro, self.compute
         )
-        output_dir = Path(config.output.dir)
-        if eval_examples:  # per ranking, for analyses such as accuracy by kind of pair
-            write_jsonl(output_dir / "heldout_scores.jsonl", [{"scores": values} for values in last_scores])
+
+    def held_out_metrics(self) -> dict[str, float]:
+        self.last_scores = self.scores(self.eval_examples)
+        return ranking_metrics(self.last_scores)
+
+    def held_out(self, before: dict | None, after: dict | None) -> HeldOut:
+        description = (
+            f"Pair accuracy and mean margin r(better) − r(worse) on {len(self.eval_examples)} held-out rankings"
+        )
+        return HeldOut(description, ("pair_accuracy", "margin"), before, after)
+
+    def finish_model(self, model_dir: Path) -> None:
+        """Write `reward_stats.json` into the final model, and the held-out scores per ranking beside it."""
+        data, scores = self.config.data, self.last_scores
+        if self.eval_examples:  # per ranking, for analyses such as accuracy by kind of pair
+            if not scores:  # the final evaluation was the one a resumed run had already made
+                scores = self.scores(self.eval_examples)
+            write_jsonl(self.output_dir / "heldout_scores.jsonl", [{"scores": values} for values in scores])
         else:  # normalisation statistics from the training responses instead
-            last_scores = score_sequences(ranking_rewards, model, train_examples, pad_id, micro, compute)
-        stats = ranking_metrics(last_scores)
-        model_dir = save_model(trainee, tokenizer, output_dir / "final")
-        (model_dir / STATS_FILE).write_text(
-            json.dumps(
-                {
-                    "mean": stats["reward_mean"],
-                    "std": stats["reward_std"],
-                    "num_responses": sum(len(values) for values in last_scores),
-                    "source": data.eval_path or data.train_path,
-                },
-                indent=1,
-            )
-            + "\n"
-        )
-        description = f"Pair accuracy and mean margin r(better) − r(worse) on {len(eval_examples)} held-out rankings"
-        held_out = HeldOut(description, ("pair_accuracy", "margin"), before, after)
-        return finish_run(config, model_dir, rows, "reward model", held_out, started)
+            scores = self.scores(self.train_examples)
+        stats = ranking_metrics(scores)
+        summary = {
+            "mean": stats["reward_mean"],
+            "std": stats["reward_std"],
+            "num_responses": sum(len(values) for values in scores),
+            "source": data.eval_path or data.train_path,
+        }
+        (model_dir / STATS_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def train_reward_model(
+    config: RewardModelConfig | str | Path | dict | None = None,
+    overrides: list[str] | None = None,
+    *,
+    callbacks: list | None = None,
+) -> FinetuneResult:
+    """Train a reward model on ranked comparisons and return the result; it lands in `<output.dir>/final`.
+
+    With `output.resume=true` a stopped run continues from its newest checkpoint, exactly;
+    `callbacks` follow `polo.runtime.callbacks`.
+    """
+    return finetune(RewardModelTrainer, load_reward_model_config(config, overrides), callbacks)

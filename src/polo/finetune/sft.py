@@ -12,29 +12,23 @@ contribute nothing. The result is saved with `save_pretrained` to `<output.dir>/
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from polo.config import config_to_dict
 from polo.config.finetune import SFTConfig, load_sft_config
 from polo.data.preferences import Demonstration, read_demonstrations
 from polo.finetune.fit import (
     Example,
     FinetuneResult,
+    FitTrainer,
     collate,
     encode,
     encode_splits,
-    evaluate_objective,
-    finetune_run,
-    finish_run,
-    fit,
-    prepare_model,
-    prepare_run,
+    finetune,
     response_logprobs,
-    save_model,
 )
 from polo.generation.prompts import render_prompt
 from polo.models.hub import HeldOut
@@ -67,27 +61,36 @@ class SFTObjective:
         return nll, {"loss": float(nll.detach())}
 
 
-def sft(config: SFTConfig | str | Path | dict | None = None, overrides: list[str] | None = None) -> FinetuneResult:
-    """Fine-tune a causal LM on demonstrations and return the result; the model lands in `<output.dir>/final`."""
-    from polo.models.loading import load_policy
+class SFTTrainer(FitTrainer):
+    """`polo sft`: the response tokens' negative log-likelihood on demonstrations."""
 
-    config = load_sft_config(config, overrides)
-    with finetune_run(config):
-        started = time.perf_counter()
-        compute = prepare_run(config, config_to_dict(config))
-        model, tokenizer = load_policy(config.model.name, attn_implementation=config.model.attn_implementation)
-        trainee = prepare_model(model, compute, config.train.gradient_checkpointing)
-        model = trainee.model
-        data = config.data
-        train_examples, eval_examples = encode_splits(tokenizer, data, read_demonstrations, encode_demonstrations)
-        objective = SFTObjective(tokenizer.pad_token_id, compute.device)
-        evaluate = (
-            (lambda: evaluate_objective(model, eval_examples, objective, config.train.micro_batch_size, compute))
-            if eval_examples
-            else None
-        )
-        rows, before, after = fit(trainee, train_examples, objective, config, evaluate=evaluate, name="polo sft")
-        output_dir = Path(config.output.dir)
-        model_dir = save_model(trainee, tokenizer, output_dir / "final")
-        description = f"Negative log-likelihood per response token on {len(eval_examples)} held-out demonstrations"
-        return finish_run(config, model_dir, rows, "sft", HeldOut(description, ("loss",), before, after), started)
+    name, method = "polo sft", "sft"
+
+    def load(self, source: str) -> tuple[torch.nn.Module, Any]:
+        from polo.models.loading import load_policy
+
+        return load_policy(source, attn_implementation=self.config.model.attn_implementation)
+
+    def examples(self, state: dict | None) -> tuple[list[Example], list[Example]]:
+        return encode_splits(self.tokenizer, self.config.data, read_demonstrations, encode_demonstrations)
+
+    def make_objective(self) -> SFTObjective:
+        return SFTObjective(self.tokenizer.pad_token_id, self.compute.device)
+
+    def held_out(self, before: dict | None, after: dict | None) -> HeldOut:
+        description = f"Negative log-likelihood per response token on {len(self.eval_examples)} held-out demonstrations"
+        return HeldOut(description, ("loss",), before, after)
+
+
+def sft(
+    config: SFTConfig | str | Path | dict | None = None,
+    overrides: list[str] | None = None,
+    *,
+    callbacks: list | None = None,
+) -> FinetuneResult:
+    """Fine-tune a causal LM on demonstrations and return the result; the model lands in `<output.dir>/final`.
+
+    With `output.resume=true` a stopped run continues from its newest checkpoint, exactly;
+    `callbacks` follow `polo.runtime.callbacks`.
+    """
+    return finetune(SFTTrainer, load_sft_config(config, overrides), callbacks)

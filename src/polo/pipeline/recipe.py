@@ -321,7 +321,7 @@ def build_stage(name: str, raw: Any, index: int, settings: PipelineSettings, tas
     if kind == "grpo":
         body["task"] = deep_merge(task_section, body.get("task") or {})
         return stage
-    body["output"]["overwrite"] = True  # an interrupted SFT stage starts again
+    body["output"]["overwrite"] = True  # an SFT stage with no checkpoint to continue from starts again
     data = body.setdefault("data", {})
     if kind == "reject_sft":
         stage.rejection = extra_settings(where, raw, "rejection", RejectionSettings)

@@ -1,9 +1,9 @@
 """`run_pipeline`: the stages of a pipeline recipe, each a normal polo run, chained through their final models.
 
 A stage is done once `<stage dir>/stage_done.json` exists (written last, with the stage's summary);
-a later run skips it while its recipe is unchanged and no stage before it ran again. A grpo stage
-that stopped midway continues from its last checkpoint (`output.resume=true`); an sft or
-reject_sft stage starts again.
+a later run skips it while its recipe is unchanged and no stage before it ran again. A grpo or sft
+stage that stopped midway continues from its last checkpoint (`output.resume=true`); a reject_sft
+stage, whose data is sampled anew, starts again.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def run_stage(
     write_json(stage.dir / STARTED_FILE, {"record": record})
     print(
         f"polo pipeline: stage {stage.label} ({stage.kind}) from {model} -> {stage.dir}"
-        + (f" (again: {why})" if why else " (continuing)" if resumable and stage.kind == "grpo" else ""),
+        + (f" (again: {why})" if why else " (continuing)" if resumable and stage.kind in ("grpo", "sft") else ""),
         flush=True,
     )
     began = time.perf_counter()
@@ -264,7 +264,7 @@ def run_sft(plan: Plan, stage: Stage, config: Any, model: str, resumable: bool) 
         if demos.num_eval:
             write_jsonl(Path(config.data.eval_path), examples[demos.num_train :])
         details["demonstrations"] = demos.num_train
-    result = sft(config)
+    result = sft(config, ["output.resume=true"] if resumable else None)  # overwrite: none to continue, start anew
     loss = lambda result: None if result is None else result.get("loss")  # noqa: E731
     return str(result.model_dir), {
         **details,

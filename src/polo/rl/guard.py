@@ -62,14 +62,6 @@ class RollbackState:
     message: str = ""
 
 
-class Rollback(Exception):
-    """Raised by the loop to go back to `state.checkpoint`; carries no traceback-held state."""
-
-    def __init__(self, state: RollbackState):
-        super().__init__(state.message)
-        self.state = state
-
-
 def check_guard_settings(config: Config) -> None:
     """Raise `ConfigError` for a divergence factor or check name that makes no sense (before the model loads)."""
     factor = config.train.divergence_factor

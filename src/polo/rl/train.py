@@ -1,8 +1,8 @@
-"""The language-model RL loop: GRPO and its relatives are presets of this one loop.
+"""The language-model RL trainer: GRPO and its relatives are presets of this one step.
 
     run = set_up(config)                                   polo.rl.setup
-    for step:  sample -> score -> advantages -> update     polo.rl.step, polo.rl.update
-               log -> (evaluate) -> checkpoint             polo.runtime, polo.evaluation
+    each step:  sample -> score -> advantages -> update    polo.rl.step, polo.rl.update
+    around it:  log, evaluate, checkpoint, stop, publish   polo.runtime.lifecycle
 
 All the maths is in `polo.core`; the algorithm's parts are looked up by name in its registries.
 """
@@ -20,18 +20,18 @@ from polo.generation.grouped import GroupSampling
 from polo.kernels import fast_path_fallbacks
 from polo.models.loading import recompute_above
 from polo.models.lora import trainable_summary
-from polo.rl.guard import DivergenceGuard, Rollback, RollbackState
+from polo.rl.guard import DivergenceGuard, RollbackState
 from polo.rl.publish import publish_model
 from polo.rl.setup import Run, set_up
 from polo.rl.step import StepResult, rl_step, sampling_weights
 from polo.runtime import parallel
+from polo.runtime.callbacks import run_callbacks
 from polo.runtime.device import resolve_device, torch_threads
 from polo.runtime.errors import NonFiniteLossError
-from polo.runtime.interrupt import RunStopped, StopRequest
-from polo.runtime.metrics import MetricsLogger, read_metrics
+from polo.runtime.lifecycle import Cadence, Ending, Evaluation, StepReport, run_lifecycle
+from polo.runtime.metrics import read_metrics
 from polo.runtime.parallel import is_main_process
 from polo.runtime.resume import RunFinishedError
-from polo.runtime.run_lock import owned_run_dir
 from polo.runtime.trackers import Trackers
 
 
@@ -53,6 +53,7 @@ def train(
     reward_functions: dict | None = None,
     train_dataset: object = None,
     eval_dataset: object = None,
+    callbacks: list | None = None,
 ) -> TrainResult:
     """Train a causal LM with the configured policy-optimization algorithm and return the result.
 
@@ -61,6 +62,8 @@ def train(
     polo's `(completion, row) -> float` or TRL's `(prompts, completions, completion_ids, **columns)`
     (`polo.rewards.forms`). `train_dataset` / `eval_dataset` (a `datasets.Dataset` or a
     list of dicts) are the rows of the hf task (`polo.data.hf`; a resume needs the same ones again).
+    `callbacks` are called at the run's start, each step, evaluation and checkpoint, and its end
+    (`polo.runtime.callbacks`; after those `output.callbacks` names).
     Launched by `torchrun`, every process calls it and the run is data-parallel (see
     `polo.runtime.parallel`); the process group is joined and left here.
     """
@@ -74,96 +77,120 @@ def train(
         return TrainResult(Path(config.output.dir), 0)
     joined, finished = parallel.init_from_environment(resolve_device(config.train.device)), False
     try:
-        # The lock comes before anything looks at output.dir; a stop signal during set-up is held until the loop
-        # can stop cleanly.
-        with owned_run_dir(config.output.dir), StopRequest(say_on_main), torch_threads(config.train.threads):
-            rollback = None
-            while True:  # once, unless the divergence guard rolls the run back (polo.rl.guard)
-                try:
-                    result = train_loop(
-                        set_up(
-                            config,
-                            overrides,
-                            reward_functions,
-                            rollback=rollback,
-                            train_dataset=train_dataset,
-                            eval_dataset=eval_dataset,
-                        )
-                    )
-                    finished = True
-                    return result
-                except RunFinishedError as done:  # resumed after its end: say so, evaluate and save nothing again
-                    say_on_main(str(done))
-                    finished = True
-                    return finished_result(config)
-                except Rollback as request:
-                    rollback = request.state  # the failed run's frames go with the exception, before the rebuild
-                if is_main_process():
-                    print(rollback.message, flush=True)
+
+        def open_trainer(rollback: RollbackState | None) -> RLTrainer:
+            return RLTrainer(
+                set_up(
+                    config,
+                    overrides,
+                    reward_functions,
+                    rollback=rollback,
+                    train_dataset=train_dataset,
+                    eval_dataset=eval_dataset,
+                )
+            )
+
+        try:
+            with torch_threads(config.train.threads):  # the caller's thread count comes back after the run
+                result = run_lifecycle(open_trainer, config.output.dir, run_callbacks(config, callbacks))
+        except RunFinishedError as done:  # resumed after its end: say so, evaluate and save nothing again
+            say_on_main(str(done))
+            result = finished_result(config)
+        finished = True
+        return result
     finally:
         if joined:
             parallel.leave_process_group(finished)
 
 
-def train_loop(run: Run) -> TrainResult:
-    """Run steps `run.start_step + 1 ... train.steps`: sample, score, update, log, evaluate, checkpoint."""
-    config = run.config
-    logger = MetricsLogger(
-        run.output_dir, config.train.steps, run.start_step, config.output.progress, trackers=Trackers.of(config)
-    )
-    logger.write(banner(run))
-    evaluate = HeldOutEvaluation(run, logger)
-    if run.eval_before is None and config.eval.before and run.task.eval_rows:
-        run.eval_before = evaluate(0)
+class RLTrainer:
+    """An RL run as the lifecycle drives it (`polo.runtime.lifecycle.Trainer`): `rl_step` and what surrounds it."""
 
-    saved_step, nonfinite_streak = run.start_step, 0
-    guard = DivergenceGuard(run.model, config, run.checkpointer)
-    with StopRequest(logger.write) as stop:
-        if parallel.any_rank(stop.requested):  # a signal during set-up: nothing was trained since the last checkpoint
-            logger.close()
-            raise RunStopped(stop.signum, run.start_step, run.checkpointer.latest())
-        for step in range(run.start_step + 1, config.train.steps + 1):
-            try:
-                result = rl_step(run, step)
-                nonfinite_streak = 0
-            except NonFiniteLossError as error:  # the update was not applied: skip the step, or stop after too many
-                nonfinite_streak = skip_or_stop(run, logger, step, nonfinite_streak + 1, error)
-                result = StepResult({"skipped_nonfinite": 1.0})
-            diverged = guard.judge(step, result.metrics)  # before anything could evaluate or save the step's weights
-            if run.rollbacks:
-                result.metrics["rollbacks"] = run.rollbacks
-            log_step(logger, step, result)
-            if diverged:
-                logger.close()
-                raise Rollback(
-                    guard.rollback_or_stop(
-                        step, diverged, RollbackState(run.data_offset, run.rollbacks, run.eval_before), config
-                    )
-                )
-            if config.eval.every and step % config.eval.every == 0 and step != config.train.steps:
-                evaluate(step)
-            stopping = parallel.any_rank(stop.requested)  # every rank stops after the same step
-            if (config.output.save_every and step % config.output.save_every == 0) or stopping:
-                path, saved_step = run.save(step), step
-                stopping = stopping or parallel.any_rank(
-                    stop.requested
-                )  # a signal during the save: stop on the checkpoint just written
-            if stopping:
-                logger.close()
-                raise RunStopped(stop.signum, step, path)
+    name = "polo train"
 
-    eval_after = evaluate(config.train.steps) if config.eval.after and run.task.eval_rows else None
-    if config.train.steps > saved_step or parallel.any_rank(run.checkpointer.latest() is None):
-        run.save(config.train.steps)
-    logger.close()
-    if is_main_process() and config.output.plots:
-        plot_run(run.output_dir)
-    publish_model(
-        run, eval_after
-    )  # README.md into the final checkpoint; the upload of output.push_to_hub (main process)
-    return TrainResult(
-        run.output_dir, config.train.steps, run.eval_before, eval_after, read_metrics(run.output_dir / "metrics.jsonl")
-    )
+    def __init__(self, run: Run):
+        config = run.config
+        self.run, self.output_dir, self.trackers = run, run.output_dir, Trackers.of(config)
+        held_out = bool(run.task.eval_rows)
+        self.cadence = Cadence(
+            total_steps=config.train.steps,
+            save_every=config.output.save_every,
+            eval_before=config.eval.before and held_out,
+            eval_every=config.eval.every,
+            eval_after=config.eval.after and held_out,
+            final_checkpoint=True,
+            progress=config.output.progress,
+        )
+        self.held_out = HeldOutEvaluation(run)
+        self.guard = DivergenceGuard(run.model, config, run.checkpointer)
+        self.nonfinite_streak = 0
+
+    @property
+    def start_step(self) -> int:
+        return self.run.start_step
+
+    @property
+    def eval_before(self) -> dict | None:
+        return self.run.eval_before
+
+    @eval_before.setter
+    def eval_before(self, result: dict | None) -> None:
+        self.run.eval_before = result
+
+    def banner(self) -> str:
+        return banner(self.run)
+
+    def finished(self, step: int) -> bool:
+        return step >= self.run.config.train.steps
+
+    def step(self, step: int) -> StepReport:
+        """Return step `step`'s report; a non-finite loss skips the step (its update was not applied)."""
+        messages = []
+        try:
+            result = rl_step(self.run, step)
+            self.nonfinite_streak = 0
+        except NonFiniteLossError as error:  # skip the step, or stop after too many
+            self.nonfinite_streak = skip_or_stop(self.run, step, self.nonfinite_streak + 1, error)
+            messages.append(f"polo: warning: step {step} skipped: {error}")
+            result = StepResult({"skipped_nonfinite": 1.0})
+        summary = {"reward": "reward/mean", "acc": "accuracy", "len": "completion_length/mean"}
+        return StepReport(
+            result.metrics,
+            result.samples,
+            result.completions,
+            messages + result.messages,
+            {label: result.metrics.get(key, float("nan")) for label, key in summary.items()},
+        )
+
+    def judge(self, step: int, metrics: dict) -> str | None:
+        """Return why the step diverged (`polo.rl.guard`), before anything could evaluate or save its weights."""
+        diverged = self.guard.judge(step, metrics)
+        if self.run.rollbacks:
+            metrics["rollbacks"] = self.run.rollbacks
+        return diverged
+
+    def rollback(self, step: int, reason: str) -> RollbackState:
+        run = self.run
+        state = RollbackState(run.data_offset, run.rollbacks, run.eval_before)
+        return self.guard.rollback_or_stop(step, reason, state, run.config)
+
+    def evaluate(self, step: int) -> Evaluation:
+        return self.held_out(step)
+
+    def save(self, step: int) -> Path | None:
+        return self.run.save(step)
+
+    def latest_checkpoint(self) -> Path | None:
+        return self.run.checkpointer.latest()
+
+    def finish(self, ending: Ending) -> TrainResult:
+        """Draw the plots, write the model card into the final checkpoint (and upload it); return the result."""
+        run = self.run
+        if is_main_process() and run.config.output.plots:
+            plot_run(run.output_dir)
+        publish_model(run, ending.eval_after)  # README.md into the final checkpoint; output.push_to_hub's upload
+        metrics = read_metrics(run.output_dir / "metrics.jsonl")
+        return TrainResult(run.output_dir, ending.last_step, run.eval_before, ending.eval_after, metrics)
 
 
 def finished_result(config: Config) -> TrainResult:
@@ -196,23 +223,10 @@ def banner(run: Run) -> str:
     )
 
 
-def log_step(logger: MetricsLogger, step: int, result: StepResult) -> None:
-    """Write the step's messages, metrics row, sample rows and completions table, and advance the progress bar."""
-    for message in result.messages:
-        logger.write(message)
-    metrics = {**result.metrics, "step": step}
-    logger.log(metrics)
-    logger.log_samples(result.samples)
-    logger.log_completions(step, result.completions)
-    summary = {"reward": "reward/mean", "acc": "accuracy", "len": "completion_length/mean"}
-    logger.advance(step, {label: metrics.get(key, float("nan")) for label, key in summary.items()})
-
-
-def skip_or_stop(run: Run, logger: MetricsLogger, step: int, streak: int, error: NonFiniteLossError) -> int:
-    """Return the new non-finite streak after warning that `step` was skipped; raise once it reaches the limit."""
+def skip_or_stop(run: Run, step: int, streak: int, error: NonFiniteLossError) -> int:
+    """Return the new non-finite streak after step `step` failed with `error`; raise once it reaches the limit."""
     limit = run.config.train.max_nonfinite_steps
     if streak >= limit:
-        logger.close()
         latest = run.checkpointer.latest()  # every saved step passed the divergence guard: its weights are good
         kept = (
             f"the last good checkpoint is {latest}"
@@ -223,7 +237,6 @@ def skip_or_stop(run: Run, logger: MetricsLogger, step: int, streak: int, error:
             f"{streak} steps in a row had a non-finite loss, stopping at step {step} "
             f"(train.max_nonfinite_steps={limit}); {kept}. Last error: {error}"
         ) from error
-    logger.write(f"polo: warning: step {step} skipped: {error}")
     return streak
 
 
@@ -233,10 +246,10 @@ TOOL_EVAL_KEYS = ("calls_per_episode", "call_success_rate", "turns", "episodes_w
 
 
 class HeldOutEvaluation:
-    """Greedy accuracy on the task's held-out rows, each rank decoding its share; logged and saved per step."""
+    """Greedy accuracy on the task's held-out rows, each rank decoding its share; saved per step."""
 
-    def __init__(self, run: Run, logger: MetricsLogger):
-        self.run, self.logger = run, logger
+    def __init__(self, run: Run):
+        self.run = run
         self.rows = parallel.eval_share(run.task.eval_rows)
         self.prompts = run.task.prompts(run.tokenizer, self.rows, run.instruction, run.config.task.system_prompt)
         self.sampling = GroupSampling(
@@ -246,8 +259,8 @@ class HeldOutEvaluation:
             sampler=run.sampler,
         )
 
-    def __call__(self, step: int) -> dict:
-        """Return the held-out result at `step` (combined over ranks), logged and written to eval_stepNNNNNN.json."""
+    def __call__(self, step: int) -> Evaluation:
+        """Return the held-out evaluation at `step` (combined over ranks), written to eval_stepNNNNNN.json."""
         run = self.run
         with sampling_weights(run.model) as sampler:
             result = (
@@ -256,21 +269,16 @@ class HeldOutEvaluation:
                 else None
             )
         result = combine_eval(parallel.gather_objects((len(self.rows), result)))
-        self.logger.log(
-            {
-                "step": step,
-                "eval/accuracy": result["accuracy"],
-                "eval/completion_length": result["completion_length"],
-                "eval/truncated": result["truncated"],
-                **{f"eval/tool/{key}": result[key] for key in TOOL_EVAL_KEYS if key in result},
-            }
-        )
-        self.logger.write(
-            f"step {step}: held-out greedy accuracy {result['accuracy']:.3f} on {len(run.task.eval_rows)} problems"
-        )
+        row = {
+            "eval/accuracy": result["accuracy"],
+            "eval/completion_length": result["completion_length"],
+            "eval/truncated": result["truncated"],
+            **{f"eval/tool/{key}": result[key] for key in TOOL_EVAL_KEYS if key in result},
+        }
+        line = f"step {step}: held-out greedy accuracy {result['accuracy']:.3f} on {len(run.task.eval_rows)} problems"
         if is_main_process():
             (run.output_dir / f"eval_step{step:06d}.json").write_text(json.dumps(result, indent=1))
-        return result
+        return Evaluation(result, row, line)
 
 
 def combine_eval(per_rank: list[tuple[int, dict | None]]) -> dict:

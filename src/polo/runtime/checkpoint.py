@@ -241,7 +241,7 @@ def claim_output_dir(output_dir: Path, overwrite: bool, resume: bool | None = No
     """Refuse to start a fresh run over an earlier run's files unless `overwrite`, which removes them first.
 
     Call it only when the run does not continue from a checkpoint. `resume` is None for commands
-    that cannot resume (polo sft, rm, dpo), else the run's `output.resume` (True here means it was
+    that cannot resume (polo control), else the run's `output.resume` (True here means it was
     asked for but there is no checkpoint to continue from). The files of a run that never finished
     a step are no run to protect: they are replaced, with a line that says so. Every rank may call
     it: all refuse alike, and only the main process removes anything.

@@ -8,13 +8,18 @@ SIGTERM or SIGHUP and 130 after Ctrl-C. A second signal raises `StopNow` at once
 
 `StopRequest`s nest (the pipeline holds one around its stages, each stage's loop its own): they
 share one record of the signal received, which the outermost clears when it is entered.
+
+Work that is worth nothing half done and leaves nothing to save (a held-out evaluation before the
+first step, or after the last one was saved) runs inside `StopRequest.abandoning()`: there the
+first signal stops it at once with `Abandoned`, instead of waiting minutes for it to finish.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +34,7 @@ class _Received:
 
     signum: int | None = None
     depth: int = 0
+    abandoning: str | None = None  # inside `StopRequest.abandoning`: what the first signal's message says
 
 
 _RECEIVED = _Received()
@@ -60,12 +66,20 @@ class StopNow(KeyboardInterrupt):
         return 128 + self.signum
 
 
+class Abandoned(KeyboardInterrupt):
+    """The first stop signal, inside `StopRequest.abandoning()`: the work in progress was dropped."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"{signal_name(signum)}: the work in progress was abandoned")
+        self.signum = signum
+
+
 class RunStopped(KeyboardInterrupt):
     """A run stopped at a stop signal after its step `step`; `checkpoint` (None: none was written) holds it.
 
     `step` is None for a pipeline stopped between stages (`where` is then the finished stage).
     A `KeyboardInterrupt`, so a notebook caller sees it as the Ctrl-C it often is. `resumable` is
-    False for runs that cannot continue from a checkpoint (`polo sft`, `rm`, `dpo`); `where` names
+    False for runs that cannot continue from a checkpoint (`polo control`); `where` names
     the pipeline stage it stopped in, when it did.
     """
 
@@ -121,8 +135,23 @@ class StopRequest:
         if _RECEIVED.signum is not None:
             raise StopNow(signum)
         _RECEIVED.signum = signum
+        if _RECEIVED.abandoning is not None:
+            self.say(f"polo: {signal_name(signum)}: {_RECEIVED.abandoning}")
+            raise Abandoned(signum)
         again = "Ctrl-C" if signum == signal.SIGINT else f"send {signal_name(signum)}"
         self.say(f"polo: {signal_name(signum)}: {self.plan} ({again} again to abort now)")
+
+    @contextmanager
+    def abandoning(self, plan: str) -> Iterator[None]:
+        """Within, the first stop signal raises `Abandoned` at once (a signal already received, on entry); `plan`
+        is what its message says happens next."""
+        if _RECEIVED.signum is not None:
+            raise Abandoned(_RECEIVED.signum)
+        previous, _RECEIVED.abandoning = _RECEIVED.abandoning, plan
+        try:
+            yield
+        finally:
+            _RECEIVED.abandoning = previous
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is not threading.main_thread():
