@@ -49,7 +49,7 @@ from polo.rewards.answers import (
 )
 from polo.rewards.format import r1_format
 from polo.rewards.reward_model import REWARD_PREFIX, reward_model_reward
-from polo.runtime.device import inference_compute
+from polo.runtime.device import inference_compute, torch_threads
 from polo.runtime.run_lock import is_run_dir, owned_run_dir
 
 AnswerKey = Callable[[str], "str | None"]
@@ -447,7 +447,8 @@ def evaluate(
         settings = _eval_settings(settings)
         task = make_task(config, eval_dataset, eval_dataset) if eval_dataset is not None else make_task(config)
         rows = _held_out_rows(task.eval_rows, settings.limit, task.name)
-        return _evaluate(config, settings, task, rows, output)
+        with torch_threads(config.train.threads):  # the caller's thread count comes back afterwards
+            return _evaluate(config, settings, task, rows, output)
 
 
 def _recipe(config: Config | str | Path | dict | None) -> str | Path | dict | None:
@@ -485,8 +486,6 @@ def _held_out_rows(rows: list[dict], limit: int | None, task_name: str) -> list[
 def _evaluate(config: Config, settings: EvalSettings, task, rows: list[dict], output: str | Path | None) -> EvalResult:
     """Sample and score `rows` of `task` as `settings` say with the recipe's model; write `output` when given."""
     compute = inference_compute(config.train.precision, config.train.device)
-    if config.train.threads:
-        torch.set_num_threads(config.train.threads)
     torch.manual_seed(settings.seed)
     reward_model = None
     if settings.reward_model:  # loaded first: a wrong path fails before any sampling
