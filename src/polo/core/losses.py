@@ -202,7 +202,9 @@ def cispo_loss(
     return per_token, stats
 
 
-@register_policy_loss("cispo")
+@register_policy_loss(
+    "cispo", help="REINFORCE with the ratio as a weight capped at 1 + clip_eps_high (MiniMax-M1, MiniMax 2025)"
+)
 def cispo_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return `cispo_loss` of a micro-batch with its weight capped at 1 + `clip_eps_high` (`clip_eps_low` unused)."""
     return cispo_loss(
@@ -242,7 +244,7 @@ def sapo_loss(
     return per_token, stats
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", help="a smooth sigmoid gate on the ratio instead of a hard clip (SAPO, Qwen 2025)")
 def sapo_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return `sapo_loss` of a micro-batch with the recipe's `sapo_temperature_pos` and `sapo_temperature_neg`."""
     return sapo_loss(

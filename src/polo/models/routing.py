@@ -34,7 +34,10 @@ def router_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
 
 def experts_per_token(model: torch.nn.Module) -> int | None:
     """Return how many experts each token is routed to (`num_experts_per_tok`, or its older names), None if unknown."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = getattr(model, "config", None)  # a bare module (a test's policy) has none, and no routers
+    if config is None:
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for name in ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -92,7 +95,8 @@ def _real_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
 def recorded_routing(model: torch.nn.Module) -> Iterator[RoutingRecord | None]:
     """Record `model`'s router logits over the forwards within that build a graph (a training forward, not a probe
     or a scoring without gradient); yield the record, or None for a model without routers."""
-    routers, top_k = router_modules(model), experts_per_token(model)
+    routers = router_modules(model)
+    top_k = experts_per_token(model) if routers else None
     if not routers or top_k is None:
         yield None
         return
