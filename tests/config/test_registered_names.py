@@ -140,7 +140,7 @@ def polo_train_error(tmp_path: Path, monkeypatch, capsys, *overrides: str) -> st
         ),
         (
             ["task.name=gsm8k"],
-            "task.name=gsm8k needs task.train_path and task.eval_path, which the recipe leaves unset",
+            "gsm8k: no data: set task.train_path and task.eval_path, or POLO_GSM8K_DIR",
         ),
         (["task.name=arithmatic"], "task.name: 'arithmatic' is not a registered task (did you mean 'arithmetic'?)"),
         (["train.stpes=3"], "unknown config key 'train.stpes' (did you mean 'steps'?); valid keys in train: "),
@@ -158,4 +158,5 @@ def test_a_bad_name_or_a_missing_key_is_one_line_before_anything_loads(
 ):
     (tmp_path / "my_rewards.py").write_text("LIMIT = 3\n\ndef length(completion, row):\n    return len(completion)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("POLO_GSM8K_DIR", raising=False)  # gsm8k's data is where this variable points, when set
     assert polo_train_error(tmp_path, monkeypatch, capsys, *overrides).startswith(expected)

@@ -277,13 +277,13 @@ class TaskConfig:
     max_digits: int = setting(2, help="the most digits of an operand", range=">= 1", used_by=TASKS)
     train_path: str | None = setting(
         None,
-        help="the training data, a JSON-lines file (gsm8k: null reads train.jsonl in $POLO_GSM8K_DIR)",
+        help="the training data, a JSON-lines file (null: the task's own, e.g. train.jsonl in $POLO_GSM8K_DIR)",
         used_by=TASKS,
     )
     eval_path: str | None = setting(
         None,
-        help="the held-out data, a JSON-lines file (gsm8k: null reads test.jsonl in $POLO_GSM8K_DIR; a task over "
-        "a task.path data file: the held-out data file beside it)",
+        help="the held-out data, a JSON-lines file (null: the task's own, e.g. test.jsonl in $POLO_GSM8K_DIR; a task "
+        "over a task.path data file: the held-out data file beside it)",
         used_by=TASKS,
     )
     prompt_field: str | None = setting(
