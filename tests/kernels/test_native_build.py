@@ -83,3 +83,23 @@ def test_without_a_ninja_on_path_the_wheels_goes_on_it(monkeypatch, tmp_path):
     assert shutil.which("ninja") is not None
     native.use_ninja_wheel()  # found now: PATH is left alone
     assert os.environ["PATH"].split(os.pathsep) == [ninja.BIN_DIR, str(tmp_path)]
+
+
+def test_a_killed_builds_leftover_lock_does_not_block_the_next_build(monkeypatch, tmp_path):
+    """torch's build lock outlives a build killed mid-way; under polo's flock it is known stale and cleared."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.delenv("POLO_NATIVE", raising=False)
+    monkeypatch.setenv("POLO_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "capability", lambda: "AVX2")
+    directory = native.build_directory()
+    directory.mkdir(parents=True)
+    (directory / "lock").write_text("")  # what a SIGKILLed build leaves
+    seen = []
+
+    def build(**kwargs):  # torch would wait on the lock file forever; record whether it was still there
+        seen.append((directory / "lock").exists())
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    native.native_ops.__wrapped__()
+    assert seen == [False]

@@ -15,6 +15,8 @@ torch path for None, and tests compare the two.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -75,27 +77,51 @@ def native_ops():
         from torch.utils import cpp_extension
 
         directory.mkdir(parents=True, exist_ok=True)
-        if not any(directory.glob("*.so")):
-            print(
-                f"polo: compiling native CPU kernels once, into {directory} (about 15-30 s)",
-                file=sys.stderr,
-                flush=True,
+        with build_lock(directory):
+            if not any(directory.glob("*.so")):
+                print(
+                    f"polo: compiling native CPU kernels once, into {directory} (about 15-30 s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            cpp_extension.load(
+                name="polo_native",
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=[
+                    "-O3",
+                    "-fopenmp",
+                    f"-DCPU_CAPABILITY={capability()}",
+                    f"-DCPU_CAPABILITY_{capability()}",
+                ]
+                + flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
             )
-        cpp_extension.load(
-            name="polo_native",
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=["-O3", "-fopenmp", f"-DCPU_CAPABILITY={capability()}", f"-DCPU_CAPABILITY_{capability()}"]
-            + flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
     except Exception as error:  # no compiler, no ninja, a failed build: polo runs on torch's ops instead
         lines = f"{error}\n{error.__cause__ or ''}".strip().splitlines()
         errors = [line for line in lines if "error:" in line]  # the compiler's first complaint, else the last line
         return _unavailable((errors or lines[-1:] or [type(error).__name__])[0].strip())
     return torch.ops.polo_native
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """Hold an exclusive lock on `directory`'s build for the block, clearing a killed build's leftover torch lock.
+
+    torch's own build lock is a file made with O_EXCL and removed when the build ends: a build killed
+    mid-way (a timeout, SIGKILL) leaves it, and every later process waits on it forever. An `flock`
+    is released by the kernel when its holder dies, so while polo holds one no other polo process is
+    building here, and a torch lock file still present can only be such a leftover.
+    """
+    with open(directory / "polo.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def use_ninja_wheel() -> None:
