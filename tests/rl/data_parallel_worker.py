@@ -12,6 +12,7 @@ import json
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -52,7 +53,7 @@ def one_update(batch, config_dict: dict, model_dir: str):
         config=config,
         compute=CPU,
         task=None,
-        reward_set=None,
+        reward_set=SimpleNamespace(names=[]),  # the batch comes scored: no reward function is called
         instruction="",
         model=model,
         tokenizer=tokenizer,
