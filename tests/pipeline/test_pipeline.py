@@ -197,6 +197,8 @@ def test_the_r1_gsm8k_recipe_runs_end_to_end_on_the_tiny_model(tiny_model_dir, t
         f"task.train_path={write_gsm8k(tmp_path / 'train.jsonl', 24)}",
         f"task.eval_path={write_gsm8k(tmp_path / 'test.jsonl', 6, 100)}",
         "task.num_eval=4",
+        # DeepSeek's system prompt alone is longer than the tiny model's 512 positions: a short one stands in
+        "task.system_prompt=Think in <think> tags, then answer in <answer> tags.",
         "eval={samples: 2, num_problems: 2, max_new_tokens: 6, batch_size: 8, precision: fp32}",
         "stages.cold_start.demos={num_train: 4, num_eval: 2}",
         "stages.cold_start.data.max_length=1500",
@@ -223,8 +225,9 @@ def test_the_r1_gsm8k_recipe_runs_end_to_end_on_the_tiny_model(tiny_model_dir, t
 def test_the_r1_recipes_are_valid(name, tmp_path, monkeypatch):
     from polo.pipeline import load_pipeline
 
-    # r1_gsm8k reads GSM8K from $POLO_GSM8K_DIR: a few rows in its format stand in for the data set
-    write_gsm8k(tmp_path / "train.jsonl", 24)
+    # r1_gsm8k reads GSM8K from $POLO_GSM8K_DIR: rows in its format stand in for the data set, as many as
+    # its cold-start demonstrations take (1,000 + 64)
+    write_gsm8k(tmp_path / "train.jsonl", 1100)
     write_gsm8k(tmp_path / "test.jsonl", 6, 100)
     monkeypatch.setenv("POLO_GSM8K_DIR", str(tmp_path))
     plan = load_pipeline(RECIPES / name, ["task.num_eval=6"] if name == "r1_gsm8k.yaml" else [])
