@@ -175,7 +175,9 @@ def test_eval_misspelled_checker(tmp_path):
         str(tmp_path / "no-model-here"),
         cwd=tmp_path,
     )
-    assert line.startswith("task.checker: 'exact_nmber' is not one of math_verify, exact_number, exact_string")
+    assert line.startswith(
+        "task.checker: 'exact_nmber' is not a registered answer checker (did you mean 'exact_number'?)"
+    )
 
 
 def test_eval_nan_temperature(tmp_path):

@@ -254,8 +254,8 @@ def test_train_help_lists_every_checker_and_the_default(capsys):
     assert load_config({}).task.checker == DEFAULT_CHECKER
 
 
-def test_readme_lists_every_checker_beside_the_jsonl_example():
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+def test_the_tasks_guide_lists_every_checker_beside_the_jsonl_example():
+    readme = (Path(__file__).parents[2] / "docs" / "tasks.md").read_text()
     for name in CHECKERS:
         assert f"`{name}`" in readme
     example = readme.index("name: jsonl")

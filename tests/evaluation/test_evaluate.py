@@ -479,7 +479,7 @@ def test_polo_eval_runs_an_hf_task_of_a_recipe_with_the_recipes_budget(tiny_mode
     ("extra", "message"),
     [
         (["--greedy", "--samples", "4"], "greedy gives one answer per problem; samples is 4"),
-        (["--task", "mnist"], "task.name: 'mnist' is not one of"),
+        (["--task", "mnist"], "task.name: 'mnist' is not a registered task"),
         (["--samples", "0"], "samples must be at least 1, got 0"),
         (["--top-p", "0"], "top_p must be"),
         (["--limit", "500"], "limit 500 is more than the 200 held-out problems"),
