@@ -410,6 +410,7 @@ def test_a_failed_upload_says_the_model_is_safe(tmp_path, monkeypatch):
         checkpointer=SimpleNamespace(latest=lambda: final),
         task=SimpleNamespace(name="arithmetic", eval_rows=[1, 2]),
         eval_before={"accuracy": 0.25},
+        output_dir=tmp_path / "run",  # where the card reads the run's starting recipe
     )
     with pytest.raises(SaveError) as error:
         publish_model(run, {"accuracy": 0.5})
