@@ -25,6 +25,17 @@ if "POLO_GSM8K_DIR" not in os.environ and (_GSM8K_BESIDE / "test.jsonl").is_file
     os.environ["POLO_GSM8K_DIR"] = str(_GSM8K_BESIDE)
 
 
+@pytest.fixture(autouse=True)
+def _forget_modules_written_by_the_test(tmp_path_factory):
+    """Tests write user modules (`my_rewards.py`, ...) into their own tmp dirs and import them by name; a later
+    test writing a module of the same name must import its own file, not the one `sys.modules` kept."""
+    yield
+    base = str(tmp_path_factory.getbasetemp())
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(base):
+            del sys.modules[name]
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Skip the `cuda`-marked tests, with the reason shown, where torch sees no CUDA GPU.
 

@@ -40,7 +40,7 @@ class DataConfig:
     """Where the examples are and how they are shaped into model inputs (formats: docs/rlhf.md)."""
 
     train_path: str | None = setting(
-        None, help="the training jsonl (required): demonstrations for sft, comparisons or rankings for rm and dpo"
+        None, help="the training jsonl (required): demonstrations to imitate, or comparisons and rankings to prefer"
     )
     eval_path: str | None = setting(
         None, help="a held-out jsonl, evaluated before, during (train.eval_every) and after training; null: none"
