@@ -49,15 +49,14 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def build_tiny_model(directory: Path, seed: int = 0, **sizes) -> Path:
-    """Save a 2-layer Llama with a character tokenizer (chat template, EOS <|im_end|>) to `directory`; `sizes`
-    override its LlamaConfig (hidden_size=64, say)."""
+def char_tokenizer(padding_side: str = "right"):
+    """Return a character-level tokenizer: every printable character one id, chat template, EOS and padding
+    <|im_end|>."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
-    characters = sorted(set(string.printable))
-    vocab = {token: index for index, token in enumerate(specials + characters)}
+    vocab = {token: index for index, token in enumerate(specials + sorted(set(string.printable)))}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
@@ -69,6 +68,17 @@ def build_tiny_model(directory: Path, seed: int = 0, **sizes) -> Path:
         additional_special_tokens=["<|im_start|>"],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def build_tiny_model(directory: Path, seed: int = 0, **sizes) -> Path:
+    """Save a 2-layer Llama with a character tokenizer (chat template, EOS <|im_end|>) to `directory`; `sizes`
+    override its LlamaConfig (hidden_size=64, say)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = char_tokenizer()
+    vocab = tokenizer.get_vocab()
     torch.manual_seed(seed)
     config = {
         "vocab_size": len(vocab),

@@ -16,14 +16,10 @@ Each gets sizes that make its variant matter (a window shorter than the sequence
 
 from __future__ import annotations
 
-import string
-
 import torch
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from conftest import char_tokenizer
+
 EOS = PAD = 2
 WINDOW = 6  # the sliding window of the windowed families: shorter than prompt + completion
 
@@ -77,28 +73,6 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
-def char_tokenizer():
-    """Return a character-level tokenizer (chat template, EOS and padding <|im_end|>, left padding)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
-    vocab = {token: index for index, token in enumerate(specials + sorted(set(string.printable)))}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
-        eos_token="<|im_end|>",
-        pad_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.padding_side = "left"
-    return tokenizer
-
-
 def tiny_family(family: str, vocab_size: int, seed: int = 0, **config) -> torch.nn.Module:
     """Return a random fp32 causal LM of `family` (`FAMILIES`) over `vocab_size` ids, in eval mode, on the CPU."""
     import transformers
@@ -114,7 +88,7 @@ def tiny_family(family: str, vocab_size: int, seed: int = 0, **config) -> torch.
 
 def save_family(family: str, directory, **config):
     """Write a tiny `family` model and `char_tokenizer` to `directory` (loadable by `polo train`); return it."""
-    tokenizer = char_tokenizer()
+    tokenizer = char_tokenizer("left")
     model = tiny_family(family, len(tokenizer), **config)
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))

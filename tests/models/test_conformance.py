@@ -42,7 +42,7 @@ from polo.runtime.device import Compute
 PROMPTS = ["What is 1 + 2?", "A longer prompt, so the others are left-padded: 17 * 3 = ", "x"]
 NEW_TOKENS = 8
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-_TOKENIZER = char_tokenizer()
+_TOKENIZER = char_tokenizer("left")
 _BUILT: dict[str, torch.nn.Module] = {}
 
 

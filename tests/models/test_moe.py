@@ -38,7 +38,7 @@ def test_a_routers_output_flag_leaves_attention_plain():
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_greedy_samples_over_shared_prompts_are_generates(family, sampler):
     """Each prompt held once for its group in the cache (polo's attention reads it per group): generate's tokens."""
-    tokenizer = char_tokenizer()
+    tokenizer = char_tokenizer("left")
     reference = tiny_family(family, len(tokenizer))
     model = copy.deepcopy(reference)
     assert use_fast_attention(model, CPU)
@@ -81,7 +81,7 @@ def test_router_load_is_transformers_load_balancing_loss_over_real_tokens():
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_the_recorded_routing_of_a_scoring_forward_is_the_models_own_aux_loss(family):
     """Plain [prompt | completion] rows, padding on both sides: the model's own `aux_loss` (output_router_logits)."""
-    tokenizer = char_tokenizer()
+    tokenizer = char_tokenizer("left")
     reference = tiny_family(family, len(tokenizer))
     generator = torch.Generator().manual_seed(1)
     prompt_ids, completion_ids = torch.randint(3, 90, (4, 6), generator=generator), torch.randint(3, 90, (4, 5))
