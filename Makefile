@@ -33,12 +33,16 @@ RUFF_CHECK = $(shell [ -x $(VENV)/bin/ruff ] && echo "$(VENV)/bin/ruff check $(L
 demo: model
 	$(POLO) train recipes/grpo_arith.yaml
 
-# --durations: every CI log names its slowest tests, which is what a faster split is planned from.
+# -n: one pytest-xdist worker per core (at most 4: the tests are small, and more only contend for memory and
+# the GPU), work-stealing so the long end-to-end tests do not leave a worker idle at the end. --durations:
+# every CI log names its slowest tests.
+TEST_WORKERS ?= auto
+PARALLEL = $(shell $(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --maxprocesses 4 --dist worksteal")
 test: model
 	$(RUFF_FORMAT)
 	$(RUFF_CHECK)
 	$(LINT_IMPORTS)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q $(PARALLEL) --durations=25
 
 # The tests marked `cuda` (tests/cuda/): on a machine without a GPU each one prints as skipped, with its reason.
 test-gpu: $(STAMP)

@@ -18,6 +18,16 @@ CHAT_TEMPLATE = (
 )
 
 
+# `make test` runs the suite on one pytest-xdist worker per core. Each worker, and every polo process a test starts,
+# gets an equal share of the cores: left alone, every worker's torch would start a thread per core, and on a
+# 2-core machine four threads waiting on one another run the suite slower than one worker does.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _SHARE = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+    os.environ["OMP_NUM_THREADS"] = _SHARE
+    torch.set_num_threads(int(_SHARE))
+
+
 # GSM8K is never downloaded by the tests: they read it from $POLO_GSM8K_DIR, or from a `shared/data/gsm8k` folder
 # beside the checkout when there is one, and skip (saying so) without it.
 _GSM8K_BESIDE = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
