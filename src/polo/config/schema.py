@@ -48,7 +48,9 @@ class OptimizerConfig:
     Shared by every training command's `train` section; each command sets its own defaults.
     """
 
-    learning_rate: float = setting(1e-6, help="peak learning rate, reached after the warm-up", range=">= 0")
+    # Adam's first step moves every weight by about the learning rate, and a model's weights start near 0.02:
+    # no run, of a language model or a Gymnasium network, goes near 1, so a larger rate is a typo.
+    learning_rate: float = setting(1e-6, help="peak learning rate, reached after the warm-up", range="[0, 1]")
     weight_decay: float = setting(0.0, help="AdamW's decoupled weight decay (0: plain Adam)", range=">= 0")
     adam_beta1: float = setting(0.9, help="β1, the decay of Adam's first-moment (mean) estimate", range="[0, 1)")
     adam_beta2: float = setting(
@@ -400,7 +402,10 @@ class AlgorithmConfig:
         1e-4, help="ε in (r − mean) / (std + ε): a group whose rewards are all equal gets advantage 0", range=">= 0"
     )
     clip_eps_low: float = setting(
-        0.2, help="ε_low: the ratio is clipped below at 1 − ε_low (PPO's ε, Schulman et al. 2017)", range=">= 0"
+        0.2,
+        help="ε_low: the ratio is clipped below at 1 − ε_low (PPO's ε, Schulman et al. 2017); below 1, since a "
+        "ratio is always above 0 and a bound of 0 or less never binds",
+        range="[0, 1)",
     )
     clip_eps_high: float = setting(
         0.2,
@@ -482,7 +487,7 @@ class AlgorithmConfig:
         help="PPO's critic: separate (its own trunk) | head (a value head on the policy trunk)",
         choices=("separate", "head"),
     )
-    critic_learning_rate: float = setting(1e-5, help="the critic's AdamW learning rate", range=">= 0")
+    critic_learning_rate: float = setting(1e-5, help="the critic's AdamW learning rate", range="[0, 1]")
     critic_warmup_steps: int = setting(0, help="steps that train only the critic before the policy moves", range=">= 0")
     value_clip: float | None = setting(
         0.2, help="clip the value prediction within this of the old value (PPO2); null: unclipped", range="> 0"
