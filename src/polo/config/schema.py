@@ -588,29 +588,39 @@ RESUME_KEYS = (
 
 
 @dataclass
-class OutputConfig:
-    """Where a run writes, how often it checkpoints, resuming, trackers and the Hub."""
+class RunOutputConfig:
+    """Where a run of a causal LM writes, how often it checkpoints, resuming, trackers and the Hub.
+
+    The keys `polo train`, `sft`, `rm` and `dpo` share; each command's `output` section is one,
+    with its own defaults and keys of its own.
+    """
 
     dir: str = setting("runs/grpo", help="the run directory: config.yaml, metrics.jsonl, checkpoints/, plots")
     save_every: int = save_every_setting(10)
     keep_checkpoints: int = keep_checkpoints_setting()
     resume: bool = resume_setting()
     overwrite: bool = setting(False, help="a fresh run into a directory holding an earlier run removes that run first")
+    report_to: list[str] = report_to_setting()
+    project: str | None = project_setting()
+    run_name: str | None = run_name_setting()
+    tracker_dir: str | None = tracker_dir_setting()
+    progress: bool = setting(True, help="show a progress bar")
+    push_to_hub: str | None = push_to_hub_setting()
+    hub_private: bool = hub_private_setting()
+    callbacks: list[CallbackConfig] = callbacks_setting()
+
+
+@dataclass
+class OutputConfig(RunOutputConfig):
+    """Where a run writes, how often it checkpoints, resuming, trackers and the Hub."""
+
     allow_changes: list[str] = setting(
         [],
         help="keys a resume may change although they define the run (any other change to them is refused); "
         "each change is recorded in dir/config_changes.jsonl and config.yaml keeps the starting value",
         choices=RESUME_KEYS,
     )
-    report_to: list[str] = report_to_setting()
-    project: str | None = project_setting()
-    run_name: str | None = run_name_setting()
-    tracker_dir: str | None = tracker_dir_setting()
     plots: bool = setting(True, help="draw reward, accuracy and length curves into dir at the end")
-    progress: bool = setting(True, help="show a progress bar")
-    push_to_hub: str | None = push_to_hub_setting()
-    hub_private: bool = hub_private_setting()
-    callbacks: list[CallbackConfig] = callbacks_setting()
 
 
 @dataclass
