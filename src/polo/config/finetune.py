@@ -15,22 +15,12 @@ from polo.config.fields import override, setting
 from polo.config.loading import build_dataclass, config_to_dict, read_recipe
 from polo.config.schema import (
     PRECISIONS,
-    CallbackConfig,
     ModelConfig,
     OptimizerConfig,
-    callbacks_setting,
+    RunOutputConfig,
     device_setting,
     gradient_checkpointing_setting,
-    hub_private_setting,
-    keep_checkpoints_setting,
-    project_setting,
-    push_to_hub_setting,
-    report_to_setting,
-    resume_setting,
-    run_name_setting,
-    save_every_setting,
     threads_setting,
-    tracker_dir_setting,
 )
 from polo.config.validation import check_device, check_output, check_settings
 
@@ -82,24 +72,16 @@ class FinetuneTrainConfig(OptimizerConfig):
 
 
 @dataclass
-class FinetuneOutputConfig:
+class FinetuneOutputConfig(RunOutputConfig):
     """Where a fine-tuning run writes (the trained model goes to `<dir>/final`), its trackers and the Hub."""
 
-    dir: str = setting(
-        "runs/finetune", help="the run directory: config.yaml, metrics.jsonl, summary.json, checkpoints/, final/"
+    dir: str = override(
+        RunOutputConfig,
+        "dir",
+        "runs/finetune",
+        help="the run directory: config.yaml, metrics.jsonl, summary.json, checkpoints/, final/",
     )
-    save_every: int = save_every_setting(100)
-    keep_checkpoints: int = keep_checkpoints_setting()
-    resume: bool = resume_setting()
-    overwrite: bool = setting(False, help="a run into a directory holding an earlier run removes that run first")
-    report_to: list[str] = report_to_setting()
-    project: str | None = project_setting()
-    run_name: str | None = run_name_setting()
-    tracker_dir: str | None = tracker_dir_setting()
-    progress: bool = setting(True, help="show a progress bar")
-    push_to_hub: str | None = push_to_hub_setting()
-    hub_private: bool = hub_private_setting()
-    callbacks: list[CallbackConfig] = callbacks_setting()
+    save_every: int = override(RunOutputConfig, "save_every", 100)
 
 
 @dataclass

@@ -48,7 +48,9 @@ class OptimizerConfig:
     Shared by every training command's `train` section; each command sets its own defaults.
     """
 
-    learning_rate: float = setting(1e-6, help="peak learning rate, reached after the warm-up", range=">= 0")
+    # Adam's first step moves every weight by about the learning rate, and a model's weights start near 0.02:
+    # no run, of a language model or a Gymnasium network, goes near 1, so a larger rate is a typo.
+    learning_rate: float = setting(1e-6, help="peak learning rate, reached after the warm-up", range="[0, 1]")
     weight_decay: float = setting(0.0, help="AdamW's decoupled weight decay (0: plain Adam)", range=">= 0")
     adam_beta1: float = setting(0.9, help="β1, the decay of Adam's first-moment (mean) estimate", range="[0, 1)")
     adam_beta2: float = setting(
@@ -400,7 +402,10 @@ class AlgorithmConfig:
         1e-4, help="ε in (r − mean) / (std + ε): a group whose rewards are all equal gets advantage 0", range=">= 0"
     )
     clip_eps_low: float = setting(
-        0.2, help="ε_low: the ratio is clipped below at 1 − ε_low (PPO's ε, Schulman et al. 2017)", range=">= 0"
+        0.2,
+        help="ε_low: the ratio is clipped below at 1 − ε_low (PPO's ε, Schulman et al. 2017); below 1, since a "
+        "ratio is always above 0 and a bound of 0 or less never binds",
+        range="[0, 1)",
     )
     clip_eps_high: float = setting(
         0.2,
@@ -482,7 +487,7 @@ class AlgorithmConfig:
         help="PPO's critic: separate (its own trunk) | head (a value head on the policy trunk)",
         choices=("separate", "head"),
     )
-    critic_learning_rate: float = setting(1e-5, help="the critic's AdamW learning rate", range=">= 0")
+    critic_learning_rate: float = setting(1e-5, help="the critic's AdamW learning rate", range="[0, 1]")
     critic_warmup_steps: int = setting(0, help="steps that train only the critic before the policy moves", range=">= 0")
     value_clip: float | None = setting(
         0.2, help="clip the value prediction within this of the old value (PPO2); null: unclipped", range="> 0"
@@ -583,29 +588,39 @@ RESUME_KEYS = (
 
 
 @dataclass
-class OutputConfig:
-    """Where a run writes, how often it checkpoints, resuming, trackers and the Hub."""
+class RunOutputConfig:
+    """Where a run of a causal LM writes, how often it checkpoints, resuming, trackers and the Hub.
+
+    The keys `polo train`, `sft`, `rm` and `dpo` share; each command's `output` section is one,
+    with its own defaults and keys of its own.
+    """
 
     dir: str = setting("runs/grpo", help="the run directory: config.yaml, metrics.jsonl, checkpoints/, plots")
     save_every: int = save_every_setting(10)
     keep_checkpoints: int = keep_checkpoints_setting()
     resume: bool = resume_setting()
     overwrite: bool = setting(False, help="a fresh run into a directory holding an earlier run removes that run first")
+    report_to: list[str] = report_to_setting()
+    project: str | None = project_setting()
+    run_name: str | None = run_name_setting()
+    tracker_dir: str | None = tracker_dir_setting()
+    progress: bool = setting(True, help="show a progress bar")
+    push_to_hub: str | None = push_to_hub_setting()
+    hub_private: bool = hub_private_setting()
+    callbacks: list[CallbackConfig] = callbacks_setting()
+
+
+@dataclass
+class OutputConfig(RunOutputConfig):
+    """Where a run writes, how often it checkpoints, resuming, trackers and the Hub."""
+
     allow_changes: list[str] = setting(
         [],
         help="keys a resume may change although they define the run (any other change to them is refused); "
         "each change is recorded in dir/config_changes.jsonl and config.yaml keeps the starting value",
         choices=RESUME_KEYS,
     )
-    report_to: list[str] = report_to_setting()
-    project: str | None = project_setting()
-    run_name: str | None = run_name_setting()
-    tracker_dir: str | None = tracker_dir_setting()
     plots: bool = setting(True, help="draw reward, accuracy and length curves into dir at the end")
-    progress: bool = setting(True, help="show a progress bar")
-    push_to_hub: str | None = push_to_hub_setting()
-    hub_private: bool = hub_private_setting()
-    callbacks: list[CallbackConfig] = callbacks_setting()
 
 
 @dataclass
