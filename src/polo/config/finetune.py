@@ -64,7 +64,7 @@ class FinetuneTrainConfig(OptimizerConfig):
     epochs: int = setting(1, help="passes over the training rows", range=">= 1")
     max_steps: int | None = setting(None, help="stop after this many optimizer steps (null: all epochs)", range=">= 1")
     batch_size: int = setting(
-        32, help="examples per optimizer step: demonstrations (sft) or rankings (rm, dpo)", range=">= 1"
+        32, help="examples per optimizer step: demonstrations to imitate, or rankings to prefer", range=">= 1"
     )
     micro_batch_size: int = setting(
         32, help="sequences per forward/backward (gradient accumulation); a ranking is never split", range=">= 1"
