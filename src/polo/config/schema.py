@@ -138,6 +138,17 @@ def resume_setting() -> Any:
     return setting(False, help="continue from the newest checkpoint in dir (docs/cluster.md)")
 
 
+def allow_changes_setting(keys: tuple[str, ...]) -> Any:
+    """Return the `output.allow_changes` field of a command whose runs resume, over `keys`: those that say what its run
+    is (polo.runtime.resume)."""
+    return setting(
+        [],
+        help="keys a resume may change although they define the run (any other change to them is refused); "
+        "each change is recorded in dir/config_changes.jsonl and config.yaml keeps the starting value",
+        choices=keys,
+    )
+
+
 @dataclass
 class CallbackConfig:
     """A callback the run calls at its start, each step, evaluation and checkpoint, and its end (docs/callbacks.md)."""
@@ -614,12 +625,7 @@ class RunOutputConfig:
 class OutputConfig(RunOutputConfig):
     """Where a run writes, how often it checkpoints, resuming, trackers and the Hub."""
 
-    allow_changes: list[str] = setting(
-        [],
-        help="keys a resume may change although they define the run (any other change to them is refused); "
-        "each change is recorded in dir/config_changes.jsonl and config.yaml keeps the starting value",
-        choices=RESUME_KEYS,
-    )
+    allow_changes: list[str] = allow_changes_setting(RESUME_KEYS)
     plots: bool = setting(True, help="draw reward, accuracy and length curves into dir at the end")
 
 

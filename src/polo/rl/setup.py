@@ -39,23 +39,11 @@ from polo.rl.update import Learner, optimizer_steps_per_batch, update_modules
 from polo.runtime import parallel
 from polo.runtime.checkpoint import Checkpointer, claim_output_dir, load_trainer_state
 from polo.runtime.device import Compute, train_compute
+from polo.runtime.lifecycle import ResumePoint, resume_point, snapshot_config
 from polo.runtime.metrics import truncate_metrics
 from polo.runtime.optimizer import build_schedule
 from polo.runtime.parallel import is_main_process
-from polo.runtime.resume import (
-    CHANGES_FILE,
-    Change,
-    changed_keys,
-    check_changes,
-    damaged_line,
-    finished_run,
-    forget_changes_from,
-    newest_intact,
-    recipe_text,
-    record_changes,
-    saved_recipe,
-    set_aside,
-)
+from polo.runtime.resume import finished_run
 from polo.runtime.seeding import restore_rng, seed_everything
 
 
@@ -128,39 +116,17 @@ def checked_config(config, overrides: list[str] | None) -> Config:
     return config
 
 
-def find_resume_point(config: Config, checkpointer: Checkpointer) -> tuple[Path | None, list[Change]]:
-    """Return (the checkpoint to resume from or None for a fresh run, the recipe changes output.allow_changes allows).
-
-    Reads only files: a damaged newest checkpoint is named and set aside for the newest intact
-    one, a change to a key that defines the run (`RESUME_KEYS`) is refused, and a finished run
-    raises `RunFinishedError`. A fresh run's claim on output.dir is `claim_output_dir`'s.
-    """
-    if not config.output.resume:
-        return None, []
-    resume_from, damaged = newest_intact(checkpointer.root)
-    parallel.barrier()  # every rank has looked before the main process moves anything
-    if is_main_process():
-        for checkpoint in damaged:
-            print(damaged_line(checkpoint, resume_from), flush=True)
-            set_aside(checkpoint)
-    parallel.barrier()
-    if resume_from is None:
-        if is_main_process():
-            print(f"polo: resume=true but no checkpoint in {checkpointer.root}; starting from step 0")
-        return None, []
-    finished = finished_run(resume_from, config.train.steps, Path(config.output.dir))
-    if finished is not None:
-        raise finished
-    saved = saved_recipe(resume_from, Path(config.output.dir)) or {}
-    changes = changed_keys(saved, config_to_dict(config), RESUME_KEYS)
-    allowed = check_changes(changes, config.output.allow_changes, resume_from, "output.allow_changes")
-    if allowed and is_main_process():
-        print(
-            f"polo: resuming from {resume_from.name} with {', '.join(map(str, allowed))}, as output.allow_changes "
-            f"allows (recorded in {CHANGES_FILE})",
-            flush=True,
-        )
-    return resume_from, allowed
+def find_resume_point(config: Config, checkpointer: Checkpointer) -> ResumePoint:
+    """Return where the run starts (`polo.runtime.lifecycle.resume_point`), over the keys that define an RL run
+    (`RESUME_KEYS`); a finished run raises `RunFinishedError`."""
+    return resume_point(
+        checkpointer,
+        "polo train",
+        config.output,
+        config_to_dict(config),
+        RESUME_KEYS,
+        lambda checkpoint: finished_run(checkpoint, config.train.steps, Path(config.output.dir)),
+    )
 
 
 def load_models(config: Config, compute: Compute, resume_from: Path | None) -> tuple:
@@ -271,10 +237,14 @@ def set_up(
     recorded = config if train_dataset is None else replace(config, task=replace(config.task, name="hf"))
     output_dir = Path(config.output.dir)
     checkpointer = Checkpointer(
-        output_dir, config.output.keep_checkpoints, yaml.safe_dump(config_to_dict(recorded), sort_keys=False)
+        output_dir,
+        config.output.keep_checkpoints,
+        yaml.safe_dump(config_to_dict(recorded), sort_keys=False),
+        "polo train",
     )
     # Before anything loads: a refused resume or a damaged checkpoint costs nothing.
-    resume_from, changes = find_resume_point(recorded, checkpointer) if rollback is None else (rollback.checkpoint, [])
+    point = find_resume_point(recorded, checkpointer) if rollback is None else None
+    resume_from = point.checkpoint if point is not None else rollback.checkpoint
     compute = train_compute(config)
     task = make_task(config, train_dataset, eval_dataset)
     config = recorded
@@ -317,10 +287,5 @@ def set_up(
         if resume_from is None and is_main_process():  # back to the starting model: the rows logged since go
             truncate_metrics(output_dir / "metrics.jsonl", 0)
             truncate_metrics(output_dir / "samples.jsonl", 0)
-    if is_main_process():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        if resume_from is not None and rollback is None:  # changes from an earlier try at these steps are void
-            forget_changes_from(output_dir, run.start_step)
-            record_changes(output_dir, run.start_step, changes)
-        (output_dir / "config.yaml").write_text(note + recipe_text(config_to_dict(config), output_dir))
+    snapshot_config(output_dir, config_to_dict(config), note, point)
     return run
