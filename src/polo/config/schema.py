@@ -346,6 +346,23 @@ class SamplingConfig:
         help="nucleus sampling: keep the smallest set of tokens with this much probability (Holtzman et al. 2020)",
         range="(0, 1]",
     )
+    top_k: int = setting(
+        0,
+        help="keep only the k likeliest tokens, before top_p (Fan et al. 2018; transformers' and TRL's top_k); 0: off",
+        range=">= 0",
+    )
+    min_p: float = setting(
+        0.0,
+        help="after top_p, drop the tokens less likely than min_p times the likeliest one (Nguyen et al. 2024, "
+        "'min-p sampling'; TRL's min_p); 0: off",
+        range="[0, 1]",
+    )
+    repetition_penalty: float = setting(
+        1.0,
+        help="CTRL's penalty (Keskar et al. 2019) on every token already in the prompt or the completion, before the "
+        "temperature: a positive logit divided by it, a negative one multiplied; > 1 discourages repeats; 1: off",
+        range="> 0",
+    )
     max_new_tokens: int = setting(
         64,
         help="the completion budget; a completion cut here is truncated (see algorithm.mask_truncated)",

@@ -138,7 +138,14 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> Sc
             run.tokenizer,
             prompts,
             alg.group_size,
-            Decoding(sampling.max_new_tokens, sampling.temperature, sampling.top_p),
+            Decoding(
+                sampling.max_new_tokens,
+                sampling.temperature,
+                sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty,
+            ),
             compute=run.compute,
             rows=row_batch,
         )
