@@ -446,6 +446,30 @@ class AlgorithmConfig:
     beta: float = setting(
         0.0, help="KL coefficient to the starting model; a reference model is kept only when beta > 0", range=">= 0"
     )
+    kl_target: float | None = setting(
+        None,
+        help="the adaptive KL controller (Ziegler et al. 2019; verl's kl_ctrl.type adaptive): beta starts at "
+        "algorithm.beta and moves each step toward keeping the step's kl near this target (polo.core.reference); "
+        "null: beta stays fixed",
+        range="> 0",
+    )
+    kl_horizon: int = setting(
+        10000,
+        help="the adaptive KL controller's horizon in completions: one step moves beta by at most "
+        "20 % x its completions / kl_horizon",
+        range=">= 1",
+    )
+    sync_ref_model: bool = setting(
+        False,
+        help="move the reference toward the policy every ref_model_sync_steps steps (TR-DPO, Gorbatovski et al. "
+        "2024; TRL's sync_ref_model): ref <- alpha * policy + (1 - alpha) * ref",
+    )
+    ref_model_mixup_alpha: float = setting(
+        0.6, help="with sync_ref_model: alpha, the policy's share in the new reference (1: a copy)", range="[0, 1]"
+    )
+    ref_model_sync_steps: int = setting(
+        512, help="with sync_ref_model: steps (sampled batches) between two reference updates", range=">= 1"
+    )
     kl_estimator: str = setting(
         "k3",
         help="the per-token KL estimate (Schulman 2020, 'Approximating KL Divergence')",

@@ -37,6 +37,7 @@ from polo.core.losses import (
     vanilla_pg_loss,
 )
 from polo.core.preference import dpo_loss, pairwise_loss
+from polo.core.reference import adaptive_kl_coefficient, mix_into_reference
 from polo.core.registry import (
     ADVANTAGE_ESTIMATORS,
     CHECKERS,
@@ -143,6 +144,8 @@ __all__ = [
     "kl_k2",
     "kl_k3",
     "importance_weighted_kl",
+    "adaptive_kl_coefficient",
+    "mix_into_reference",
     "masked_mean",
     "masked_sum",
     "ppo_clip_loss",

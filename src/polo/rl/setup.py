@@ -85,6 +85,15 @@ class Run:
     # batches seen between the checkpoint and the jump are skipped, not replayed.
     data_offset: int = 0
     rollbacks: int = 0
+    beta: float = 0.0  # the next step's KL coefficient: algorithm.beta, or where the adaptive controller moved it
+
+    @property
+    def step_config(self) -> Config:
+        """Return the config a step trains with: the recipe, with the adaptive controller's KL coefficient."""
+        alg = self.config.algorithm
+        if alg.kl_target is None:
+            return self.config
+        return replace(self.config, algorithm=replace(alg, beta=self.beta))
 
     @property
     def learner(self) -> Learner:
@@ -94,7 +103,17 @@ class Run:
     def checkpoint_state(self) -> dict:
         """Return the run state a checkpoint keeps beside the weights and the optimizer."""
         critic = self.critic.state() if self.critic is not None else {}
-        return {"eval_before": self.eval_before, "data_offset": self.data_offset, "rollbacks": self.rollbacks, **critic}
+        state = {
+            "eval_before": self.eval_before,
+            "data_offset": self.data_offset,
+            "rollbacks": self.rollbacks,
+            **critic,
+        }
+        if self.config.algorithm.kl_target is not None:
+            state["beta"] = self.beta
+        if self.config.algorithm.sync_ref_model:  # the reference has moved away from model.name
+            state["reference"] = self.reference.state_dict()
+        return state
 
     def save(self, step: int) -> Path | None:
         """Write checkpoint `step` (every rank calls it) and return its path (None off rank 0)."""
@@ -223,6 +242,10 @@ def resume(run: Run, checkpoint: Path) -> None:
         run.critic.load(state)
     run.start_step, run.eval_before = state["step"], state.get("eval_before")
     run.data_offset, run.rollbacks = state.get("data_offset", 0), state.get("rollbacks", 0)
+    if run.config.algorithm.kl_target is not None:
+        run.beta = state.get("beta", run.beta)
+    if run.config.algorithm.sync_ref_model and "reference" in state:
+        run.reference.load_state_dict(state["reference"])
     if is_main_process():  # the one writer; a second rank rewriting the same file could empty it
         truncate_metrics(run.output_dir / "metrics.jsonl", run.start_step)
         truncate_metrics(run.output_dir / "samples.jsonl", run.start_step)
@@ -309,6 +332,7 @@ def set_up(
         checkpointer=checkpointer,
         output_dir=output_dir,
         sampler=sampler_for(config, task, compute),
+        beta=config.algorithm.beta,
     )
     if resume_from is not None:
         resume(run, resume_from)
