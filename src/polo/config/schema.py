@@ -443,6 +443,12 @@ class AlgorithmConfig:
         "'Beyond the 80/20 Rule'); the KL and the normalisers still count every token; 1: all",
         range="(0, 1]",
     )
+    entropy_coef: float = setting(
+        0.0,
+        help="the entropy bonus: the loss subtracts entropy_coef x the policy's per-token entropy, aggregated as the "
+        "policy loss (Mnih et al. 2016; PPO's c2; TRL's entropy_coef, verl's entropy_coeff); 0: off",
+        range=">= 0",
+    )
     beta: float = setting(
         0.0, help="KL coefficient to the starting model; a reference model is kept only when beta > 0", range=">= 0"
     )

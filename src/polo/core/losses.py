@@ -411,3 +411,15 @@ def entropy_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = N
         torch.isfinite(logits), logits, torch.zeros((), dtype=logits.dtype, device=logits.device)
     )
     return logsumexp - (probs * finite_logits).sum(dim=-1)
+
+
+def entropy_bonus(per_token_loss: torch.Tensor, entropy: torch.Tensor, coef: float) -> torch.Tensor:
+    """Return the per-token loss with the entropy bonus (Williams & Peng 1991; Mnih et al. 2016; PPO's c₂ S[π],
+    Schulman et al. 2017), `(batch, seq)`:
+
+        ℓ'_t = ℓ_t − c · H_t,    H_t = −Σ_v π(v | ·) log π(v | ·)
+
+    Minimising it raises the policy's entropy, so it keeps exploring. The loss's aggregation then takes
+    the mean of −c · H over the same tokens as the policy term. `entropy` must carry a gradient.
+    """
+    return per_token_loss - coef * entropy

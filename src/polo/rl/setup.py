@@ -24,7 +24,7 @@ from polo.data.hf import check_same_datasets, passed_datasets_note
 from polo.data.prompt_lengths import PromptRoom, fit_prompts
 from polo.generation.cpu_sampler import rollout
 from polo.generation.rollouts import Sampler
-from polo.kernels import use_fast_attention, use_lean_layers, use_onednn_linears
+from polo.kernels import supports_fused_logprobs, use_fast_attention, use_lean_layers, use_onednn_linears
 from polo.models.family import context_length
 from polo.models.hub import check_push
 from polo.models.loading import frozen_copy, load_policy, resolve_model_path, setup_activation_checkpointing
@@ -193,6 +193,7 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
     start_from = str(resume_from) if resume_from is not None and not lora.r else config.model.name
     model, tokenizer = load_policy(start_from, attn_implementation=config.model.attn_implementation)
     check_router_loss(model, config.algorithm.router_aux_loss_coef)
+    check_entropy_bonus(model, config.algorithm.entropy_coef)
     model = model.to(compute.device)
     model.train()
     setup_activation_checkpointing(model, config.train.gradient_checkpointing, compute.available_memory())
@@ -221,6 +222,16 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
         use_lean_layers(module)
         use_onednn_linears(module, compute)
     return model, tokenizer, reference
+
+
+def check_entropy_bonus(model, entropy_coef: float) -> None:
+    """Refuse an entropy bonus for a model whose entropy has no gradient: only the chunked lm_head path
+    (`polo.kernels.logprobs`, a plain decoder whose logits are lm_head(hidden)) differentiates it for free."""
+    if entropy_coef > 0 and not supports_fused_logprobs(model):
+        raise ConfigError(
+            f"algorithm.entropy_coef={entropy_coef} needs a model whose logits are lm_head(hidden), which polo "
+            f"differentiates the entropy of; {type(model).__name__} changes its logits after the head"
+        )
 
 
 def resume(run: Run, checkpoint: Path) -> None:

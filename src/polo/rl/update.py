@@ -1,7 +1,7 @@
 """The policy update: `update_epochs` passes of minibatch optimizer steps over one batch of whole groups.
 
 Per micro-batch: log-probs under the current policy -> registered policy loss (PPO clip, GSPO,
-...) -> + beta * KL to the reference -> registered aggregation -> backward. Normalisers
+...) -> + beta * KL to the reference -> − entropy_coef * entropy -> registered aggregation -> backward. Normalisers
 (sequences, valid tokens) are global per optimizer step: counted over the whole minibatch and all
 ranks through `polo.core.global_count`, so gradient accumulation over micro-batches gives exactly
 the full-minibatch gradient.
@@ -139,6 +139,8 @@ def policy_loss_term(
             kl = core.importance_weighted_kl(kl, logprobs, old)
         per_token = per_token + alg.beta * kl
         ctx.sums["kl"] += float((kl.detach() * mask).sum())
+    if alg.entropy_coef > 0:  # the entropy bonus, on every token as the KL: − c · H_t (core.entropy_bonus)
+        per_token = core.entropy_bonus(per_token, entropy, alg.entropy_coef)
     ctx.sums["clip_low"] += float(stats.get("clip_low_count", 0.0))
     ctx.sums["clip_high"] += float(stats.get("clip_high_count", 0.0))
     add_drift(ctx, logprobs.detach(), old, mask, stats)
@@ -192,7 +194,7 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.
         logprobs = logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
         loss = policy_loss_term(ctx, logprobs, micro, mask, normalisers, entropy)
         loss = loss + ctx.routing.add(routing, alg.router_aux_loss_coef, normalisers.num_micro_batches)
-        ctx.sums["entropy"] += float((entropy * mask).sum())
+        ctx.sums["entropy"] += float((entropy.detach() * mask).sum())
     if values is not None:  # value head on the shared trunk: one backward for both losses
         head_loss = value_loss(values, ctx.batch, micro, mask, alg, normalisers)
         ctx.sums["value_loss"] += float(head_loss.detach())
