@@ -1,4 +1,4 @@
-"""The adaptive KL coefficient (Ziegler et al. 2019) and TR-DPO's reference mix-up, by hand."""
+"""The adaptive KL coefficient (Ziegler et al. 2019), TR-DPO's reference mix-up and the entropy bonus, by hand."""
 
 from __future__ import annotations
 
@@ -37,3 +37,14 @@ def test_mix_into_reference_is_alpha_policy_plus_one_minus_alpha_reference():
     assert reference[0].tolist() == [3.0, -2.0]
     with pytest.raises(ValueError, match=r"alpha must be in \[0, 1\], got 1.5"):
         core.mix_into_reference(reference, policy, 1.5)
+
+
+def test_the_entropy_bonus_is_minus_c_times_the_micro_batchs_mean_entropy_whatever_the_aggregation():
+    """TRL's reading: −c · (Σ m H / Σ m) / num_micro_batches; its gradient raises every counted token's entropy."""
+    entropy = torch.tensor([[1.0, 3.0, 5.0], [2.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    normalisers = core.LossNormalisers(num_sequences=8, num_tokens=20, max_completion_length=3, num_micro_batches=2)
+    bonus = core.entropy_bonus(entropy, mask, 0.3, normalisers)
+    assert bonus.item() == pytest.approx(-0.3 * (1 + 3 + 2) / 3 / 2)
+    bonus.backward()
+    torch.testing.assert_close(entropy.grad, torch.tensor([[-0.05, -0.05, 0.0], [-0.05, 0.0, 0.0]]))

@@ -32,11 +32,10 @@ def update_on_one_batch(tiny_model_dir, output_dir, monkeypatch, entropy_coef: f
         output_dir,
         sampling={"temperature": 0.5},  # below the random tiny model's near-uniform entropy: room to rise
         eval={"before": False, "after": False},
-        train={"steps": 1, "learning_rate": 1e-2, "warmup_steps": 0, "weight_decay": 0.0},
+        train={"steps": 1, "learning_rate": 1e-2, "warmup_steps": 0, "weight_decay": 0.0, "micro_batch_size": 8},
     )
     config["rewards"] = {"correct": 0.0}  # scored but weighted 0: the total reward is constant
-    overrides = [f"algorithm.entropy_coef={entropy_coef}", "algorithm.loss_aggregation=token_mean"]
-    run = set_up(config, overrides, reward_functions={same_for_all: 1.0})
+    run = set_up(config, [f"algorithm.entropy_coef={entropy_coef}"], reward_functions={same_for_all: 1.0})
     entropies, real_policy_update = [], step_module.policy_update
 
     def policy_update(learner, batch, config, **kwargs):
@@ -56,7 +55,7 @@ def test_the_entropy_bonus_alone_raises_the_policys_entropy(tiny_model_dir, tmp_
     metrics, before, after = update_on_one_batch(tiny_model_dir, tmp_path / "with", monkeypatch, 0.5)
     assert metrics["grad_norm"] > 0 and after > before + 1e-3
     assert metrics["entropy"] == pytest.approx(before, rel=1e-5)  # measured under the policy that sampled
-    assert metrics["loss"] == pytest.approx(-0.5 * before, rel=1e-5)  # token_mean(0 − c·H): the policy term is 0
+    assert metrics["loss"] == pytest.approx(-0.5 * before, rel=1e-5)  # −c · the one micro-batch's mean entropy
 
 
 def test_an_entropy_bonus_on_a_model_that_post_processes_its_logits_is_one_line():

@@ -445,8 +445,8 @@ class AlgorithmConfig:
     )
     entropy_coef: float = setting(
         0.0,
-        help="the entropy bonus: the loss subtracts entropy_coef x the policy's per-token entropy, aggregated as the "
-        "policy loss (Mnih et al. 2016; PPO's c2; TRL's entropy_coef, verl's entropy_coeff); 0: off",
+        help="the entropy bonus: the loss subtracts entropy_coef x the policy's mean per-token entropy, whatever "
+        "the loss's aggregation (Mnih et al. 2016; PPO's c2; TRL's entropy_coef; polo.core.losses); 0: off",
         range=">= 0",
     )
     beta: float = setting(

@@ -1,7 +1,7 @@
 """The policy update: `update_epochs` passes of minibatch optimizer steps over one batch of whole groups.
 
 Per micro-batch: log-probs under the current policy -> registered policy loss (PPO clip, GSPO,
-...) -> + beta * KL to the reference -> − entropy_coef * entropy -> registered aggregation -> backward. Normalisers
+...) -> + beta * KL to the reference -> registered aggregation (− entropy_coef * mean entropy) -> backward. Normalisers
 (sequences, valid tokens) are global per optimizer step: counted over the whole minibatch and all
 ranks through `polo.core.global_count`, so gradient accumulation over micro-batches gives exactly
 the full-minibatch gradient.
@@ -131,20 +131,23 @@ def policy_loss_term(
     old = ctx.old_logprobs[micro, :width] if ctx.old_logprobs is not None else logprobs.detach()
     token_advantages = ctx.advantages[micro, :width] if ctx.advantages.dim() == 2 else ctx.advantages[micro]
     per_token, stats = ctx.policy_loss(core.PolicyLossInputs(logprobs, old, token_advantages, mask), alg)
+    trained = mask  # the tokens the policy term (and the entropy bonus, as in TRL) acts on
     if alg.top_entropy_quantile < 1.0 and entropy is not None:
-        per_token = torch.where(core.high_entropy_tokens(entropy, mask, alg.top_entropy_quantile), per_token, 0.0)
+        trained = core.high_entropy_tokens(entropy, mask, alg.top_entropy_quantile)
+        per_token = torch.where(trained, per_token, 0.0)
     if ctx.kl_in_loss:
         kl = core.kl_estimate(logprobs, ctx.ref_logprobs[micro, :width], alg.kl_estimator)
         if alg.kl_importance_weighted:
             kl = core.importance_weighted_kl(kl, logprobs, old)
         per_token = per_token + alg.beta * kl
         ctx.sums["kl"] += float((kl.detach() * mask).sum())
-    if alg.entropy_coef > 0:  # the entropy bonus, on every token as the KL: − c · H_t (core.entropy_bonus)
-        per_token = core.entropy_bonus(per_token, entropy, alg.entropy_coef)
     ctx.sums["clip_low"] += float(stats.get("clip_low_count", 0.0))
     ctx.sums["clip_high"] += float(stats.get("clip_high_count", 0.0))
     add_drift(ctx, logprobs.detach(), old, mask, stats)
-    return core.aggregate_loss(per_token, mask, alg.loss_aggregation, normalisers)
+    loss = core.aggregate_loss(per_token, mask, alg.loss_aggregation, normalisers)
+    if alg.entropy_coef > 0:
+        loss = loss + core.entropy_bonus(entropy, trained.to(mask.dtype), alg.entropy_coef, normalisers)
+    return loss
 
 
 def add_drift(ctx: UpdateContext, logprobs: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, stats: dict) -> None:
