@@ -129,7 +129,7 @@ class StaticDecoder:
         # causality (and any sliding window) hides the positions not yet written.
         self.attention_mask = torch.ones((rows, shape.cache_len), dtype=torch.long, device=device)
         self.stop = torch.tensor(shape.stop_ids, dtype=torch.long, device=device)
-        self.generator: torch.Generator | None = None
+        self.decoding = shape.decoding  # the shape's, with each call's generator (`start`)
         self.prompts: Context | None = None  # each row's prompt, read by the repetition penalty (eager, as the draw)
         buffers = (self.tokens, self.positions, self.finished, self.column, self.completion_ids, self.completion_mask)
         for buffer in (*buffers, self.attention_mask):
@@ -180,7 +180,7 @@ class StaticDecoder:
         self.column.zero_()
         self.completion_ids.fill_(self.shape.pad_id)
         self.completion_mask.zero_()
-        self.generator = generator
+        self.decoding = replace(self.shape.decoding, generator=generator)
         if self.shape.decoding.repetition_penalty != 1.0:
             self.prompts = Context(
                 prompt_ids.repeat_interleave(group_size, dim=0), prompt_mask.repeat_interleave(group_size, dim=0)
@@ -210,13 +210,13 @@ class StaticDecoder:
 
     def _take(self, logits: torch.Tensor) -> None:
         """Return nothing: draw a token per row from `logits` (rows, vocab); finished rows write pad, masked."""
-        decoding, context = replace(self.shape.decoding, generator=self.generator), None
+        context = None
         if self.prompts is not None:  # unwritten columns and finished rows are masked out, so the shapes stay fixed
             context = Context(
                 torch.cat([self.prompts.ids, self.completion_ids], dim=1),
                 torch.cat([self.prompts.mask, self.completion_mask], dim=1),
             )
-        drawn = sample_on_device(logits, decoding, context)
+        drawn = sample_on_device(logits, self.decoding, context)
         tokens = drawn.masked_fill(self.finished, self.shape.pad_id)
         self.completion_ids.index_copy_(1, self.column, tokens[:, None])
         self.completion_mask.index_copy_(1, self.column, (~self.finished).long()[:, None])
