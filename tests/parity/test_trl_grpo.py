@@ -47,6 +47,10 @@ SHARED = {
     "sapo": Setting(loss_type="sapo", epochs=2, num_minibatches=2),
     "scale_rewards_batch": Setting(scale_rewards="batch", num_minibatches=2, learning_rate=10.0),
     "top_entropy_quantile": Setting(top_entropy_quantile=0.2, micro_batch_size=8, num_minibatches=2, beta=0.05),
+    # the entropy bonus: each micro-batch's mean entropy, whatever the loss's aggregation, on the tokens it trains
+    "entropy_coef": Setting(entropy_coef=0.1, micro_batch_size=2, num_minibatches=2, epochs=2),
+    "entropy_coef_dapo": Setting(loss_type="dapo", entropy_coef=0.3, epochs=2, learning_rate=10.0),
+    "entropy_coef_top_entropy": Setting(entropy_coef=0.2, top_entropy_quantile=0.2, micro_batch_size=8, epochs=2),
 }
 
 
@@ -87,6 +91,7 @@ def test_polo_computes_what_trl_computes(name, tiny_model_dir, eos, tmp_path):
         ("k3_beta", {"beta": 0.09}),
         ("dr_grpo", {"loss_aggregation": "token_mean"}),
         ("grpo_minibatches", {"scale_rewards": False}),
+        ("entropy_coef", {"entropy_coef": 0.12}),
     ],
 )
 def test_the_comparison_catches_a_changed_setting(name, change, tiny_model_dir, eos, tmp_path):

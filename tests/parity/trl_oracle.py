@@ -63,6 +63,7 @@ class Setting:
     use_bias_correction_kl: bool = False  # TRL's default is True; polo's kl_importance_weighted, off by default
     delta: float | None = None  # two-sided clipping: TRL delta, polo clip_delta
     top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
     mask_truncated: bool = False
     scale_rewards: str = "group"  # group | batch | none
     group_size: int = 4
@@ -164,10 +165,15 @@ class TablePolicy(torch.nn.Module):
         """Return the log-probs `(len(rows), width)` of completions `rows`."""
         return self.table[rows, :width] + self.shared[:width]
 
+    def entropy(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """Return the entropies `(len(rows), width)`: the given ones moved by half the log-probs, so that an entropy
+        bonus has a gradient on the table too."""
+        return self.entropies[rows, :width] + 0.5 * self.logprobs(rows, width)
+
     def forward(self, prompt_ids, prompt_mask, completion_ids, completion_mask, **_):
         """polo's training forward: row i's prompt is the single token i."""
         rows, width = prompt_ids[:, -1], completion_ids.shape[1]
-        return self.logprobs(rows, width), self.entropies[rows, :width], None
+        return self.logprobs(rows, width), self.entropy(rows, width), None
 
     def scores(self, rollouts: Rollouts) -> torch.Tensor:
         """Return what `polo.rl.step.score_completions` returns for a model: the log-probs, without gradient."""
@@ -197,6 +203,7 @@ def polo_config(setting: Setting, **algorithm):
                 "kl_importance_weighted": setting.use_bias_correction_kl,
                 "clip_delta": setting.delta,
                 "top_entropy_quantile": setting.top_entropy_quantile,
+                "entropy_coef": setting.entropy_coef,
                 "mask_truncated": setting.mask_truncated,
                 "scale_rewards": {"group": True, "none": False, "batch": "batch"}[setting.scale_rewards],
                 "group_size": setting.group_size,
@@ -277,6 +284,7 @@ def trl_config(setting: Setting, output_dir: Path, **overrides):
         "epsilon_high": 1.0 + setting.epsilon_high if setting.loss_type == "cispo" else setting.epsilon_high,
         "delta": setting.delta,
         "top_entropy_quantile": setting.top_entropy_quantile,
+        "entropy_coef": setting.entropy_coef,
         "beta": setting.beta,
         "use_bias_correction_kl": setting.use_bias_correction_kl,
         "mask_truncated_completions": setting.mask_truncated,
@@ -321,7 +329,7 @@ def trl_trainer(model_dir: Path, args, data: Data, policy: TablePolicy):
 
     def logprobs_and_entropies(model, input_ids, attention_mask, logits_to_keep, *_, compute_entropy=False, **__):
         rows = input_ids[:, 0]  # every prompt is one token: the row's index
-        entropies = data.entropies[rows, :logits_to_keep] if compute_entropy else None
+        entropies = policy.entropy(rows, logits_to_keep) if compute_entropy else None
         if model is trainer.ref_model and model is not None:
             return data.ref_logprobs[rows, :logits_to_keep], entropies, None
         return policy.logprobs(rows, logits_to_keep), entropies, None

@@ -359,6 +359,23 @@ class SamplingConfig:
         help="nucleus sampling: keep the smallest set of tokens with this much probability (Holtzman et al. 2020)",
         range="(0, 1]",
     )
+    top_k: int = setting(
+        0,
+        help="keep only the k likeliest tokens, before top_p (Fan et al. 2018; transformers' and TRL's top_k); 0: off",
+        range=">= 0",
+    )
+    min_p: float = setting(
+        0.0,
+        help="after top_p, drop the tokens less likely than min_p times the likeliest one (Nguyen et al. 2024, "
+        "'min-p sampling'; TRL's min_p); 0: off",
+        range="[0, 1]",
+    )
+    repetition_penalty: float = setting(
+        1.0,
+        help="CTRL's penalty (Keskar et al. 2019) on every token already in the prompt or the completion, before the "
+        "temperature: a positive logit divided by it, a negative one multiplied; > 1 discourages repeats; 1: off",
+        range="> 0",
+    )
     max_new_tokens: int = setting(
         64,
         help="the completion budget; a completion cut here is truncated (see algorithm.mask_truncated)",
@@ -442,8 +459,38 @@ class AlgorithmConfig:
         "'Beyond the 80/20 Rule'); the KL and the normalisers still count every token; 1: all",
         range="(0, 1]",
     )
+    entropy_coef: float = setting(
+        0.0,
+        help="the entropy bonus: the loss subtracts entropy_coef x the policy's mean per-token entropy, whatever "
+        "the loss's aggregation (Mnih et al. 2016; PPO's c2; TRL's entropy_coef; polo.core.losses); 0: off",
+        range=">= 0",
+    )
     beta: float = setting(
         0.0, help="KL coefficient to the starting model; a reference model is kept only when beta > 0", range=">= 0"
+    )
+    kl_target: float | None = setting(
+        None,
+        help="the adaptive KL controller (Ziegler et al. 2019; verl's kl_ctrl.type adaptive): beta starts at "
+        "algorithm.beta and moves each step toward keeping the step's kl near this target (polo.core.reference); "
+        "null: beta stays fixed",
+        range="> 0",
+    )
+    kl_horizon: int = setting(
+        10000,
+        help="the adaptive KL controller's horizon in completions: one step moves beta by at most "
+        "20 % x its completions / kl_horizon",
+        range=">= 1",
+    )
+    sync_ref_model: bool = setting(
+        False,
+        help="move the reference toward the policy every ref_model_sync_steps steps (TR-DPO, Gorbatovski et al. "
+        "2024; TRL's sync_ref_model): ref <- alpha * policy + (1 - alpha) * ref",
+    )
+    ref_model_mixup_alpha: float = setting(
+        0.6, help="with sync_ref_model: alpha, the policy's share in the new reference (1: a copy)", range="[0, 1]"
+    )
+    ref_model_sync_steps: int = setting(
+        512, help="with sync_ref_model: steps (sampled batches) between two reference updates", range=">= 1"
     )
     kl_estimator: str = setting(
         "k3",

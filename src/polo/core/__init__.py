@@ -19,6 +19,7 @@ from polo.core.losses import (
     aggregate_loss,
     cispo_loss,
     cispo_policy_loss,
+    entropy_bonus,
     entropy_from_logits,
     gspo_loss,
     gspo_policy_loss,
@@ -37,6 +38,7 @@ from polo.core.losses import (
     vanilla_pg_loss,
 )
 from polo.core.preference import dpo_loss, pairwise_loss
+from polo.core.reference import adaptive_kl_coefficient, mix_into_reference
 from polo.core.registry import (
     ADVANTAGE_ESTIMATORS,
     CHECKERS,
@@ -115,6 +117,7 @@ __all__ = [
     "all_reduce_sum",
     "discounted_returns",
     "dpo_loss",
+    "entropy_bonus",
     "entropy_from_logits",
     "expand_to_tokens",
     "explained_variance",
@@ -143,6 +146,8 @@ __all__ = [
     "kl_k2",
     "kl_k3",
     "importance_weighted_kl",
+    "adaptive_kl_coefficient",
+    "mix_into_reference",
     "masked_mean",
     "masked_sum",
     "ppo_clip_loss",

@@ -411,3 +411,17 @@ def entropy_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = N
         torch.isfinite(logits), logits, torch.zeros((), dtype=logits.dtype, device=logits.device)
     )
     return logsumexp - (probs * finite_logits).sum(dim=-1)
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float, normalisers: LossNormalisers) -> torch.Tensor:
+    """Return the entropy bonus's term of this micro-batch's loss (Williams & Peng 1991; Mnih et al. 2016; PPO's
+    c₂ S[π], Schulman et al. 2017), a scalar:
+
+        L_H = − c · (Σ_t m_t H_t / Σ_t m_t) / num_micro_batches,    H_t = −Σ_v π(v | ·) log π(v | ·)
+
+    Minimising it raises the policy's entropy, so it keeps exploring. polo takes TRL's reading: the mean
+    entropy of the tokens `mask` marks, per micro-batch (`micro_batch_token_mean`), whatever the policy
+    loss's aggregation, so c means the same for every loss (verl aggregates it as the policy loss instead).
+    Shapes: entropy (with a gradient), mask (batch, seq) → scalar.
+    """
+    return -coef * micro_batch_token_mean(entropy, mask, normalisers)

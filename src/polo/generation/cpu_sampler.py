@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from polo.generation.rollouts import Decoding, Rollouts, one_turn_rollouts
-from polo.generation.sampling import sample_next_token
+from polo.generation.sampling import Context, sample_next_token
 from polo.generation.stopping import Stopping
 from polo.kernels import (
     contiguous_head_input,
@@ -48,6 +48,25 @@ class DecodeRows:
         self.length, self.pad_id = 0, pad_id
         self.rows = torch.arange(batch, device=device)  # the completion row of each batch position
         self.live = torch.ones(batch, dtype=torch.bool, device=device)  # not finished yet
+        self.prompts: Context | None = None  # each completion row's prompt, kept for the repetition penalty
+
+    def keep_prompts(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, samples_per_prompt: int) -> None:
+        """Keep each completion row's prompt (prompts, len), repeated for its samples, for `context`."""
+        self.prompts = Context(
+            prompt_ids.repeat_interleave(samples_per_prompt, dim=0),
+            prompt_mask.repeat_interleave(samples_per_prompt, dim=0),
+        )
+
+    def context(self, index: torch.Tensor) -> Context | None:
+        """Return the tokens the batch positions `index` (live,) have seen, their prompt and their completion so far;
+        None unless `keep_prompts` kept the prompts."""
+        if self.prompts is None:
+            return None
+        written = self.rows[index]
+        return Context(
+            torch.cat([self.prompts.ids[written], self.completion_ids[written, : self.length]], dim=1),
+            torch.cat([self.prompts.mask[written], self.completion_mask[written, : self.length]], dim=1),
+        )
 
     def live_index(self) -> torch.Tensor:
         """Return the batch positions still being written, (live,) long, in row order."""
@@ -113,8 +132,7 @@ def generate(
     the prompts' device; the draws come from `decoding.generator` (the device's default one when None).
     """
     # Read once: the decode loop below runs per token.
-    max_new_tokens, temperature, top_p = decoding.max_new_tokens, decoding.temperature, decoding.top_p
-    generator, stop_strings = decoding.generator, stopping.strings
+    max_new_tokens, stop_strings = decoding.max_new_tokens, stopping.strings
     batch, device = prompt_ids.shape[0] * samples_per_prompt, prompt_ids.device
     stop = torch.tensor(stopping.stop_ids, dtype=torch.long, device=device)
     attention_mask = prompt_mask.long()
@@ -125,6 +143,8 @@ def generate(
     was_training = model.training
     model.eval()
     rows = DecodeRows(batch, max_new_tokens, stopping.pad_id, device)
+    if decoding.repetition_penalty != 1.0:  # the penalty reads each row's prompt and what it has written
+        rows.keep_prompts(prompt_ids, attention_mask, samples_per_prompt)
     lean_step = lean_decode_step(model, cache, compute)
     with compute.autocast(), contiguous_head_input(model), prepacked_linears(model, batch, compute):
         logits, attention_mask = prefill(model, prompt_ids, attention_mask, cache)
@@ -135,7 +155,8 @@ def generate(
             next_position = next_position.repeat_interleave(samples_per_prompt, dim=0)
         for step in range(max_new_tokens):
             index = rows.live_index()
-            tokens = sample_next_token(logits if rows.all_live() else logits[index], temperature, top_p, generator)
+            live_logits = logits if rows.all_live() else logits[index]
+            tokens = sample_next_token(live_logits, decoding, rows.context(index))
             finished = rows.write(step, index, tokens, stop)
             if stop_strings is not None:
                 written = rows.rows[index]

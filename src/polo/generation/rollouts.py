@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from polo.generation.prompts import tokenize_prompts
+from polo.generation.sampling import Decoding
 from polo.generation.stopping import Stopping
 from polo.runtime.device import CPU, Compute
 
@@ -50,17 +51,6 @@ class EpisodeRecord:
             if index < len(self.observations):
                 parts.append(f"[observation]\n{self.observations[index]}\n[/observation]")
         return "\n".join(parts)
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """How a sampler draws each completion: at most `max_new_tokens` tokens, at `temperature` (0 is greedy) and
-    nucleus `top_p`, from `generator` (None: the device's default generator)."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    generator: torch.Generator | None = None
 
 
 @dataclass

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from polo.generation.rollouts import Decoding, Rollouts, one_turn_rollouts
-from polo.generation.sampling import sample_on_device
+from polo.generation.rollouts import Rollouts, one_turn_rollouts
+from polo.generation.sampling import Context, Decoding, sample_on_device
 from polo.generation.stopping import Stopping, StopStrings
 from polo.models.family import cache_keyword
 from polo.models.scoring import position_ids_from_mask
@@ -52,8 +52,7 @@ class DecodeShape:
     batch: int
     prompt_len: int
     max_new_tokens: int
-    temperature: float
-    top_p: float
+    decoding: Decoding  # without its generator, which each call gives
     stop_ids: tuple[int, ...]
     pad_id: int
     captured: bool
@@ -130,7 +129,8 @@ class StaticDecoder:
         # causality (and any sliding window) hides the positions not yet written.
         self.attention_mask = torch.ones((rows, shape.cache_len), dtype=torch.long, device=device)
         self.stop = torch.tensor(shape.stop_ids, dtype=torch.long, device=device)
-        self.generator: torch.Generator | None = None
+        self.decoding = shape.decoding  # the shape's, with each call's generator (`start`)
+        self.prompts: Context | None = None  # each row's prompt, read by the repetition penalty (eager, as the draw)
         buffers = (self.tokens, self.positions, self.finished, self.column, self.completion_ids, self.completion_mask)
         for buffer in (*buffers, self.attention_mask):
             torch._dynamo.mark_static_address(buffer)  # mutated in place by the graph: CUDA graphs need fixed addresses
@@ -180,7 +180,11 @@ class StaticDecoder:
         self.column.zero_()
         self.completion_ids.fill_(self.shape.pad_id)
         self.completion_mask.zero_()
-        self.generator = generator
+        self.decoding = replace(self.shape.decoding, generator=generator)
+        if self.shape.decoding.repetition_penalty != 1.0:
+            self.prompts = Context(
+                prompt_ids.repeat_interleave(group_size, dim=0), prompt_mask.repeat_interleave(group_size, dim=0)
+            )
         self._take(logits.repeat_interleave(group_size, dim=0))
 
     def step(self) -> None:
@@ -206,7 +210,13 @@ class StaticDecoder:
 
     def _take(self, logits: torch.Tensor) -> None:
         """Return nothing: draw a token per row from `logits` (rows, vocab); finished rows write pad, masked."""
-        drawn = sample_on_device(logits, self.shape.temperature, self.shape.top_p, self.generator)
+        context = None
+        if self.prompts is not None:  # unwritten columns and finished rows are masked out, so the shapes stay fixed
+            context = Context(
+                torch.cat([self.prompts.ids, self.completion_ids], dim=1),
+                torch.cat([self.prompts.mask, self.completion_mask], dim=1),
+            )
+        drawn = sample_on_device(logits, self.decoding, context)
         tokens = drawn.masked_fill(self.finished, self.shape.pad_id)
         self.completion_ids.index_copy_(1, self.column, tokens[:, None])
         self.completion_mask.index_copy_(1, self.column, (~self.finished).long()[:, None])
@@ -287,8 +297,7 @@ def generate(
         prompt_ids.shape[0] * samples_per_prompt,
         prompt_ids.shape[1],
         decoding.max_new_tokens,
-        float(decoding.temperature),
-        float(decoding.top_p),
+        replace(decoding, generator=None, temperature=float(decoding.temperature), top_p=float(decoding.top_p)),
         stopping.stop_ids,
         stopping.pad_id,
         capture,

@@ -24,7 +24,7 @@ from polo.data.hf import check_same_datasets, passed_datasets_note
 from polo.data.prompt_lengths import PromptRoom, fit_prompts
 from polo.generation.cpu_sampler import rollout
 from polo.generation.rollouts import Sampler
-from polo.kernels import use_fast_attention, use_lean_layers, use_onednn_linears
+from polo.kernels import supports_fused_logprobs, use_fast_attention, use_lean_layers, use_onednn_linears
 from polo.models.family import context_length
 from polo.models.hub import check_push
 from polo.models.loading import frozen_copy, load_policy, resolve_model_path, setup_activation_checkpointing
@@ -73,6 +73,15 @@ class Run:
     # batches seen between the checkpoint and the jump are skipped, not replayed.
     data_offset: int = 0
     rollbacks: int = 0
+    beta: float = 0.0  # the next step's KL coefficient: algorithm.beta, or where the adaptive controller moved it
+
+    @property
+    def step_config(self) -> Config:
+        """Return the config a step trains with: the recipe, with the adaptive controller's KL coefficient."""
+        alg = self.config.algorithm
+        if alg.kl_target is None:
+            return self.config
+        return replace(self.config, algorithm=replace(alg, beta=self.beta))
 
     @property
     def learner(self) -> Learner:
@@ -82,7 +91,17 @@ class Run:
     def checkpoint_state(self) -> dict:
         """Return the run state a checkpoint keeps beside the weights and the optimizer."""
         critic = self.critic.state() if self.critic is not None else {}
-        return {"eval_before": self.eval_before, "data_offset": self.data_offset, "rollbacks": self.rollbacks, **critic}
+        state = {
+            "eval_before": self.eval_before,
+            "data_offset": self.data_offset,
+            "rollbacks": self.rollbacks,
+            **critic,
+        }
+        if self.config.algorithm.kl_target is not None:
+            state["beta"] = self.beta
+        if self.config.algorithm.sync_ref_model:  # the reference has moved away from model.name
+            state["reference"] = self.reference.state_dict()
+        return state
 
     def save(self, step: int) -> Path | None:
         """Write checkpoint `step` (every rank calls it) and return its path (None off rank 0)."""
@@ -140,6 +159,7 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
     start_from = str(resume_from) if resume_from is not None and not lora.r else config.model.name
     model, tokenizer = load_policy(start_from, attn_implementation=config.model.attn_implementation)
     check_router_loss(model, config.algorithm.router_aux_loss_coef)
+    check_entropy_bonus(model, config.algorithm.entropy_coef)
     model = model.to(compute.device)
     model.train()
     setup_activation_checkpointing(model, config.train.gradient_checkpointing, compute.available_memory())
@@ -170,6 +190,16 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
     return model, tokenizer, reference
 
 
+def check_entropy_bonus(model, entropy_coef: float) -> None:
+    """Refuse an entropy bonus for a model whose entropy has no gradient: only the chunked lm_head path
+    (`polo.kernels.logprobs`, a plain decoder whose logits are lm_head(hidden)) differentiates it for free."""
+    if entropy_coef > 0 and not supports_fused_logprobs(model):
+        raise ConfigError(
+            f"algorithm.entropy_coef={entropy_coef} needs a model whose logits are lm_head(hidden), which polo "
+            f"differentiates the entropy of; {type(model).__name__} changes its logits after the head"
+        )
+
+
 def resume(run: Run, checkpoint: Path) -> None:
     """Restore optimizer, schedule, random streams, critic and step from `checkpoint` into `run`."""
     state = load_trainer_state(checkpoint)  # onto the CPU: the optimizer and critic place it on the run's device
@@ -189,6 +219,10 @@ def resume(run: Run, checkpoint: Path) -> None:
         run.critic.load(state)
     run.start_step, run.eval_before = state["step"], state.get("eval_before")
     run.data_offset, run.rollbacks = state.get("data_offset", 0), state.get("rollbacks", 0)
+    if run.config.algorithm.kl_target is not None:
+        run.beta = state.get("beta", run.beta)
+    if run.config.algorithm.sync_ref_model and "reference" in state:
+        run.reference.load_state_dict(state["reference"])
     if is_main_process():  # the one writer; a second rank rewriting the same file could empty it
         truncate_metrics(run.output_dir / "metrics.jsonl", run.start_step)
         truncate_metrics(run.output_dir / "samples.jsonl", run.start_step)
@@ -279,6 +313,7 @@ def set_up(
         checkpointer=checkpointer,
         output_dir=output_dir,
         sampler=sampler_for(config, task, compute),
+        beta=config.algorithm.beta,
     )
     if resume_from is not None:
         resume(run, resume_from)

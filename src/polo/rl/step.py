@@ -138,7 +138,14 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> Sc
             run.tokenizer,
             prompts,
             alg.group_size,
-            Decoding(sampling.max_new_tokens, sampling.temperature, sampling.top_p),
+            Decoding(
+                sampling.max_new_tokens,
+                sampling.temperature,
+                sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty,
+            ),
             compute=run.compute,
             rows=row_batch,
         )
@@ -459,14 +466,15 @@ def rl_step(run: Run, step: int) -> StepResult:
     rollouts = batch.rollouts
 
     started = time.perf_counter()
-    update_batch = compute_advantages(batch, score_before_update(run, rollouts), run.config, run.reward_set.names)
+    config = run.step_config  # the recipe, with the adaptive controller's KL coefficient
+    update_batch = compute_advantages(batch, score_before_update(run, rollouts), config, run.reward_set.names)
     timings["reference"] = time.perf_counter() - started
     advantages = update_batch.advantages
     completions = completion_rows(batch, advantages) if logs_tables(run.config.output.report_to) else None
 
     started = time.perf_counter()
     train_policy = run.critic is None or run.critic.trains_policy(step)
-    update_metrics = policy_update(run.learner, update_batch, run.config, train_policy=train_policy)
+    update_metrics = policy_update(run.learner, update_batch, config, train_policy=train_policy)
     timings["update"] = time.perf_counter() - started
 
     total_time = sum(timings.values())
@@ -494,7 +502,38 @@ def rl_step(run: Run, step: int) -> StepResult:
     result.messages = sampled.messages
     if completions is not None:  # every rank's, for a tracker's completions table
         result.completions = [row for part in parallel.gather_objects(completions) for row in part]
+    adapt_kl_coefficient(run, result.metrics, len(rollouts))
+    sync_reference(run, step)
     return result
+
+
+def adapt_kl_coefficient(run: Run, metrics: dict, completions: int) -> None:
+    """Under the adaptive KL controller (`algorithm.kl_target`), log the step's KL coefficient as `beta` and move it
+    for the next step from the step's `kl`, measured over every rank's `completions` (`core.adaptive_kl_coefficient`).
+    """
+    alg = run.config.algorithm
+    if alg.kl_target is None:
+        return
+    samples = parallel.sum_over_ranks({"completions": float(completions)})["completions"]
+    metrics["beta"] = run.beta
+    kl = metrics.get("kl")
+    if kl is not None and math.isfinite(kl):
+        run.beta = core.adaptive_kl_coefficient(run.beta, kl, alg.kl_target, alg.kl_horizon, int(samples))
+
+
+def sync_reference(run: Run, step: int) -> None:
+    """With `algorithm.sync_ref_model`, after every `ref_model_sync_steps`-th step move the reference toward the
+    policy (TR-DPO's soft update, `core.mix_into_reference`); every rank holds the whole reference and mixes alike."""
+    alg = run.config.algorithm
+    if not alg.sync_ref_model or step % alg.ref_model_sync_steps:
+        return
+    policy = dict(run.model.named_parameters())
+    names = [name for name, _ in run.reference.named_parameters()]
+    core.mix_into_reference(
+        (parameter for _, parameter in run.reference.named_parameters()),
+        (policy[name] for name in names),
+        alg.ref_model_mixup_alpha,
+    )
 
 
 def least_tokens(

@@ -1,7 +1,7 @@
 """The policy update: `update_epochs` passes of minibatch optimizer steps over one batch of whole groups.
 
 Per micro-batch: log-probs under the current policy -> registered policy loss (PPO clip, GSPO,
-...) -> + beta * KL to the reference -> registered aggregation -> backward. Normalisers
+...) -> + beta * KL to the reference -> registered aggregation (− entropy_coef * mean entropy) -> backward. Normalisers
 (sequences, valid tokens) are global per optimizer step: counted over the whole minibatch and all
 ranks through `polo.core.global_count`, so gradient accumulation over micro-batches gives exactly
 the full-minibatch gradient.
@@ -131,8 +131,10 @@ def policy_loss_term(
     old = ctx.old_logprobs[micro, :width] if ctx.old_logprobs is not None else logprobs.detach()
     token_advantages = ctx.advantages[micro, :width] if ctx.advantages.dim() == 2 else ctx.advantages[micro]
     per_token, stats = ctx.policy_loss(core.PolicyLossInputs(logprobs, old, token_advantages, mask), alg)
+    trained = mask  # the tokens the policy term (and the entropy bonus, as in TRL) acts on
     if alg.top_entropy_quantile < 1.0 and entropy is not None:
-        per_token = torch.where(core.high_entropy_tokens(entropy, mask, alg.top_entropy_quantile), per_token, 0.0)
+        trained = core.high_entropy_tokens(entropy, mask, alg.top_entropy_quantile)
+        per_token = torch.where(trained, per_token, 0.0)
     if ctx.kl_in_loss:
         kl = core.kl_estimate(logprobs, ctx.ref_logprobs[micro, :width], alg.kl_estimator)
         if alg.kl_importance_weighted:
@@ -142,7 +144,10 @@ def policy_loss_term(
     ctx.sums["clip_low"] += float(stats.get("clip_low_count", 0.0))
     ctx.sums["clip_high"] += float(stats.get("clip_high_count", 0.0))
     add_drift(ctx, logprobs.detach(), old, mask, stats)
-    return core.aggregate_loss(per_token, mask, alg.loss_aggregation, normalisers)
+    loss = core.aggregate_loss(per_token, mask, alg.loss_aggregation, normalisers)
+    if alg.entropy_coef > 0:
+        loss = loss + core.entropy_bonus(entropy, trained.to(mask.dtype), alg.entropy_coef, normalisers)
+    return loss
 
 
 def add_drift(ctx: UpdateContext, logprobs: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, stats: dict) -> None:
@@ -192,7 +197,7 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.
         logprobs = logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
         loss = policy_loss_term(ctx, logprobs, micro, mask, normalisers, entropy)
         loss = loss + ctx.routing.add(routing, alg.router_aux_loss_coef, normalisers.num_micro_batches)
-        ctx.sums["entropy"] += float((entropy * mask).sum())
+        ctx.sums["entropy"] += float((entropy.detach() * mask).sum())
     if values is not None:  # value head on the shared trunk: one backward for both losses
         head_loss = value_loss(values, ctx.batch, micro, mask, alg, normalisers)
         ctx.sums["value_loss"] += float(head_loss.detach())
