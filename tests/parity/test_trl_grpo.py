@@ -47,6 +47,18 @@ SHARED = {
     "sapo": Setting(loss_type="sapo", epochs=2, num_minibatches=2),
     "scale_rewards_batch": Setting(scale_rewards="batch", num_minibatches=2, learning_rate=10.0),
     "top_entropy_quantile": Setting(top_entropy_quantile=0.2, micro_batch_size=8, num_minibatches=2, beta=0.05),
+    # LUSPO: GSPO's sequence ratio, each sequence's loss times its length (TRL: loss_type luspo, sequence level)
+    "luspo": Setting(
+        loss_type="luspo", sequence_ratio=True, epsilon_low=3e-4, epsilon_high=4e-4, num_minibatches=2, epochs=2
+    ),
+    "luspo_grad_accumulation": Setting(
+        loss_type="luspo", sequence_ratio=True, epsilon_low=3e-4, epsilon_high=4e-4, micro_batch_size=2, epochs=2
+    ),
+    "luspo_token_ratio_k3": Setting(loss_type="luspo", beta=0.1, epochs=2, num_minibatches=2, learning_rate=1.0),
+    # VESPO: a token mean like DAPO's, so one optimizer step per pass (see the DAPO normaliser above)
+    "vespo": Setting(loss_type="vespo", epochs=3, learning_rate=10.0),
+    "vespo_kernel": Setting(loss_type="vespo", vespo_kernel=(1.5, 2.5, 4.0, 1.0), epochs=2, micro_batch_size=2),
+    "vespo_k3": Setting(loss_type="vespo", beta=0.1, epochs=2, learning_rate=10.0),
 }
 
 
@@ -76,6 +88,8 @@ def test_polo_computes_what_trl_computes(name, tiny_model_dir, eos, tmp_path):
         clipped = oracle.metrics.get("clip_ratio/region_mean") or oracle.metrics.get("cispo_clip_ratio")
         if clipped is not None:  # SAPO clips nothing: its gate is smooth
             assert max(clipped) > 0 and polo.metrics["clip_fraction/low"] + polo.metrics["clip_fraction/high"] > 0
+    if setting.loss_type == "vespo" and steps > 1:  # later steps weighted sequences by φ(w) away from φ(1) = 1
+        assert min(oracle.metrics["vespo/phi_seq_mean"]) < 0.9
     if setting.mask_truncated:  # some completions were truncated, and left out of the loss
         assert data.truncated.any()
 
@@ -87,6 +101,8 @@ def test_polo_computes_what_trl_computes(name, tiny_model_dir, eos, tmp_path):
         ("k3_beta", {"beta": 0.09}),
         ("dr_grpo", {"loss_aggregation": "token_mean"}),
         ("grpo_minibatches", {"scale_rewards": False}),
+        ("luspo", {"loss_aggregation": "seq_mean_token_mean"}),  # GSPO's sequence mean instead of LUSPO's sum
+        ("vespo", {"policy_loss_options": {"lambda_neg": 2.5}}),
     ],
 )
 def test_the_comparison_catches_a_changed_setting(name, change, tiny_model_dir, eos, tmp_path):

@@ -48,6 +48,8 @@ AGGREGATION = {
     "bnpo": "micro_batch_token_mean",
     "cispo": "token_mean",
     "sapo": "seq_mean_token_mean",
+    "luspo": "seq_mean_token_sum",
+    "vespo": "token_mean",
 }
 
 
@@ -63,6 +65,7 @@ class Setting:
     use_bias_correction_kl: bool = False  # TRL's default is True; polo's kl_importance_weighted, off by default
     delta: float | None = None  # two-sided clipping: TRL delta, polo clip_delta
     top_entropy_quantile: float = 1.0
+    vespo_kernel: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)  # k_pos, lambda_pos, k_neg, lambda_neg
     mask_truncated: bool = False
     scale_rewards: str = "group"  # group | batch | none
     group_size: int = 4
@@ -177,9 +180,16 @@ class TablePolicy(torch.nn.Module):
 
 def polo_policy_loss(setting: Setting) -> str:
     """Return polo's policy loss for `setting`."""
-    if setting.loss_type in ("cispo", "sapo"):
+    if setting.loss_type in ("cispo", "sapo", "vespo"):
         return setting.loss_type
     return "gspo" if setting.sequence_ratio else "ppo_clip"
+
+
+def polo_loss_options(setting: Setting) -> dict:
+    """Return polo's `algorithm.policy_loss_options` for `setting` (VESPO's kernel; no other loss has options)."""
+    if setting.loss_type != "vespo":
+        return {}
+    return dict(zip(("k_pos", "lambda_pos", "k_neg", "lambda_neg"), setting.vespo_kernel))
 
 
 def polo_config(setting: Setting, **algorithm):
@@ -189,6 +199,7 @@ def polo_config(setting: Setting, **algorithm):
             "algorithm": {
                 "name": "gspo" if setting.sequence_ratio else "grpo",
                 "policy_loss": polo_policy_loss(setting),
+                "policy_loss_options": polo_loss_options(setting),
                 "loss_aggregation": AGGREGATION[setting.loss_type],
                 "clip_eps_low": setting.epsilon_low,
                 "clip_eps_high": setting.epsilon_high,
@@ -277,6 +288,7 @@ def trl_config(setting: Setting, output_dir: Path, **overrides):
         "epsilon_high": 1.0 + setting.epsilon_high if setting.loss_type == "cispo" else setting.epsilon_high,
         "delta": setting.delta,
         "top_entropy_quantile": setting.top_entropy_quantile,
+        **dict(zip(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), setting.vespo_kernel)),
         "beta": setting.beta,
         "use_bias_correction_kl": setting.use_bias_correction_kl,
         "mask_truncated_completions": setting.mask_truncated,

@@ -373,7 +373,8 @@ class AlgorithmConfig:
         "grpo",
         help="the preset: a named set of the fields below (grpo: Shao et al. 2024; dr_grpo: Liu et al. 2025; "
         "dapo: Yu et al. 2025; rloo: Ahmadian et al. 2024; reinforce_pp: Hu 2025; gspo: Zheng et al. 2025; "
-        "cispo: MiniMax 2025; sapo: Qwen 2025; ppo: Schulman et al. 2017, Ouyang et al. 2022)",
+        "cispo: MiniMax 2025; sapo: Qwen 2025; luspo: Liu et al. 2026; vespo: arXiv 2602.10693; "
+        "ppo: Schulman et al. 2017, Ouyang et al. 2022)",
         choices=tuple(PRESETS),
     )
     advantage_estimator: str = setting(

@@ -31,10 +31,13 @@ from polo.core.losses import (
     sapo_loss,
     sapo_policy_loss,
     seq_mean_token_mean,
+    seq_mean_token_sum,
     seq_mean_token_sum_norm,
     token_mean,
     value_loss,
     vanilla_pg_loss,
+    vespo_loss,
+    vespo_policy_loss,
 )
 from polo.core.preference import dpo_loss, pairwise_loss
 from polo.core.registry import (
@@ -136,7 +139,10 @@ __all__ = [
     "micro_batch_token_mean",
     "ppo_clip_policy_loss",
     "seq_mean_token_mean",
+    "seq_mean_token_sum",
     "seq_mean_token_sum_norm",
+    "vespo_loss",
+    "vespo_policy_loss",
     "token_mean",
     "kl_estimate",
     "kl_k1",
