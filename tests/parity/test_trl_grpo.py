@@ -59,6 +59,17 @@ SHARED = {
     "vespo": Setting(loss_type="vespo", epochs=3, learning_rate=10.0),
     "vespo_kernel": Setting(loss_type="vespo", vespo_kernel=(1.5, 2.5, 4.0, 1.0), epochs=2, micro_batch_size=2),
     "vespo_k3": Setting(loss_type="vespo", beta=0.1, epochs=2, learning_rate=10.0),
+    # several rewards (of scales 1, 10, 100, some None) summed with weights, then normalised in the group (GRPO) ...
+    "reward_weights": Setting(reward_weights=(1.0, 0.5, 0.02), epochs=2, num_minibatches=2),
+    # ... or each normalised in its group, summed, and the sum normalised over the batch (GDPO)
+    "gdpo": Setting(reward_weights=(1.0, 0.5, 0.02), multi_objective_aggregation="normalize_then_sum", epochs=2),
+    "gdpo_dapo": Setting(
+        loss_type="dapo",
+        reward_weights=(2.0, -1.0),
+        multi_objective_aggregation="normalize_then_sum",
+        epochs=3,
+        learning_rate=10.0,
+    ),
 }
 
 
@@ -103,6 +114,7 @@ def test_polo_computes_what_trl_computes(name, tiny_model_dir, eos, tmp_path):
         ("grpo_minibatches", {"scale_rewards": False}),
         ("luspo", {"loss_aggregation": "seq_mean_token_mean"}),  # GSPO's sequence mean instead of LUSPO's sum
         ("vespo", {"policy_loss_options": {"lambda_neg": 2.5}}),
+        ("gdpo", {"advantage_estimator": "grpo"}),  # the weighted sum normalised in its group instead
     ],
 )
 def test_the_comparison_catches_a_changed_setting(name, change, tiny_model_dir, eos, tmp_path):

@@ -68,6 +68,8 @@ class Setting:
     vespo_kernel: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)  # k_pos, lambda_pos, k_neg, lambda_neg
     mask_truncated: bool = False
     scale_rewards: str = "group"  # group | batch | none
+    reward_weights: tuple[float, ...] = ()  # several reward functions with these weights (none: one reward)
+    multi_objective_aggregation: str = "sum_then_normalize"  # TRL's; normalize_then_sum: polo's gdpo estimator
     group_size: int = 4
     prompts: int = 4
     micro_batch_size: int = 4  # TRL per_device_train_batch_size
@@ -90,13 +92,14 @@ class Setting:
 class Data:
     """One generation batch: what was sampled and how each table scores it (all fp64)."""
 
-    rewards: torch.Tensor  # (batch,)
+    rewards: torch.Tensor  # (batch,) the total: Σ_k w_k r_k over the rewards that apply
     completion_ids: list[list[int]]  # unpadded; a truncated one has max_completion_length tokens and no EOS
     truncated: torch.Tensor  # (batch,) bool
     logprobs: torch.Tensor  # (batch, T) the sampling policy's table
     ref_logprobs: torch.Tensor  # (batch, T)
     entropies: torch.Tensor  # (batch, T)
     eos: int
+    reward_columns: torch.Tensor | None = None  # (batch, K) each reward function's values, NaN where it returned None
 
 
 def make_data(setting: Setting, eos: int, seed: int = 0) -> Data:
@@ -112,8 +115,18 @@ def make_data(setting: Setting, eos: int, seed: int = 0) -> Data:
             tokens[-1] = eos
         completion_ids.append(tokens)
     logprobs = -0.1 - 2.5 * torch.rand(batch, width, generator=generator, dtype=torch.float64)
+    rewards, reward_columns = torch.rand(batch, generator=generator, dtype=torch.float64), None
+    if setting.reward_weights:
+        # rewards of different scales, each with a few None: row 0 has none that applies at all
+        scales = 10.0 ** torch.arange(len(setting.reward_weights), dtype=torch.float64)
+        reward_columns = torch.rand(batch, len(scales), generator=generator, dtype=torch.float64) * scales
+        reward_columns[torch.rand(batch, len(scales), generator=generator) < 0.1] = torch.nan
+        reward_columns[0] = torch.nan
+        weights = torch.tensor(setting.reward_weights, dtype=torch.float64)
+        rewards = torch.nan_to_num(reward_columns * weights, nan=0.0).sum(-1)
     return Data(
-        rewards=torch.rand(batch, generator=generator, dtype=torch.float64),
+        rewards=rewards,
+        reward_columns=reward_columns,
         completion_ids=completion_ids,
         truncated=truncated,
         logprobs=logprobs,
@@ -198,6 +211,9 @@ def polo_config(setting: Setting, **algorithm):
         {
             "algorithm": {
                 "name": "gspo" if setting.sequence_ratio else "grpo",
+                "advantage_estimator": "gdpo"
+                if setting.multi_objective_aggregation == "normalize_then_sum"
+                else "grpo",
                 "policy_loss": polo_policy_loss(setting),
                 "policy_loss_options": polo_loss_options(setting),
                 "loss_aggregation": AGGREGATION[setting.loss_type],
@@ -254,8 +270,12 @@ def polo_train(setting: Setting, data: Data, config=None) -> Trajectory:
     run = SimpleNamespace(config=config, model=policy, reference=reference, critic=None, compute=CPU)
     with mock.patch.object(step_module, "score_completions", lambda model, rollouts, *_, **__: model.scores(rollouts)):
         scores = step_module.score_before_update(run, rollouts)
+    columns, weights = None, None
+    if data.reward_columns is not None:
+        columns = {f"reward{k}": column.clone() for k, column in enumerate(data.reward_columns.T)}
+        weights = dict(zip(columns, setting.reward_weights))
     update_batch = step_module.compute_advantages(
-        Batch(rollouts, data.rewards.clone(), ["p"] * setting.prompts), scores, config
+        Batch(rollouts, data.rewards.clone(), ["p"] * setting.prompts, columns), scores, config, weights
     )
     optimizer = RecordingSGD(policy.parameters(), setting.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -293,6 +313,8 @@ def trl_config(setting: Setting, output_dir: Path, **overrides):
         "use_bias_correction_kl": setting.use_bias_correction_kl,
         "mask_truncated_completions": setting.mask_truncated,
         "scale_rewards": setting.scale_rewards,
+        "multi_objective_aggregation": setting.multi_objective_aggregation,
+        "reward_weights": list(setting.reward_weights) or None,
         "learning_rate": setting.learning_rate,
         "report_to": "none",
         "use_cpu": True,
@@ -315,9 +337,11 @@ def trl_trainer(model_dir: Path, args, data: Data, policy: TablePolicy):
     def unused_reward(completions, **kwargs):
         raise AssertionError("the oracle's rewards are given")
 
+    columns = data.rewards.unsqueeze(1) if data.reward_columns is None else data.reward_columns
+    reward_funcs = [unused_reward] * columns.shape[1]
     trainer = GRPOTrainer(
         model=str(model_dir),
-        reward_funcs=[unused_reward],
+        reward_funcs=reward_funcs,
         args=args,
         train_dataset=Dataset.from_dict({"prompt": ["p"] * batch}),
     )
@@ -329,7 +353,7 @@ def trl_trainer(model_dir: Path, args, data: Data, policy: TablePolicy):
         return [[row] for row in range(batch)], data.completion_ids, None, completions, None, None, None, None
 
     def rewards(inputs, prompts, completions, completion_ids_list):
-        return data.rewards.clone().unsqueeze(1)
+        return columns.clone()
 
     def logprobs_and_entropies(model, input_ids, attention_mask, logits_to_keep, *_, compute_entropy=False, **__):
         rows = input_ids[:, 0]  # every prompt is one token: the row's index

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -130,3 +132,36 @@ def test_ppo_resume_restores_the_critic(layout, tiny_model_dir, tmp_path):
     train(first, overrides + ["train.steps=2"], reward_functions=rewards)
     resumed = train(first, overrides + ["train.steps=4", "output.resume=true"], reward_functions=rewards)
     assert without_times(resumed.metrics) == without_times(straight.metrics)
+
+
+def test_gdpo_reads_each_rewards_column_and_weight(tiny_model_dir, tmp_path):
+    """The step hands the gdpo estimator every term of the total: each reward function's column with its weight,
+    and a shaping column (DAPO's overlong penalty) with weight 1; a polo train run with two rewards trains."""
+    from types import SimpleNamespace
+
+    from polo.rl.batching import Batch
+    from polo.rl.step import PreUpdateScores, compute_advantages
+
+    config = load_config(tiny_config(tiny_model_dir, "unused"), ["algorithm.advantage_estimator=gdpo"])
+    generator = torch.Generator().manual_seed(0)
+    columns = {name: torch.rand(8, generator=generator) for name in ("digits", "length", "overlong")}
+    weights = {"digits": 1.0, "length": 0.25}
+    total = columns["digits"] + 0.25 * columns["length"] + columns["overlong"]
+    rollouts = SimpleNamespace(completion_mask=torch.ones(8, 3, dtype=torch.long))
+    update = compute_advantages(Batch(rollouts, total, ["a", "b"], columns), PreUpdateScores(), config, weights)
+    stacked = torch.stack(list(columns.values()), dim=1)
+    expected = core.decoupled_group_advantages(stacked, torch.tensor([1.0, 0.25, 1.0]), 4, eps=1e-4)
+    torch.testing.assert_close(update.advantages[:, 0], expected)
+    grpo = core.group_advantages(total, 4)
+    assert not torch.allclose(expected, grpo, atol=1e-3)  # not the normalised sum
+
+    def length(completion: str, row: dict) -> float:
+        return float(len(completion))
+
+    result = train(
+        tiny_config(tiny_model_dir, tmp_path / "gdpo", eval={"before": False, "after": False}),
+        ["algorithm.advantage_estimator=gdpo", "train.steps=2"],
+        reward_functions={digit_share: 1.0, length: 0.01},
+    )
+    rows = [row for row in result.metrics if "loss" in row]
+    assert len(rows) == 2 and all(math.isfinite(row["loss"]) for row in rows)

@@ -1,6 +1,7 @@
 """polo.core: the policy-optimization maths as pure tensor functions (no I/O, no models)."""
 
 from polo.core.advantages import (
+    decoupled_group_advantages,
     discounted_returns,
     expand_to_tokens,
     explained_variance,
@@ -116,6 +117,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "aggregate_loss",
     "all_reduce_sum",
+    "decoupled_group_advantages",
     "discounted_returns",
     "dpo_loss",
     "entropy_from_logits",
