@@ -70,6 +70,30 @@ SHARED = {
         epochs=3,
         learning_rate=10.0,
     ),
+    # the sampler's log-probs differ from the training forward's: each mode of the correction, with bounds that bite
+    "sampler_token_truncate": Setting(sampler_correction="token_truncate", sampler_correction_bounds=(0.8, 1.5)),
+    "sampler_token_mask": Setting(
+        sampler_correction="token_mask", sampler_correction_bounds=(0.6, 1.6), epochs=2, num_minibatches=2
+    ),
+    "sampler_sequence_truncate": Setting(
+        sampler_correction="sequence_truncate", loss_type="dapo", epochs=2, learning_rate=10.0
+    ),
+    "sampler_sequence_mask": Setting(
+        sampler_correction="sequence_mask", sampler_correction_bounds=(0.5, None), num_minibatches=2, beta=0.05
+    ),
+    "sampler_gspo": Setting(
+        sampler_correction="token_truncate",
+        sequence_ratio=True,
+        epsilon_low=3e-4,
+        epsilon_high=4e-4,
+        num_minibatches=2,
+        epochs=2,
+    ),
+    # DeepSeek-V3.2's off-policy sequence mask, against the sampling policy's log-probs, then against the sampler's
+    "off_policy_mask": Setting(off_policy_mask_threshold=0.02, epochs=3, num_minibatches=2),
+    "off_policy_mask_sampler": Setting(
+        off_policy_mask_threshold=0.05, sampler_correction="token_truncate", epochs=2, num_minibatches=2
+    ),
 }
 
 
@@ -101,6 +125,14 @@ def test_polo_computes_what_trl_computes(name, tiny_model_dir, eos, tmp_path):
             assert max(clipped) > 0 and polo.metrics["clip_fraction/low"] + polo.metrics["clip_fraction/high"] > 0
     if setting.loss_type == "vespo" and steps > 1:  # later steps weighted sequences by φ(w) away from φ(1) = 1
         assert min(oracle.metrics["vespo/phi_seq_mean"]) < 0.9
+    if setting.sampler_correction is not None:  # the sampler's weights were not all 1
+        ratios = (
+            oracle.metrics["sampling/importance_sampling_ratio/min"]
+            + oracle.metrics["sampling/importance_sampling_ratio/max"]
+        )
+        assert min(ratios) < 0.9 and max(ratios) > 1.1
+    if setting.off_policy_mask_threshold is not None:  # some drifted completion was left out
+        assert polo.metrics["off_policy/masked_fraction"] > 0
     if setting.mask_truncated:  # some completions were truncated, and left out of the loss
         assert data.truncated.any()
 
@@ -115,6 +147,9 @@ def test_polo_computes_what_trl_computes(name, tiny_model_dir, eos, tmp_path):
         ("luspo", {"loss_aggregation": "seq_mean_token_mean"}),  # GSPO's sequence mean instead of LUSPO's sum
         ("vespo", {"policy_loss_options": {"lambda_neg": 2.5}}),
         ("gdpo", {"advantage_estimator": "grpo"}),  # the weighted sum normalised in its group instead
+        ("sampler_token_truncate", {"sampler_correction_max": 1.4}),
+        ("sampler_sequence_mask", {"sampler_correction": "token_mask"}),
+        ("off_policy_mask", {"off_policy_mask_threshold": None}),
     ],
 )
 def test_the_comparison_catches_a_changed_setting(name, change, tiny_model_dir, eos, tmp_path):

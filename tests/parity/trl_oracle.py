@@ -70,6 +70,11 @@ class Setting:
     scale_rewards: str = "group"  # group | batch | none
     reward_weights: tuple[float, ...] = ()  # several reward functions with these weights (none: one reward)
     multi_objective_aggregation: str = "sum_then_normalize"  # TRL's; normalize_then_sum: polo's gdpo estimator
+    # the sampler's own log-probs differ from the training forward's: TRL's vllm_importance_sampling_mode (with
+    # use_vllm forced on, its generation replaced), polo's sampler_correction; and the bounds of its weight
+    sampler_correction: str | None = None
+    sampler_correction_bounds: tuple[float | None, float | None] = (None, 3.0)
+    off_policy_mask_threshold: float | None = None
     group_size: int = 4
     prompts: int = 4
     micro_batch_size: int = 4  # TRL per_device_train_batch_size
@@ -100,6 +105,7 @@ class Data:
     entropies: torch.Tensor  # (batch, T)
     eos: int
     reward_columns: torch.Tensor | None = None  # (batch, K) each reward function's values, NaN where it returned None
+    sampling_logprobs: torch.Tensor | None = None  # (batch, T) the sampler's own, near the sampling policy's table
 
 
 def make_data(setting: Setting, eos: int, seed: int = 0) -> Data:
@@ -124,7 +130,7 @@ def make_data(setting: Setting, eos: int, seed: int = 0) -> Data:
         reward_columns[0] = torch.nan
         weights = torch.tensor(setting.reward_weights, dtype=torch.float64)
         rewards = torch.nan_to_num(reward_columns * weights, nan=0.0).sum(-1)
-    return Data(
+    data = Data(
         rewards=rewards,
         reward_columns=reward_columns,
         completion_ids=completion_ids,
@@ -134,6 +140,9 @@ def make_data(setting: Setting, eos: int, seed: int = 0) -> Data:
         entropies=2.0 * torch.rand(batch, width, generator=generator, dtype=torch.float64),
         eos=eos,
     )
+    # drawn last, so that the batch of a setting without them is what it always was
+    data.sampling_logprobs = logprobs + 0.4 * torch.randn(batch, width, generator=generator, dtype=torch.float64)
+    return data
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -227,6 +236,10 @@ def polo_config(setting: Setting, **algorithm):
                 "mask_truncated": setting.mask_truncated,
                 "scale_rewards": {"group": True, "none": False, "batch": "batch"}[setting.scale_rewards],
                 "group_size": setting.group_size,
+                "sampler_correction": setting.sampler_correction,
+                "sampler_correction_min": setting.sampler_correction_bounds[0],
+                "sampler_correction_max": setting.sampler_correction_bounds[1],
+                "off_policy_mask_threshold": setting.off_policy_mask_threshold,
                 "update_epochs": setting.epochs,
                 **algorithm,
             },
@@ -250,6 +263,7 @@ def polo_rollouts(data: Data, setting: Setting) -> Rollouts:
     for row, tokens in enumerate(data.completion_ids):
         completion_ids[row, : len(tokens)] = torch.tensor(tokens)
         completion_mask[row, : len(tokens)] = 1
+    sampled = setting.sampler_correction is not None
     return Rollouts(
         prompt_ids=torch.arange(batch).unsqueeze(1),
         prompt_mask=torch.ones(batch, 1, dtype=torch.long),
@@ -258,6 +272,7 @@ def polo_rollouts(data: Data, setting: Setting) -> Rollouts:
         truncated=data.truncated.clone(),
         texts=[""] * batch,
         group_size=setting.group_size,
+        sampling_logprobs=data.sampling_logprobs.clone() if sampled else None,
     )
 
 
@@ -315,6 +330,7 @@ def trl_config(setting: Setting, output_dir: Path, **overrides):
         "scale_rewards": setting.scale_rewards,
         "multi_objective_aggregation": setting.multi_objective_aggregation,
         "reward_weights": list(setting.reward_weights) or None,
+        "off_policy_mask_threshold": setting.off_policy_mask_threshold,
         "learning_rate": setting.learning_rate,
         "report_to": "none",
         "use_cpu": True,
@@ -325,7 +341,7 @@ def trl_config(setting: Setting, output_dir: Path, **overrides):
     return GRPOConfig(**fields)
 
 
-def trl_trainer(model_dir: Path, args, data: Data, policy: TablePolicy):
+def trl_trainer(model_dir: Path, args, data: Data, policy: TablePolicy, setting: Setting):
     """Return a real `GRPOTrainer` whose log-probs are `policy`'s (its reference's: `data.ref_logprobs`), whose
     generation returns `data`'s completions and whose reward is `data.rewards`."""
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -348,9 +364,18 @@ def trl_trainer(model_dir: Path, args, data: Data, policy: TablePolicy):
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
 
+    sampled = None
+    if setting.sampler_correction is not None:  # as TRL's vLLM generation would: the sampler's log-probs
+        sampled = [data.sampling_logprobs[row, : len(ids)].tolist() for row, ids in enumerate(data.completion_ids)]
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+        trainer.vllm_importance_sampling_mode = setting.sampler_correction
+        trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max = (
+            setting.sampler_correction_bounds
+        )
+
     def generate(prompts):
         completions = [""] * len(prompts)
-        return [[row] for row in range(batch)], data.completion_ids, None, completions, None, None, None, None
+        return [[row] for row in range(batch)], data.completion_ids, None, completions, sampled, None, None, None
 
     def rewards(inputs, prompts, completions, completion_ids_list):
         return columns.clone()
@@ -374,7 +399,7 @@ def trl_train(setting: Setting, data: Data, model_dir: Path, output_dir: Path, *
 
     args = trl_config(setting, output_dir, **overrides)
     policy = TablePolicy(data.logprobs, data.entropies)
-    trainer = trl_trainer(model_dir, args, data, policy)
+    trainer = trl_trainer(model_dir, args, data, policy, setting)
     generation = trainer._generate_and_score_completions([{"prompt": "p"} for _ in data.completion_ids])
     micro_batches = split_tensor_dict(generation, args.steps_per_generation)
     optimizer = RecordingSGD(policy.parameters(), setting.learning_rate)

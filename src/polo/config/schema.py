@@ -427,6 +427,27 @@ class AlgorithmConfig:
         "'Beyond the 80/20 Rule'); the KL and the normalisers still count every token; 1: all",
         range="(0, 1]",
     )
+    sampler_correction: str | None = setting(
+        None,
+        help="weight every token's policy loss by π_old/μ, μ the sampler's own log-prob of the token, to correct for "
+        "the sampler's numerics (TIS, Yao et al. 2025; TRL's vllm_importance_sampling_mode): token_* per token, "
+        "sequence_* one product per completion; *_truncate clips the weight to [sampler_correction_min, "
+        "sampler_correction_max], *_mask zeroes it outside; null: off",
+        choices=core.SAMPLER_CORRECTIONS,
+    )
+    sampler_correction_min: float | None = setting(
+        None, help="the lower bound of sampler_correction's weight (null: none)", range=">= 0"
+    )
+    sampler_correction_max: float | None = setting(
+        3.0, help="the upper bound of sampler_correction's weight (null: none; TRL's default 3)", range="> 0"
+    )
+    off_policy_mask_threshold: float | None = setting(
+        None,
+        help="leave out of the policy loss a completion with a negative advantage whose mean log μ − log π per token "
+        "exceeds this (DeepSeek-V3.2's off-policy sequence masking, its δ; μ the sampler's log-probs, else the "
+        "sampling policy's); null: off",
+        range=">= 0",
+    )
     beta: float = setting(
         0.0, help="KL coefficient to the starting model; a reference model is kept only when beta > 0", range=">= 0"
     )

@@ -17,6 +17,7 @@ from polo.core.advantages import (
 from polo.core.distributed import all_reduce_sum, global_count
 from polo.core.kl import KL_ESTIMATORS, importance_weighted_kl, kl_estimate, kl_k1, kl_k2, kl_k3
 from polo.core.losses import (
+    SAMPLER_CORRECTIONS,
     aggregate_loss,
     cispo_loss,
     cispo_policy_loss,
@@ -27,8 +28,10 @@ from polo.core.losses import (
     masked_mean,
     masked_sum,
     micro_batch_token_mean,
+    off_policy_sequences,
     ppo_clip_loss,
     ppo_clip_policy_loss,
+    sampler_correction_weights,
     sapo_loss,
     sapo_policy_loss,
     seq_mean_token_mean,
@@ -81,6 +84,7 @@ from polo.core.trpo import (
 )
 
 __all__ = [
+    "SAMPLER_CORRECTIONS",
     "ADVANTAGE_ESTIMATORS",
     "CHECKERS",
     "COMMANDS",
@@ -136,6 +140,8 @@ __all__ = [
     "cispo_policy_loss",
     "high_entropy_tokens",
     "sapo_loss",
+    "sampler_correction_weights",
+    "off_policy_sequences",
     "sapo_policy_loss",
     "gspo_policy_loss",
     "micro_batch_token_mean",

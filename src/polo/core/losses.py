@@ -325,6 +325,72 @@ def vespo_policy_loss(
     return vespo_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask, options)
 
 
+SAMPLER_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampler_correction_weights(
+    old_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    low: float | None = None,
+    high: float | None = None,
+) -> torch.Tensor:
+    """Return the importance weights that correct for the sampler's numerics, `(batch, seq)` or `(batch, 1)`.
+
+        c_t = π_old(y_t) / μ(y_t) = exp(log π_old(y_t) − log μ(y_t))        (token_*)
+        c_i = Π_t c_t = exp(Σ_t (log π_old(y_it) − log μ(y_it)))              (sequence_*: one per completion)
+        *_truncate: c ← clip(c, low, high)       *_mask: c ← 0 where c < low or c > high
+
+    μ is the sampler: the same weights as π_old, but its own forward (a KV cache, other kernels, another precision)
+    gives slightly other probabilities, so the tokens were drawn from μ and every policy loss, which takes them as
+    drawn from π_old, gets them weighted by c (truncated importance sampling, TIS: Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"; its masked form, MIS; TRL's
+    `vllm_importance_sampling_*`). A missing bound (None) is no bound. A log-prob the sampler could not give (NaN)
+    counts as no correction. The weights carry no gradient.
+    Shapes: old_logprobs, sampling_logprobs, mask (batch, seq) → (batch, seq) (token_*) or (batch, 1) (sequence_*).
+    """
+    if mode not in SAMPLER_CORRECTIONS:
+        raise ValueError(f"sampler correction mode {mode!r} is not one of {', '.join(SAMPLER_CORRECTIONS)}")
+    log_ratio = torch.nan_to_num(torch.where(mask.bool(), old_logprobs - sampling_logprobs, 0.0), nan=0.0)
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True)
+    weights = torch.exp(log_ratio.detach())
+    if mode.endswith("truncate"):
+        return weights.clamp(min=low, max=high)
+    outside = torch.zeros_like(weights, dtype=torch.bool)
+    if low is not None:
+        outside |= weights < low
+    if high is not None:
+        outside |= weights > high
+    return weights.masked_fill(outside, 0.0)
+
+
+def off_policy_sequences(
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """Return a bool mask `(batch, 1)` (or `(batch, seq)` for per-token advantages) of the completions to keep.
+
+        KL_i = (1/|y_i|) Σ_t (log μ(y_it) − log π(y_it))       (the sampled completion's drift, over valid tokens)
+        keep_i = A_i ≥ 0  or  KL_i ≤ threshold
+
+    A completion with a negative advantage that the policy has drifted far from is left out of the loss: pushing
+    its probability further down teaches little and destabilises training (DeepSeek-AI 2025, DeepSeek-V3.2,
+    arXiv 2512.02556, eq. 9, its δ; TRL's `off_policy_mask_threshold`). μ is the sampler's log-probs, or the
+    sampling policy's where the sampler gives none; π is the policy being trained, so the mask changes from one
+    optimizer step to the next. A NaN log-prob counts as no drift.
+    Shapes: logprobs, sampling_logprobs, mask (batch, seq); advantages (batch,) or (batch, seq).
+    """
+    is_valid = mask.bool()
+    drift = torch.nan_to_num(torch.where(is_valid, sampling_logprobs - logprobs.detach(), 0.0), nan=0.0)
+    mean_drift = masked_mean(drift, is_valid, dim=-1).unsqueeze(-1)
+    return (_token_advantages(advantages, mask) >= 0) | (mean_drift <= threshold)
+
+
 def high_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
     """Return a bool mask `(batch, seq)` of the valid tokens whose entropy is in the top `quantile` of the valid ones.
 

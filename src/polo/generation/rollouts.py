@@ -76,6 +76,9 @@ class Rollouts:
     group_size: int
     loss_mask: torch.Tensor | None = None  # (batch, completion_len), 1 on tokens the model wrote; None: completion_mask
     episodes: list[EpisodeRecord] | None = None  # per row, what happened in a multi-turn episode (None: one turn)
+    # (batch, completion_len) the sampler's own log-prob of each drawn token, under the sampling temperature; None
+    # where the sampler did not record them (Decoding.record_logprobs)
+    sampling_logprobs: torch.Tensor | None = None
 
     @property
     def model_token_mask(self) -> torch.Tensor:
@@ -103,6 +106,7 @@ class Rollouts:
             group_size=self.group_size,
             loss_mask=None if self.loss_mask is None else self.loss_mask[rows],
             episodes=None if self.episodes is None else [self.episodes[i] for i in _indices(rows, len(self))],
+            sampling_logprobs=None if self.sampling_logprobs is None else self.sampling_logprobs[rows],
         )
 
 

@@ -387,7 +387,9 @@ def score_before_update(run: Run, rollouts: Rollouts) -> PreUpdateScores:
         scores.old_values, scores.old_logprobs = run.critic.score(
             run.model, rollouts, micro_batch_size, run.compute, temperature
         )
-    if scores.old_logprobs is None and (optimizer_steps_per_batch(run.config) > 1 or alg.kl_in_reward):
+    # the sampler correction compares the sampler's log-probs with the training forward's, even on-policy
+    needs_old = optimizer_steps_per_batch(run.config) > 1 or alg.kl_in_reward or alg.sampler_correction is not None
+    if scores.old_logprobs is None and needs_old:
         with parallel.gathered_weights(run.model):
             scores.old_logprobs = score_completions(run.model, rollouts, micro_batch_size, run.compute, temperature)
     return scores
