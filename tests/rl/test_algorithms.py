@@ -165,3 +165,34 @@ def test_gdpo_reads_each_rewards_column_and_weight(tiny_model_dir, tmp_path):
     )
     rows = [row for row in result.metrics if "loss" in row]
     assert len(rows) == 2 and all(math.isfinite(row["loss"]) for row in rows)
+
+
+def test_the_sampler_correction_and_the_off_policy_mask_train(tiny_model_dir, tmp_path, monkeypatch):
+    """polo train with the sampler correction: the CPU sampler records its log-probs, the update weighs each token by
+    π_old/μ (in fp32 on the CPU the two forwards agree, so every weight is 1 to 1e-4), and the off-policy mask is
+    logged."""
+    weights, real = [], core.sampler_correction_weights
+
+    def recording(*args, **kwargs):
+        weights.append(real(*args, **kwargs))
+        return weights[-1]
+
+    monkeypatch.setattr(core, "sampler_correction_weights", recording)
+    result = train(
+        tiny_config(tiny_model_dir, tmp_path / "corrected", eval={"before": False, "after": False}),
+        [
+            "algorithm.sampler_correction=token_mask",
+            "algorithm.sampler_correction_min=0.5",
+            "algorithm.off_policy_mask_threshold=0.1",
+            "train.num_minibatches=2",
+            "train.prompts_per_step=2",
+            "train.steps=2",
+        ],
+        reward_functions={digit_share: 1.0},
+    )
+    rows = [row for row in result.metrics if "loss" in row]
+    assert len(rows) == 2 and all(math.isfinite(row["loss"]) for row in rows)
+    assert all(0.0 <= row["off_policy/masked_fraction"] <= 1.0 for row in rows)
+    assert len(weights) == 2
+    for batch_weights in weights:
+        assert torch.allclose(batch_weights, torch.ones_like(batch_weights), atol=1e-4)

@@ -444,8 +444,8 @@ class AlgorithmConfig:
     off_policy_mask_threshold: float | None = setting(
         None,
         help="leave out of the policy loss a completion with a negative advantage whose mean log μ − log π per token "
-        "exceeds this (DeepSeek-V3.2's off-policy sequence masking, its δ; μ the sampler's log-probs, else the "
-        "sampling policy's); null: off",
+        "exceeds this (DeepSeek-V3.2's off-policy sequence masking, its δ; μ the sampler's own log-probs where "
+        "sampler_correction records them, else the sampling policy's); null: off",
         range=">= 0",
     )
     beta: float = setting(

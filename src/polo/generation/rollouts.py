@@ -55,12 +55,15 @@ class EpisodeRecord:
 @dataclass(frozen=True)
 class Decoding:
     """How a sampler draws each completion: at most `max_new_tokens` tokens, at `temperature` (0 is greedy) and
-    nucleus `top_p`, from `generator` (None: the device's default generator)."""
+    nucleus `top_p`, from `generator` (None: the device's default generator). `record_logprobs`: the one-turn
+    samplers also keep each drawn token's log-prob under their own forward (`Rollouts.sampling_logprobs`), and
+    their `generate` returns it as a fourth tensor."""
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     generator: torch.Generator | None = None
+    record_logprobs: bool = False
 
 
 @dataclass
@@ -157,7 +160,7 @@ def one_turn_rollouts(
     """
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     prompt_ids, prompt_mask = prompt_ids.to(compute.device), prompt_mask.to(compute.device)
-    completion_ids, completion_mask, truncated = generate(
+    completion_ids, completion_mask, truncated, *recorded = generate(
         model,
         prompt_ids,
         prompt_mask,
@@ -171,4 +174,13 @@ def one_turn_rollouts(
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     padded = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(padded, skip_special_tokens=True)
-    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, group_size)
+    return Rollouts(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        truncated,
+        texts,
+        group_size,
+        sampling_logprobs=recorded[0] if recorded else None,
+    )

@@ -63,6 +63,16 @@ def sample_on_device(
     return inverse_cdf_sample(probs, generator)
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Return the log-prob of each drawn token under softmax(logits / temperature) in fp32, (batch, vocab) → (batch,).
+
+    The distribution the trainer scores a completion under (its log-probs divide the logits by the same temperature;
+    top-p's renormalisation is not part of it); at temperature 0 (greedy), the untempered one.
+    """
+    scaled = logits.float() if temperature in (0, 1.0) else logits.float() / temperature
+    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 def tempered_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Return softmax(logits / temperature) in fp32, (batch, vocab); at temperature 1 without a divided copy."""
     if temperature == 1.0:  # one pass over the (batch, vocab) logits instead of three (cast, divide, softmax)

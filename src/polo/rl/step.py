@@ -138,7 +138,12 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> Sc
             run.tokenizer,
             prompts,
             alg.group_size,
-            Decoding(sampling.max_new_tokens, sampling.temperature, sampling.top_p),
+            Decoding(
+                sampling.max_new_tokens,
+                sampling.temperature,
+                sampling.top_p,
+                record_logprobs=alg.sampler_correction is not None,  # the sampler's own, for the correction
+            ),
             compute=run.compute,
             rows=row_batch,
         )
