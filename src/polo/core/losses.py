@@ -265,10 +265,14 @@ class VespoSettings:
     """VESPO's reshaping kernel φ(w) = w^k e^{λ(1 − w)}: one (k, λ) for non-negative advantages, one for negative."""
 
     k_pos: float = setting(
-        2.0, help="k of φ for A ≥ 0: how fast the weight falls as the sequence ratio w drops below 1", range=">= 0"
+        2.0,
+        help="k of φ for A ≥ 0: the power of w, which takes the weight to 0 as the sequence ratio w → 0",
+        range=">= 0",
     )
     lambda_pos: float = setting(
-        3.0, help="λ of φ for A ≥ 0: how fast the weight falls as w grows past 1 (φ peaks at w = k/λ)", range="> 0"
+        3.0,
+        help="λ of φ for A ≥ 0: the rate of e^{−λw}, which takes it to 0 as w grows (φ peaks at w = k/λ)",
+        range="> 0",
     )
     k_neg: float = setting(3.0, help="k of φ for A < 0", range=">= 0")
     lambda_neg: float = setting(2.0, help="λ of φ for A < 0", range="> 0")
