@@ -375,21 +375,6 @@ def grpo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, Non
     return expand_to_tokens(advantages, inputs.mask), None
 
 
-@register_advantage(
-    "gdpo", help="each reward normalised in its group, the weighted sum over the batch (GDPO, arXiv 2601.05242)"
-)
-def gdpo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, None]:
-    """Return GDPO's `decoupled_group_advantages` of the rewards' own columns on every token of completion i.
-
-    It normalises by the std by construction, so `scale_rewards` is not read; `advantage_eps` is its ε."""
-    if inputs.reward_columns is None or inputs.reward_weights is None:
-        raise ValueError("the gdpo estimator needs each reward's column (AdvantageInputs.reward_columns and weights)")
-    advantages = decoupled_group_advantages(
-        inputs.reward_columns, inputs.reward_weights, inputs.group_size, settings.advantage_eps, inputs.scored
-    )
-    return expand_to_tokens(advantages, inputs.mask), None
-
-
 @register_advantage("rloo", help="leave-one-out baseline (Kool et al. 2019)")
 def rloo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, None]:
     """Return RLOO's r_i − mean of the other G − 1 rewards on every token of completion i."""
@@ -411,3 +396,18 @@ def gae_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, torc
     token_rewards = token_level_rewards(inputs.rewards, inputs.mask, inputs.kl, settings.beta)
     advantages, returns = gae_advantages(token_rewards, inputs.values, inputs.mask, settings.gamma, settings.lam)
     return whiten(advantages, inputs.mask), returns
+
+
+@register_advantage(
+    "gdpo", help="each reward normalised in its group, the weighted sum over the batch (GDPO, arXiv 2601.05242)"
+)
+def gdpo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, None]:
+    """Return GDPO's `decoupled_group_advantages` of the rewards' own columns on every token of completion i.
+
+    It normalises by the std by construction, so `scale_rewards` is not read; `advantage_eps` is its ε."""
+    if inputs.reward_columns is None or inputs.reward_weights is None:
+        raise ValueError("the gdpo estimator needs each reward's column (AdvantageInputs.reward_columns and weights)")
+    advantages = decoupled_group_advantages(
+        inputs.reward_columns, inputs.reward_weights, inputs.group_size, settings.advantage_eps, inputs.scored
+    )
+    return expand_to_tokens(advantages, inputs.mask), None
