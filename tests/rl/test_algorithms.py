@@ -169,8 +169,8 @@ def test_gdpo_reads_each_rewards_column_and_weight(tiny_model_dir, tmp_path):
 
 def test_the_sampler_correction_and_the_off_policy_mask_train(tiny_model_dir, tmp_path, monkeypatch):
     """polo train with the sampler correction: the CPU sampler records its log-probs, the update weighs each token by
-    π_old/μ (in fp32 on the CPU the two forwards agree, so every weight is 1 to 1e-4), and the off-policy mask is
-    logged."""
+    π_old/μ (in fp32 on the CPU the two forwards agree, so every weight is 1 to 1e-4, and the logged gap is as small),
+    and the off-policy mask is logged."""
     weights, real = [], core.sampler_correction_weights
 
     def recording(*args, **kwargs):
@@ -193,6 +193,7 @@ def test_the_sampler_correction_and_the_off_policy_mask_train(tiny_model_dir, tm
     rows = [row for row in result.metrics if "loss" in row]
     assert len(rows) == 2 and all(math.isfinite(row["loss"]) for row in rows)
     assert all(0.0 <= row["off_policy/masked_fraction"] <= 1.0 for row in rows)
+    assert all(0.0 <= row["sampler/logprob_gap"] < 1e-4 for row in rows)
     assert len(weights) == 2
     for batch_weights in weights:
         assert torch.allclose(batch_weights, torch.ones_like(batch_weights), atol=1e-4)

@@ -42,6 +42,8 @@ SUM_KEYS = (
     "value_loss",
     "critic_grad_norm",
     "off_policy_masked",
+    "sampler_gap",
+    "sampler_tokens",
 )
 
 
@@ -113,6 +115,12 @@ class UpdateContext:
             positional=2,
         )
         self.sums = {key: 0.0 for key in SUM_KEYS}
+        if self.sampler_weights is not None:  # how far the sampler's log-probs are from the trainer's, once a batch
+            width = self.old_logprobs.shape[1]
+            gap = (self.old_logprobs - self.rollouts.sampling_logprobs[:, :width]).abs()
+            valid = self.loss_mask[:, :width].bool()
+            self.sums["sampler_gap"] = float(core.masked_sum(torch.nan_to_num(gap, nan=0.0), valid))
+            self.sums["sampler_tokens"] = float(valid.sum())
         self.routing = RoutingSums()
 
 
@@ -305,6 +313,8 @@ def update_metrics(ctx: UpdateContext, optimizer_steps: int) -> dict:
         )
         if ctx.alg.off_policy_mask_threshold is not None:
             metrics["off_policy/masked_fraction"] = sums["off_policy_masked"] / tokens
+        if ctx.sampler_weights is not None:  # mean |log π_old − log μ| per token: what the correction corrects
+            metrics["sampler/logprob_gap"] = sums["sampler_gap"] / max(sums["sampler_tokens"], 1.0)
     if ctx.kl_in_loss and ctx.train_policy:
         metrics["kl"] = sums["kl"] / tokens
     elif ctx.ref_logprobs is not None and ctx.old_logprobs is not None:  # k1 of the sampled batch
