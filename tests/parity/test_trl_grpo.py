@@ -2,7 +2,8 @@
 
 Every setting the two share gives the same advantages and the same gradient at every optimizer step, to 1e-6
 relative (max |polo − TRL| / max |TRL|). What is left is rounding: TRL's Bessel factor count / (count − 1) is an fp32
-number (1.5e-8 relative); everything else agrees to ~1e-15.
+number (1.5e-8 relative), and TRL builds the sampler's log-probs from Python lists as fp32 (up to 1e-7 with the
+sampler correction); everything else agrees to ~1e-15.
 """
 
 from __future__ import annotations
