@@ -186,3 +186,34 @@ def test_control_config_checks_every_float(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
     assert error_of([f"output.dir={afile}"], load_control_config).startswith(f"output.dir: {afile} is a file")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["algorithm.sampler_correction=token_trunc"],
+            "algorithm.sampler_correction: 'token_trunc' is not one of token_truncate, token_mask, sequence_truncate, "
+            "sequence_mask (did you mean 'token_truncate'?)",
+        ),
+        (
+            ["algorithm.sampler_correction=token_mask", "algorithm.sampler_correction_min=3"],
+            "algorithm.sampler_correction_min (3.0) must be below algorithm.sampler_correction_max (3.0)",
+        ),
+        (
+            ["algorithm.sampler_correction=token_truncate", "algorithm.name=vespo"],
+            "algorithm.sampler_correction does not apply to policy_loss vespo, whose kernel would take the weight "
+            "inside it; leave it null",
+        ),
+        (
+            ["algorithm.sampler_correction_max=0"],
+            "algorithm.sampler_correction_max must be a finite number > 0, got 0.0",
+        ),
+        (
+            ["algorithm.off_policy_mask_threshold=-0.1"],
+            "algorithm.off_policy_mask_threshold must be a finite number >= 0, got -0.1",
+        ),
+    ],
+)
+def test_the_sampler_correction_and_the_off_policy_mask_are_checked(overrides, expected):
+    assert error_of(overrides) == expected

@@ -16,6 +16,7 @@ from polo.generation.sampling import sample_next_token, sample_on_device
 from polo.generation.stopping import Stopping
 from polo.models.family import attention_window
 from polo.models.loading import load_policy
+from polo.runtime.device import CPU
 
 PROMPTS = ["What is 1 + 2?", "A much longer prompt, so the others are left-padded: 17 * 3 = ", "x"]
 WINDOW = 4  # the tiny Gemma's sliding window: far shorter than prompt + completion
@@ -355,3 +356,33 @@ def test_every_tensor_the_static_sampler_makes_names_its_device(tiny_model_dir):
     with implicit_device_guard():
         rollouts = static_sampler.rollout(model, tokenizer, PROMPTS, 2, Decoding(6, temperature=1.0), compute=CPU)
     assert rollouts.completion_ids.device == CPU.device and len(rollouts.texts) == 6
+
+
+@pytest.mark.parametrize("sampler", [cpu_sampler, static_sampler])
+def test_a_sampler_records_each_drawn_tokens_logprob_under_its_own_forward(policy, sampler):
+    """With `Decoding.record_logprobs` a one-turn sampler keeps log softmax(z/T) of each token it drew (what the
+    trainer's sampler correction compares with its own forward): in fp32 on the CPU, the trainer's scoring to 1e-5;
+    0 at padding; and the same tokens as without recording."""
+    from polo.generation.rollouts import one_turn_rollouts
+    from polo.models.scoring import completion_logprobs
+
+    model, tokenizer = policy
+    decoding = Decoding(10, temperature=0.7, top_p=0.9, generator=torch.Generator().manual_seed(3))
+    recorded = replace(decoding, generator=torch.Generator().manual_seed(3), record_logprobs=True)
+    plain = one_turn_rollouts(sampler.generate, model, tokenizer, PROMPTS, 3, decoding, CPU)
+    rollouts = one_turn_rollouts(sampler.generate, model, tokenizer, PROMPTS, 3, recorded, CPU)
+    assert plain.sampling_logprobs is None and torch.equal(plain.completion_ids, rollouts.completion_ids)
+    assert rollouts.sampling_logprobs.shape == rollouts.completion_ids.shape
+    valid = rollouts.completion_mask.bool()
+    assert torch.equal(rollouts.sampling_logprobs[~valid], torch.zeros(int((~valid).sum())))
+    with torch.no_grad():
+        scored, _ = completion_logprobs(
+            model,
+            rollouts.prompt_ids,
+            rollouts.prompt_mask,
+            rollouts.completion_ids,
+            rollouts.completion_mask,
+            temperature=0.7,
+        )
+    torch.testing.assert_close(rollouts.sampling_logprobs[valid], scored[valid].float(), atol=1e-5, rtol=1e-5)
+    assert (rollouts.sampling_logprobs[valid] < 0).all()

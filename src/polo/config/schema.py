@@ -403,7 +403,8 @@ class AlgorithmConfig:
         "grpo",
         help="the preset: a named set of the fields below (grpo: Shao et al. 2024; dr_grpo: Liu et al. 2025; "
         "dapo: Yu et al. 2025; rloo: Ahmadian et al. 2024; reinforce_pp: Hu 2025; gspo: Zheng et al. 2025; "
-        "cispo: MiniMax 2025; sapo: Qwen 2025; ppo: Schulman et al. 2017, Ouyang et al. 2022)",
+        "cispo: MiniMax 2025; sapo: Qwen 2025; luspo: Liu et al. 2026; vespo: arXiv 2602.10693; "
+        "ppo: Schulman et al. 2017, Ouyang et al. 2022)",
         choices=tuple(PRESETS),
     )
     advantage_estimator: str = setting(
@@ -463,6 +464,27 @@ class AlgorithmConfig:
         0.0,
         help="the entropy bonus: the loss subtracts entropy_coef x the policy's mean per-token entropy, whatever "
         "the loss's aggregation (Mnih et al. 2016; PPO's c2; TRL's entropy_coef; polo.core.losses); 0: off",
+        range=">= 0",
+    )
+    sampler_correction: str | None = setting(
+        None,
+        help="weight every token's policy loss by π_old/μ, μ the sampler's own log-prob of the token, to correct for "
+        "the sampler's numerics (TIS, Yao et al. 2025; TRL's vllm_importance_sampling_mode): token_* per token, "
+        "sequence_* one product per completion; *_truncate clips the weight to [sampler_correction_min, "
+        "sampler_correction_max], *_mask zeroes it outside; null: off",
+        choices=core.SAMPLER_CORRECTIONS,
+    )
+    sampler_correction_min: float | None = setting(
+        None, help="the lower bound of sampler_correction's weight (null: none)", range=">= 0"
+    )
+    sampler_correction_max: float | None = setting(
+        3.0, help="the upper bound of sampler_correction's weight (null: none; TRL's default 3)", range="> 0"
+    )
+    off_policy_mask_threshold: float | None = setting(
+        None,
+        help="leave out of the policy loss a completion with a negative advantage whose mean log μ − log π per token "
+        "exceeds this (DeepSeek-V3.2's off-policy sequence masking, its δ; μ the sampler's own log-probs where "
+        "sampler_correction records them, else the sampling policy's); null: off",
         range=">= 0",
     )
     beta: float = setting(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from polo.generation.rollouts import Decoding, Rollouts, one_turn_rollouts
-from polo.generation.sampling import Context, sample_next_token
+from polo.generation.sampling import Context, sample_next_token, token_logprobs
 from polo.generation.stopping import Stopping
 from polo.kernels import (
     contiguous_head_input,
@@ -41,8 +41,10 @@ class DecodeRows:
     rows still in the decode batch (and its cache).
     """
 
-    def __init__(self, batch: int, max_new_tokens: int, pad_id: int, device: torch.device):
+    def __init__(self, batch: int, max_new_tokens: int, pad_id: int, device: torch.device, record: bool = False):
         self.completion_ids = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        # each drawn token's log-prob under the sampler's own forward (Decoding.record_logprobs)
+        self.logprobs = torch.zeros((batch, max_new_tokens), device=device) if record else None
         self.completion_mask = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
         self.truncated = torch.ones(batch, dtype=torch.bool, device=device)
         self.length, self.pad_id = 0, pad_id
@@ -76,10 +78,21 @@ class DecodeRows:
         """Return True when no row of the batch has finished."""
         return bool(self.live.all())
 
-    def write(self, step: int, index: torch.Tensor, tokens: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
-        """Return which of `tokens` (one per live position `index`) end their row, after writing them at `step`."""
+    def write(
+        self,
+        step: int,
+        index: torch.Tensor,
+        tokens: torch.Tensor,
+        stop: torch.Tensor,
+        logits: torch.Tensor,
+        temperature,
+    ) -> torch.Tensor:
+        """Return which of `tokens` (one per live position `index`, drawn from `logits`) end their row, after writing
+        them at `step` (and their log-probs, when recorded)."""
         written = self.rows[index]
         self.completion_ids[written, step] = tokens
+        if self.logprobs is not None:
+            self.logprobs[written, step] = token_logprobs(logits, tokens, temperature)
         self.completion_mask[written, step] = 1
         self.length = step + 1
         finished = torch.isin(tokens, stop)
@@ -103,9 +116,11 @@ class DecodeRows:
         self.rows, self.live = self.rows[keep], self.live[keep]
         return keep
 
-    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return `(completion_ids, completion_mask)` cut to the longest completion, and `truncated`."""
-        return self.completion_ids[:, : self.length], self.completion_mask[:, : self.length], self.truncated
+    def result(self) -> tuple[torch.Tensor, ...]:
+        """Return `(completion_ids, completion_mask)` cut to the longest completion, and `truncated` (then the
+        recorded log-probs, cut the same way)."""
+        result = (self.completion_ids[:, : self.length], self.completion_mask[:, : self.length], self.truncated)
+        return result if self.logprobs is None else (*result, self.logprobs[:, : self.length])
 
 
 @torch.no_grad()
@@ -118,8 +133,9 @@ def generate(
     *,
     compute: Compute = CPU,
     samples_per_prompt: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return `(completion_ids, completion_mask, truncated)` sampled with a KV cache.
+) -> tuple[torch.Tensor, ...]:
+    """Return `(completion_ids, completion_mask, truncated)` sampled with a KV cache (and, with
+    `decoding.record_logprobs`, each drawn token's log-prob `(batch, max_completion_len)`, 0 at padding).
 
     Shapes: prompt (prompts, prompt_len) -> completion (batch, max_completion_len), truncated
     (batch,), with batch = prompts x `samples_per_prompt` and each prompt's samples in
@@ -142,7 +158,7 @@ def generate(
     with_cache = {cache_keyword(model): cache}  # the name this transformers takes it under (polo.models.family)
     was_training = model.training
     model.eval()
-    rows = DecodeRows(batch, max_new_tokens, stopping.pad_id, device)
+    rows = DecodeRows(batch, max_new_tokens, stopping.pad_id, device, decoding.record_logprobs)
     if decoding.repetition_penalty != 1.0:  # the penalty reads each row's prompt and what it has written
         rows.keep_prompts(prompt_ids, attention_mask, samples_per_prompt)
     lean_step = lean_decode_step(model, cache, compute)
@@ -157,7 +173,7 @@ def generate(
             index = rows.live_index()
             live_logits = logits if rows.all_live() else logits[index]
             tokens = sample_next_token(live_logits, decoding, rows.context(index))
-            finished = rows.write(step, index, tokens, stop)
+            finished = rows.write(step, index, tokens, stop, live_logits, decoding.temperature)
             if stop_strings is not None:
                 written = rows.rows[index]
                 finished = finished | stop_strings.reached(rows.completion_ids[written, : step + 1])

@@ -26,7 +26,9 @@ class Decoding:
     """How a sampler draws each completion: at most `max_new_tokens` tokens, at `temperature` (0 is greedy), kept to
     the `top_k` likeliest tokens (0: all), the nucleus `top_p` and the tokens at least `min_p` times as likely as the
     likeliest (0: all), with `repetition_penalty` on every token already in the context (1: none), from `generator`
-    (None: the device's default generator)."""
+    (None: the device's default generator). `record_logprobs`: the one-turn samplers also keep each drawn token's
+    log-prob under their own forward (`Rollouts.sampling_logprobs`), and their `generate` returns it as a fourth
+    tensor."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -35,6 +37,7 @@ class Decoding:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    record_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,16 @@ def drawn(weights: torch.Tensor, ids: torch.Tensor | None, generator: torch.Gene
     """Return one token id per row (batch,) drawn from `weights` (batch, n), mapped through `ids` when given."""
     index = inverse_cdf_sample(weights, generator)
     return index if ids is None else ids.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Return the log-prob of each drawn token under softmax(logits / temperature) in fp32, (batch, vocab) → (batch,).
+
+    The distribution the trainer scores a completion under (its log-probs divide the logits by the same temperature;
+    top-p's renormalisation is not part of it); at temperature 0 (greedy), the untempered one.
+    """
+    scaled = logits.float() if temperature in (0, 1.0) else logits.float() / temperature
+    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def tempered_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from polo.generation.rollouts import Rollouts, one_turn_rollouts
-from polo.generation.sampling import Context, Decoding, sample_on_device
+from polo.generation.sampling import Context, Decoding, sample_on_device, token_logprobs
 from polo.generation.stopping import Stopping, StopStrings
 from polo.models.family import cache_keyword
 from polo.models.scoring import position_ids_from_mask
@@ -125,6 +125,9 @@ class StaticDecoder:
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # where the next drawn token is written
         self.completion_ids = torch.full((rows, shape.max_new_tokens), shape.pad_id, dtype=torch.long, device=device)
         self.completion_mask = torch.zeros((rows, shape.max_new_tokens), dtype=torch.long, device=device)
+        self.logprobs = (
+            torch.zeros((rows, shape.max_new_tokens), device=device) if shape.decoding.record_logprobs else None
+        )
         # The whole decode attends through one (rows, L) mask: prompt padding 0, everything after 1;
         # causality (and any sliding window) hides the positions not yet written.
         self.attention_mask = torch.ones((rows, shape.cache_len), dtype=torch.long, device=device)
@@ -185,6 +188,8 @@ class StaticDecoder:
             self.prompts = Context(
                 prompt_ids.repeat_interleave(group_size, dim=0), prompt_mask.repeat_interleave(group_size, dim=0)
             )
+        if self.logprobs is not None:
+            self.logprobs.zero_()
         self._take(logits.repeat_interleave(group_size, dim=0))
 
     def step(self) -> None:
@@ -220,6 +225,9 @@ class StaticDecoder:
         tokens = drawn.masked_fill(self.finished, self.shape.pad_id)
         self.completion_ids.index_copy_(1, self.column, tokens[:, None])
         self.completion_mask.index_copy_(1, self.column, (~self.finished).long()[:, None])
+        if self.logprobs is not None:  # eager, after the captured forward, like the draw
+            drawn_logprobs = token_logprobs(logits, drawn, self.decoding.temperature).masked_fill(self.finished, 0.0)
+            self.logprobs.index_copy_(1, self.column, drawn_logprobs[:, None])
         self.finished.logical_or_(torch.isin(tokens, self.stop))
         self.tokens.copy_(tokens)
         self.column.add_(1)
@@ -240,10 +248,12 @@ class StaticDecoder:
                     break
             self.step()
 
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return copies of `(completion_ids, completion_mask, truncated)`: (rows, longest) twice, then (rows,)."""
+    def finish(self) -> tuple[torch.Tensor, ...]:
+        """Return copies of `(completion_ids, completion_mask, truncated)`: (rows, longest) twice, then (rows,); and
+        the recorded log-probs (rows, longest) when the shape records them."""
         length = int(self.completion_mask.sum(-1).max()) if self.shape.batch else 0
-        return self.completion_ids[:, :length].clone(), self.completion_mask[:, :length].clone(), ~self.finished
+        result = (self.completion_ids[:, :length].clone(), self.completion_mask[:, :length].clone(), ~self.finished)
+        return result if self.logprobs is None else (*result, self.logprobs[:, :length].clone())
 
 
 def decoder_for(model, shape: DecodeShape, compute: Compute) -> StaticDecoder:
@@ -280,8 +290,9 @@ def generate(
     compute: Compute = CPU,
     samples_per_prompt: int = 1,
     capture: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return `(completion_ids, completion_mask, truncated)` as `cpu_sampler.generate` does, with fixed shapes.
+) -> tuple[torch.Tensor, ...]:
+    """Return `(completion_ids, completion_mask, truncated)` as `cpu_sampler.generate` does, with fixed shapes (and
+    the drawn tokens' log-probs with `decoding.record_logprobs`).
 
     Shapes: prompt (prompts, prompt_len) -> completion (batch, longest completion), truncated (batch,),
     batch = prompts x `samples_per_prompt`, a prompt's samples in consecutive rows. `capture` (default:
