@@ -51,8 +51,10 @@ def rl_recipe(tmp_path: Path, model: str | None = None, **sections) -> Path:
     [
         ("sampling.temperature=nan", "sampling.temperature must be a finite number > 0, got nan"),
         ("sampling.temperature=inf", "sampling.temperature must be a finite number > 0, got inf"),
-        ("train.learning_rate=-1e-6", "train.learning_rate must be a finite number >= 0, got -1e-06"),
-        ("train.learning_rate=nan", "train.learning_rate must be a finite number >= 0, got nan"),
+        ("train.learning_rate=-1e-6", "train.learning_rate must be in [0, 1], got -1e-06"),
+        ("train.learning_rate=nan", "train.learning_rate must be in [0, 1], got nan"),
+        ("train.learning_rate=10", "train.learning_rate must be in [0, 1], got 10.0"),
+        ("algorithm.clip_eps_low=5", "algorithm.clip_eps_low must be in [0, 1), got 5.0"),
         ("output.keep_checkpoints=0", "output.keep_checkpoints must be at least 1, got 0"),
         ("eval.batch_size=0", "eval.batch_size must be at least 1, got 0"),
     ],
@@ -148,7 +150,7 @@ def test_sft_bad_learning_rate(tmp_path):
     )
     assert (
         polo("sft", str(recipe), "train.learning_rate=nan", cwd=tmp_path)
-        == "train.learning_rate must be a finite number >= 0, got nan"
+        == "train.learning_rate must be in [0, 1], got nan"
     )
 
 
@@ -160,7 +162,7 @@ def test_control_bad_learning_rate(tmp_path):
         f"output.dir={tmp_path / 'out'}",
         cwd=tmp_path,
     )
-    assert line == "train.learning_rate must be a finite number >= 0, got -0.0003"
+    assert line == "train.learning_rate must be in [0, 1], got -0.0003"
 
 
 def test_eval_misspelled_checker(tmp_path):

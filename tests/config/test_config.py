@@ -145,7 +145,8 @@ def test_algorithm_presets_fill_fields_and_explicit_keys_win():
 def test_unknown_algorithm_names_the_valid_ones():
     with pytest.raises(
         ConfigError,
-        match="algorithm.name: 'ppo2' is not one of grpo, dr_grpo, dapo, rloo, reinforce_pp, gspo, cispo, sapo, ppo",
+        match="algorithm.name: 'ppo2' is not one of grpo, dr_grpo, dapo, rloo, reinforce_pp, gspo, cispo, sapo, luspo, "
+        "vespo, ppo",
     ):
         load_config(None, ["algorithm.name=ppo2"])
     with pytest.raises(ConfigError, match="kl_in_reward needs algorithm.beta > 0"):

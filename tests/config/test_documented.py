@@ -114,7 +114,7 @@ def test_polo_config_prints_a_section_a_key_and_the_index(capsys):
     assert "algorithm.lam:" in out and "train.learning_rate" not in out
     assert main(["config", "sft", "train.learning_rate"]) == 0
     out = capsys.readouterr().out
-    assert "train.learning_rate: float = 1.0e-05  (>= 0)" in out and "train.epochs" not in out
+    assert "train.learning_rate: float = 1.0e-05  ([0, 1])" in out and "train.epochs" not in out
     assert main(["config"]) == 0
     out = capsys.readouterr().out
     assert all(f"polo {command}" in out for command in RECIPE_COMMANDS)

@@ -151,6 +151,14 @@ def polo_train_error(tmp_path: Path, monkeypatch, capsys, *overrides: str) -> st
             "algorithm.policy_loss_options.eps: ppo_clip takes no option 'eps'; its options: none",
         ),
         (["task.name=my_rewards:nothing"], "task.name: module 'my_rewards' has no attribute 'nothing'"),
+        (
+            ["algorithm.name=vespo", "algorithm.policy_loss_options.lambda_pos=0"],
+            "algorithm.policy_loss_options.lambda_pos must be a finite number > 0, got 0.0",
+        ),
+        (
+            ["algorithm.name=vespo", "algorithm.policy_loss_options.k=2"],
+            "unknown config key 'algorithm.policy_loss_options.k'",
+        ),
     ],
 )
 def test_a_bad_name_or_a_missing_key_is_one_line_before_anything_loads(

@@ -40,8 +40,14 @@ def error_of(overrides: list[str], loader=load_config) -> str:
         ("sampling.temperature=nan", "sampling.temperature must be a finite number > 0, got nan"),
         ("sampling.temperature=inf", "sampling.temperature must be a finite number > 0, got inf"),
         ("sampling.temperature=0", "sampling.temperature must be a finite number > 0, got 0.0"),
-        ("train.learning_rate=-1e-6", "train.learning_rate must be a finite number >= 0, got -1e-06"),
-        ("train.learning_rate=nan", "train.learning_rate must be a finite number >= 0, got nan"),
+        ("train.learning_rate=-1e-6", "train.learning_rate must be in [0, 1], got -1e-06"),
+        ("train.learning_rate=nan", "train.learning_rate must be in [0, 1], got nan"),
+        ("train.learning_rate=10", "train.learning_rate must be in [0, 1], got 10.0"),
+        ("algorithm.critic_learning_rate=2", "algorithm.critic_learning_rate must be in [0, 1], got 2.0"),
+        ("algorithm.clip_eps_low=5", "algorithm.clip_eps_low must be in [0, 1), got 5.0"),
+        ("algorithm.clip_eps_low=1", "algorithm.clip_eps_low must be in [0, 1), got 1.0"),
+        ("algorithm.clip_eps_high=-0.1", "algorithm.clip_eps_high must be a finite number >= 0, got -0.1"),
+        ("algorithm.clip_delta=1", "algorithm.clip_delta must be a finite number > 1, got 1.0"),
         ("sampling.top_p=1.5", "sampling.top_p must be in (0, 1], got 1.5"),
         ("algorithm.gamma=-inf", "algorithm.gamma must be in [0, 1], got -inf"),
         ("algorithm.value_clip=0", "algorithm.value_clip must be a finite number > 0, got 0.0"),
@@ -53,6 +59,14 @@ def error_of(overrides: list[str], loader=load_config) -> str:
 )
 def test_floats_must_be_finite_and_in_range(override, expected):
     assert error_of([override]) == expected
+
+
+def test_the_clip_and_learning_rate_ranges_keep_every_preset_and_the_edges_of_real_runs():
+    # GSPO clips within 3e-4 / 4e-4 of 1, CISPO caps its weight at 1 + 4: a range must not reject either
+    for name in ("grpo", "dapo", "gspo", "cispo", "sapo", "ppo"):
+        load_config(None, [f"algorithm.name={name}"])
+    edges = load_config(None, ["algorithm.clip_eps_low=0.99", "algorithm.clip_eps_high=10", "train.learning_rate=1"])
+    assert (edges.algorithm.clip_eps_low, edges.algorithm.clip_eps_high, edges.train.learning_rate) == (0.99, 10, 1)
 
 
 def test_every_float_of_a_run_is_checked_for_nan():
@@ -130,11 +144,14 @@ def test_finetune_configs_check_every_float(tmp_path):
     data = [f"data.train_path={tmp_path / 'train.jsonl'}", f"output.dir={tmp_path / 'out'}"]
     assert (
         error_of([*data, "train.learning_rate=nan"], load_sft_config)
-        == "train.learning_rate must be a finite number >= 0, got nan"
+        == "train.learning_rate must be in [0, 1], got nan"
     )
     assert (
         error_of([*data, "train.learning_rate=-1"], load_sft_config)
-        == "train.learning_rate must be a finite number >= 0, got -1.0"
+        == "train.learning_rate must be in [0, 1], got -1.0"
+    )
+    assert error_of([*data, "train.learning_rate=10"], load_dpo_config) == (
+        "train.learning_rate must be in [0, 1], got 10.0"
     )
     assert error_of([*data, "train.adam_beta1=inf"], load_sft_config) == "train.adam_beta1 must be in [0, 1), got inf"
     assert error_of([*data, "dpo.beta=inf"], load_dpo_config) == "dpo.beta must be a finite number > 0, got inf"
@@ -148,8 +165,11 @@ def test_control_config_checks_every_float(tmp_path):
     from polo.control.config import load_control_config
 
     assert (
-        error_of(["train.learning_rate=nan"], load_control_config)
-        == "train.learning_rate must be a finite number >= 0, got nan"
+        error_of(["train.learning_rate=nan"], load_control_config) == "train.learning_rate must be in [0, 1], got nan"
+    )
+    assert (
+        error_of(["train.value_learning_rate=5"], load_control_config)
+        == "train.value_learning_rate must be in (0, 1], got 5.0"
     )
     assert error_of(["algorithm.gamma=0"], load_control_config) == "algorithm.gamma must be in (0, 1], got 0.0"
     assert (
@@ -166,3 +186,34 @@ def test_control_config_checks_every_float(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
     assert error_of([f"output.dir={afile}"], load_control_config).startswith(f"output.dir: {afile} is a file")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["algorithm.sampler_correction=token_trunc"],
+            "algorithm.sampler_correction: 'token_trunc' is not one of token_truncate, token_mask, sequence_truncate, "
+            "sequence_mask (did you mean 'token_truncate'?)",
+        ),
+        (
+            ["algorithm.sampler_correction=token_mask", "algorithm.sampler_correction_min=3"],
+            "algorithm.sampler_correction_min (3.0) must be below algorithm.sampler_correction_max (3.0)",
+        ),
+        (
+            ["algorithm.sampler_correction=token_truncate", "algorithm.name=vespo"],
+            "algorithm.sampler_correction does not apply to policy_loss vespo, whose kernel would take the weight "
+            "inside it; leave it null",
+        ),
+        (
+            ["algorithm.sampler_correction_max=0"],
+            "algorithm.sampler_correction_max must be a finite number > 0, got 0.0",
+        ),
+        (
+            ["algorithm.off_policy_mask_threshold=-0.1"],
+            "algorithm.off_policy_mask_threshold must be a finite number >= 0, got -0.1",
+        ),
+    ],
+)
+def test_the_sampler_correction_and_the_off_policy_mask_are_checked(overrides, expected):
+    assert error_of(overrides) == expected

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from polo.core import (
+    decoupled_group_advantages,
     discounted_returns,
     expand_to_tokens,
     gae_advantages,
@@ -195,3 +196,27 @@ def test_batch_std_keeps_the_group_mean_and_divides_by_the_batchs_spread():
     torch.testing.assert_close(group_advantages(rewards, group_size=4, batch_std=True), expected)
     # a group's own std would have scaled it by 1 / 0.5 instead
     assert not torch.allclose(group_advantages(rewards, group_size=4), expected)
+
+
+def test_gdpo_normalises_each_reward_in_its_group_then_the_weighted_sum_over_the_batch():
+    # Two groups of 2, two rewards: a 0/1 reward, and one 100 times wider. GRPO's sum is ruled by the wide one;
+    # GDPO gives each reward ±1/√2 in its group first (unbiased std of two values a apart: a/√2). ε = 0 here.
+    columns = torch.tensor([[1.0, 300.0], [0.0, 100.0], [0.0, 100.0], [1.0, 100.0]], dtype=torch.float64)
+    weights = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    half = 1 / math.sqrt(2)  # (r − mean)/std for the larger of two values
+    per_reward = torch.tensor([[half, half], [-half, -half], [-half, 0.0], [half, 0.0]], dtype=torch.float64)
+    summed = (per_reward * weights).sum(-1)
+    expected = (summed - summed.mean()) / summed.std()
+    advantages = decoupled_group_advantages(columns, weights, 2, eps=0.0)
+    torch.testing.assert_close(advantages, expected)
+    # in the second group the wide reward is flat: only the 0/1 reward ranks its completions
+    assert advantages[3] > advantages[2]
+    # a reward that does not apply (NaN) is left out of its group's statistics and adds 0 (a group left with one
+    # value gets 0 from that reward); a row no reward applied to gets 0 and is left out of the batch statistics
+    columns[1, 1] = torch.nan
+    columns[3] = torch.nan
+    scored = torch.tensor([True, True, True, False])
+    advantages = decoupled_group_advantages(columns, weights, 2, eps=0.0, scored=scored)
+    summed = torch.tensor([half, -half, 0.0], dtype=torch.float64)  # only the 0/1 reward of group 1 ranks
+    expected = (summed - summed.mean()) / summed.std()
+    torch.testing.assert_close(advantages, torch.cat([expected, torch.zeros(1, dtype=torch.float64)]))

@@ -21,7 +21,9 @@ from polo.core import (
     sapo_loss,
     value_loss,
     vanilla_pg_loss,
+    vespo_loss,
 )
+from polo.core.losses import VespoSettings
 
 # A 2×3 PPO example with clip-higher: eps_low = 0.2, eps_high = 0.28 → clip range [0.8, 1.28].
 RATIOS = torch.tensor([[1.5, 1.1, 0.5], [0.5, 1.5, 2.0]])
@@ -154,6 +156,7 @@ NORMALISERS = LossNormalisers(num_sequences=3, num_tokens=6, max_completion_leng
         ("token_mean", 21 / 6),  # 1 + 2 + 3 + 4 + 5 + 6 = 21 over 6 tokens
         ("seq_mean_token_sum_norm", 21 / (3 * 4)),  # 21 over 3 sequences × 4 max tokens
         ("micro_batch_token_mean", 21 / 6 / 1),  # this micro-batch's 6 tokens, the step's only micro-batch
+        ("seq_mean_token_sum", 21 / 3),  # per-sequence sums 10, 11, 0 (empty) over 3
     ],
 )
 def test_aggregation_modes_by_hand(mode, expected):
@@ -169,7 +172,7 @@ def random_batch():
     return per_token, mask
 
 
-@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum"])
 def test_micro_batches_sum_to_full_batch(mode):
     per_token, mask = random_batch()
     full = aggregate_loss(per_token, mask, mode, LossNormalisers(6, int(mask.sum()), 5, num_micro_batches=1))
@@ -197,7 +200,8 @@ def test_micro_batch_token_mean_averages_each_micro_batchs_own_token_mean():
 
 
 @pytest.mark.parametrize(
-    "mode", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "micro_batch_token_mean"]
+    "mode",
+    ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "micro_batch_token_mean", "seq_mean_token_sum"],
 )
 def test_aggregation_padding_has_no_effect_on_gradients(mode):
     clean = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]], requires_grad=True)
@@ -303,3 +307,40 @@ def test_high_entropy_tokens_keeps_the_top_quantile_of_valid_tokens():
     kept = high_entropy_tokens(entropy, mask, 0.25)
     assert kept.tolist() == [[False, True, False, False], [False, True, False, False]]
     assert torch.equal(high_entropy_tokens(entropy, mask, 1.0), mask.bool())
+
+
+def test_luspo_is_gspo_with_each_sequences_loss_scaled_by_its_length():
+    # GSPO writes sequence i's loss L_i on each of its tokens; summing per sequence gives |y_i| L_i (LUSPO).
+    generator = torch.Generator().manual_seed(0)
+    logprobs, old = torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    advantages = torch.tensor([1.0, -0.5, 2.0])
+    per_token, _ = gspo_loss(logprobs, old, advantages, mask, 0.2, 0.2)
+    sequence_loss = masked_mean(per_token, mask, dim=-1)  # L_i
+    normalisers = LossNormalisers(num_sequences=3, num_tokens=7, max_completion_length=4)
+    luspo = aggregate_loss(per_token, mask, "seq_mean_token_sum", normalisers)
+    torch.testing.assert_close(luspo, (mask.sum(-1) * sequence_loss).sum() / 3)
+
+
+def test_vespo_weights_reinforce_by_a_gamma_kernel_of_the_sequence_ratio():
+    # Sequence log-ratios 0 (on-policy), log 2 and log 0.5 over their valid tokens: φ(w) = w^k e^{λ(1 − w)}.
+    options = VespoSettings()  # k 2, λ 3 for A ≥ 0; k 3, λ 2 for A < 0
+    old = torch.zeros(3, 2)
+    logprobs = torch.tensor([[0.3, -0.3], [math.log(2.0), 0.0], [math.log(0.5), 5.0]]).requires_grad_()
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0]])  # row 2's 5.0 is padding: not in its ratio
+    advantages = torch.tensor([1.0, 1.0, -2.0])
+    per_token, stats = vespo_loss(logprobs, old, advantages, mask, options)
+    per_token.sum().backward()
+    weights = torch.tensor([1.0, 2.0**2 * math.exp(3 * (1 - 2.0)), 0.5**3 * math.exp(2 * (1 - 0.5))])
+    # the gradient is −φ(w_i) A_i on every valid token: the weight carries none
+    expected = -(weights * advantages)[:, None] * mask
+    torch.testing.assert_close(logprobs.grad, expected)
+    assert stats["weight_sum"].item() == pytest.approx(float((weights[:, None] * mask).sum()))
+    # on-policy the kernel is 1: REINFORCE itself
+    torch.testing.assert_close(per_token[0], vanilla_pg_loss(logprobs, advantages, mask)[0])
+    # far off-policy, either way, the weight vanishes instead of overflowing
+    far = torch.tensor([[200.0], [-200.0]])
+    extreme, _ = vespo_loss(
+        far.requires_grad_(), torch.zeros(2, 1), torch.tensor([1.0, 1.0]), torch.ones(2, 1), options
+    )
+    assert torch.equal(extreme, torch.zeros(2, 1))

@@ -475,6 +475,44 @@ def test_polo_eval_runs_an_hf_task_of_a_recipe_with_the_recipes_budget(tiny_mode
     assert all(sample["length"] <= 2 for problem in result["problems"] for sample in problem["samples"])
 
 
+def test_polo_eval_runs_an_hf_task_on_a_local_dataset_directory(tiny_model_dir, tmp_path):
+    """The hf task over a `save_to_disk` directory: its "test" split is the held-out rows."""
+    import datasets
+
+    rows = [{"question": f"{i} + 2 =", "answer": str(i + 2)} for i in range(6)]
+    splits = {"train": datasets.Dataset.from_list(rows[:4]), "test": datasets.Dataset.from_list(rows[4:])}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "data"))
+    output = tmp_path / "eval.json"
+    overrides = ["task.name=hf", f"task.path={tmp_path / 'data'}", "task.checker=exact_number", "task.num_eval=2"]
+    args = ["eval", "--model", str(tiny_model_dir), *overrides, "--greedy", "--max-new-tokens", "2"]
+    assert main([*args, "--output", str(output), "--no-progress"]) == 0
+    result = json.loads(output.read_text())
+    assert result["settings"]["task"] == f"hf ({tmp_path / 'data'}, exact_number)"
+    assert [problem["reference"] for problem in result["problems"]] == ["6", "7"]
+
+
+def test_polo_eval_judges_the_code_task_in_the_sandbox(tiny_model_dir, tmp_path, monkeypatch):
+    """`polo eval` on the code task runs each completion against the problem's tests in the sandbox: the tiny
+    model's own answers fail them, the reference solutions (in place of its samples) pass them."""
+    from polo.evaluation import evaluate as evaluate_module
+
+    output = tmp_path / "eval.json"
+    args = ["eval", "--model", str(tiny_model_dir), "task.name=code", "task.num_eval=2", "--greedy"]
+    args += ["--max-new-tokens", "4", "--output", str(output), "--no-progress"]
+    assert main(args) == 0
+    own = json.loads(output.read_text())
+    assert own["settings"]["task"] == "code" and own["summary"]["pass@1"] == 0.0
+
+    def reference_solutions(model, tokenizer, prompts, sampling, rows):
+        text = "```python\n{}\n```"
+        return [[Completion(text.format(row["answer"]), 10, False)] for row in rows]
+
+    monkeypatch.setattr(evaluate_module, "sample_groups", reference_solutions)
+    assert main(args) == 0
+    solved = json.loads(output.read_text())
+    assert solved["summary"]["pass@1"] == 1.0 and len(solved["problems"]) == 2
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

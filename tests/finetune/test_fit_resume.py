@@ -1,14 +1,16 @@
-"""`polo sft` and `polo dpo` stopped by SIGTERM mid-run, then resumed with the command the stop line gives: the final
-weights are those of an uninterrupted run, bit for bit.
+"""`polo sft` and `polo dpo` stopped by SIGTERM mid-run, then resumed with the command the stop line gives, and
+`polo sft` killed by SIGKILL mid-run, then resumed: the final weights are those of an uninterrupted run, bit for bit.
 
 The runs are the real `polo` executable; `tests/signal_hook/sitecustomize.py` (prepended to PYTHONPATH) makes
-one send itself SIGTERM in the backward pass of an optimizer step.
+one send itself SIGTERM or SIGKILL in the backward pass of an optimizer step, so where it stops never depends
+on timing.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -93,4 +95,21 @@ def test_sigterm_mid_dpo_then_resume_gives_the_weights_of_an_uninterrupted_run(t
     resumed = dict(straight, output={**straight["output"], "dir": str(tmp_path / "stopped")})
     run_dir = stop_then_resume("dpo", resumed, tmp_path, step=4)  # in the second epoch's shuffle
     assert training_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    assert same_weights(tmp_path / "run", run_dir)
+
+
+def test_sigkill_mid_sft_then_resume_gives_the_weights_of_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    straight = tiny_recipe(tiny_model_dir, tmp_path, train={"max_steps": 5, "eval_every": 2}, output={"save_every": 2})
+    sft(straight)
+    killed = dict(straight, output={**straight["output"], "dir": str(tmp_path / "killed")})
+    recipe = tmp_path / "killed.yaml"
+    recipe.write_text(yaml.safe_dump(killed))
+    run_dir = Path(killed["output"]["dir"])
+    dead = polo("sft", str(recipe), POLO_TEST_SIGKILL="fit:3")  # in step 3's backward: no chance to clean up
+    assert dead.returncode == -signal.SIGKILL, dead.stdout + dead.stderr
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["step-000002"]
+    assert training_steps(run_dir) == [1, 2] and not (run_dir / "final").exists()
+    again = polo("sft", str(recipe), "output.resume=true")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert training_steps(run_dir) == [1, 2, 3, 4, 5]  # from step 2's exact state, no step twice
     assert same_weights(tmp_path / "run", run_dir)

@@ -92,11 +92,11 @@ def test_inverse_cdf_sampling_matches_the_distribution_and_skips_zero_weights():
 
 
 def test_top_p_keeps_only_the_nucleus():
-    from polo.generation.sampling import sample_next_token
+    from polo.generation.sampling import Decoding, sample_next_token
 
     torch.manual_seed(0)
     logits = torch.log(torch.tensor([[0.6, 0.25, 0.1, 0.05]])).repeat(5000, 1)
-    draws = sample_next_token(logits, temperature=1.0, top_p=0.8)
+    draws = sample_next_token(logits, Decoding(1, temperature=1.0, top_p=0.8))
     assert set(draws.tolist()) == {0, 1}  # 0.6 < 0.8 <= 0.85: the first two tokens form the nucleus
     assert abs((draws == 0).float().mean().item() - 0.6 / 0.85) < 0.03
 
@@ -113,7 +113,9 @@ def test_top_p_over_a_large_vocabulary_matches_the_full_sort(monkeypatch):
         for candidates in (rollout_module.NUCLEUS_CANDIDATES, 10**9):
             monkeypatch.setattr(rollout_module, "NUCLEUS_CANDIDATES", candidates)
             torch.manual_seed(1)
-            draws = rollout_module.sample_next_token(logits.repeat(200, 1), temperature=1.0, top_p=0.9)
+            draws = rollout_module.sample_next_token(
+                logits.repeat(200, 1), rollout_module.Decoding(1, temperature=1.0, top_p=0.9)
+            )
             kept.append(draws)
         assert torch.equal(kept[0], kept[1])
 

@@ -16,6 +16,7 @@ from polo.generation.sampling import sample_next_token, sample_on_device
 from polo.generation.stopping import Stopping
 from polo.models.family import attention_window
 from polo.models.loading import load_policy
+from polo.runtime.device import CPU
 
 PROMPTS = ["What is 1 + 2?", "A much longer prompt, so the others are left-padded: 17 * 3 = ", "x"]
 WINDOW = 4  # the tiny Gemma's sliding window: far shorter than prompt + completion
@@ -104,18 +105,55 @@ def test_greedy_equals_the_cpu_sampler_and_transformers_generate(policy, group_s
     assert prompt_ids.shape[1] + 16 > WINDOW  # the window cuts into every row
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_sampled_tokens_equal_the_cpu_samplers_under_one_generator(policy, top_p):
-    """With no row stopping early both samplers draw one uniform per row per token, in one order: the same tokens."""
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {"top_p": 1.0},
+        {"top_p": 0.9},
+        {"top_k": 5},
+        {"min_p": 0.3},
+        {"repetition_penalty": 1.5},
+        {"top_k": 20, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.2},
+    ],
+)
+def test_sampled_tokens_equal_the_cpu_samplers_under_one_generator(policy, filters):
+    """With no row stopping early both samplers draw one uniform per row per token, in one order: the same tokens,
+    whatever filters and repetition penalty the draw applies."""
     model, tokenizer = policy
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, PROMPTS)
     never = [model.config.vocab_size + 7]  # a stop id no row can draw, so no row finishes (and is dropped) early
-    settings = options(model, tokenizer, temperature=1.0, top_p=top_p, stop_ids=never, samples_per_prompt=3)
+    settings = options(model, tokenizer, temperature=1.0, stop_ids=never, samples_per_prompt=3, **filters)
     static = static_sampler.generate(model, prompt_ids, prompt_mask, **seeded(settings, 3))
     cpu = cpu_sampler.generate(model, prompt_ids, prompt_mask, **seeded(settings, 3))
     for ours, theirs in zip(static, cpu):
         assert torch.equal(ours, theirs)
     assert static[0].shape == (9, 16) and len({tuple(row) for row in static[0].tolist()}) > 1
+
+
+@pytest.mark.parametrize("sampler", [static_sampler, cpu_sampler])
+def test_greedy_with_a_repetition_penalty_equals_transformers_generate(policy, sampler):
+    """Greedy decoding under a repetition penalty is transformers' (each prompt alone: transformers also penalises the
+    left padding of a batch, which polo leaves out); the penalty changes what greedy decoding writes."""
+    model, tokenizer = policy
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, PROMPTS)
+    settings = options(model, tokenizer, repetition_penalty=1.8, samples_per_prompt=2)
+    completion_ids, completion_mask, _ = sampler.generate(model, prompt_ids, prompt_mask, **settings)
+    got = [row[: int(length)] for row, length in zip(completion_ids.tolist(), completion_mask.sum(-1).tolist())]
+    plain = sampler.generate(model, prompt_ids, prompt_mask, **options(model, tokenizer, samples_per_prompt=2))
+    assert not torch.equal(plain[0], completion_ids)
+    stop = settings["stopping"].stop_ids
+    for index, (ids, mask) in enumerate(zip(prompt_ids, prompt_mask)):
+        alone = ids[mask.bool()][None]
+        expected = model.generate(
+            input_ids=alone,
+            attention_mask=torch.ones_like(alone),
+            max_new_tokens=16,
+            do_sample=False,
+            repetition_penalty=1.8,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=list(stop),
+        )[0, alone.shape[1] :]
+        assert got[2 * index] == got[2 * index + 1] == until_stop(expected.tolist(), stop)
 
 
 def test_sampled_tokens_agree_until_the_first_row_stops_and_repeat_under_the_same_seed(policy):
@@ -165,15 +203,15 @@ def test_device_sampling_draws_what_the_cpu_draw_draws_and_matches_the_distribut
     logits = torch.randn(64, 500) * 3
     for top_p in (1.0, 0.9, 0.3):
         generator.manual_seed(11)
-        host = sample_next_token(logits, 0.7, top_p, generator)
+        host = sample_next_token(logits, Decoding(1, 0.7, top_p, generator))
         generator.manual_seed(11)
-        device = sample_on_device(logits, 0.7, top_p, generator)
+        device = sample_on_device(logits, Decoding(1, 0.7, top_p, generator))
         assert torch.equal(host, device)
     toy = torch.log(torch.tensor([[0.6, 0.25, 0.1, 0.05]])).repeat(20000, 1)
-    draws = sample_on_device(toy, 1.0, 0.8, generator.manual_seed(0))
+    draws = sample_on_device(toy, Decoding(1, 1.0, 0.8, generator.manual_seed(0)))
     assert set(draws.tolist()) == {0, 1}  # 0.6 < 0.8 <= 0.85: the nucleus is the first two tokens
     assert abs((draws == 0).float().mean().item() - 0.6 / 0.85) < 0.015
-    draws = sample_on_device(toy, 1.0, 1.0, generator.manual_seed(1))
+    draws = sample_on_device(toy, Decoding(1, 1.0, 1.0, generator.manual_seed(1)))
     counts = torch.bincount(draws, minlength=4).float() / len(draws)
     torch.testing.assert_close(counts, torch.tensor([0.6, 0.25, 0.1, 0.05]), atol=0.015, rtol=0)
 
@@ -318,3 +356,33 @@ def test_every_tensor_the_static_sampler_makes_names_its_device(tiny_model_dir):
     with implicit_device_guard():
         rollouts = static_sampler.rollout(model, tokenizer, PROMPTS, 2, Decoding(6, temperature=1.0), compute=CPU)
     assert rollouts.completion_ids.device == CPU.device and len(rollouts.texts) == 6
+
+
+@pytest.mark.parametrize("sampler", [cpu_sampler, static_sampler])
+def test_a_sampler_records_each_drawn_tokens_logprob_under_its_own_forward(policy, sampler):
+    """With `Decoding.record_logprobs` a one-turn sampler keeps log softmax(z/T) of each token it drew (what the
+    trainer's sampler correction compares with its own forward): in fp32 on the CPU, the trainer's scoring to 1e-5;
+    0 at padding; and the same tokens as without recording."""
+    from polo.generation.rollouts import one_turn_rollouts
+    from polo.models.scoring import completion_logprobs
+
+    model, tokenizer = policy
+    decoding = Decoding(10, temperature=0.7, top_p=0.9, generator=torch.Generator().manual_seed(3))
+    recorded = replace(decoding, generator=torch.Generator().manual_seed(3), record_logprobs=True)
+    plain = one_turn_rollouts(sampler.generate, model, tokenizer, PROMPTS, 3, decoding, CPU)
+    rollouts = one_turn_rollouts(sampler.generate, model, tokenizer, PROMPTS, 3, recorded, CPU)
+    assert plain.sampling_logprobs is None and torch.equal(plain.completion_ids, rollouts.completion_ids)
+    assert rollouts.sampling_logprobs.shape == rollouts.completion_ids.shape
+    valid = rollouts.completion_mask.bool()
+    assert torch.equal(rollouts.sampling_logprobs[~valid], torch.zeros(int((~valid).sum())))
+    with torch.no_grad():
+        scored, _ = completion_logprobs(
+            model,
+            rollouts.prompt_ids,
+            rollouts.prompt_mask,
+            rollouts.completion_ids,
+            rollouts.completion_mask,
+            temperature=0.7,
+        )
+    torch.testing.assert_close(rollouts.sampling_logprobs[valid], scored[valid].float(), atol=1e-5, rtol=1e-5)
+    assert (rollouts.sampling_logprobs[valid] < 0).all()

@@ -54,9 +54,8 @@ def test_forward_and_gradients_match_full_logits(temperature, shape, vocab_block
     assert logprobs.shape == entropy.shape == targets.shape and logprobs.dtype == torch.float32
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy, ref_entropy.detach(), atol=1e-5, rtol=1e-5)
-    assert not entropy.requires_grad
 
-    (logprobs * upstream).sum().backward()
+    (logprobs * upstream).sum().backward()  # the entropy unused: its gradient is None, as the reference's is
     (ref_logprobs * upstream).sum().backward()
     torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)
@@ -84,6 +83,41 @@ def test_gradcheck_float64():
         return ChunkedTokenLogprobs.apply(h, w, targets, settings)[0]
 
     assert torch.autograd.gradcheck(logprobs_only, (hidden, weight))
+
+
+@pytest.mark.parametrize("keep_logits", [True, False])  # backward from the forward's kept logits, or recomputed
+@pytest.mark.parametrize("with_logprobs", [True, False])
+def test_entropy_gradients_match_full_logits(keep_logits, with_logprobs):
+    """∂H/∂z = −p (log p + H) / T through both inputs, alone and beside the log-probs' gradient (an entropy bonus)."""
+    hidden, weight, targets, upstream = random_case(3, 5)
+    entropy_upstream = torch.randn(3, 5, generator=torch.Generator().manual_seed(2))
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    settings = LogprobSettings(0.8, with_entropy=True, chunk_size=4, vocab_block=16, keep_logits=keep_logits)
+    logprobs, entropy = token_logprobs(h1, w1, targets, settings)
+    ref_logprobs, ref_entropy = naive(h2, w2, targets, 0.8)
+    assert entropy.requires_grad
+    scale = 1.0 if with_logprobs else 0.0
+    ((logprobs * upstream).sum() * scale + (entropy * entropy_upstream).sum()).backward()
+    ((ref_logprobs * upstream).sum() * scale + (ref_entropy * entropy_upstream).sum()).backward()
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_entropy_gradcheck_float64_and_none_without_entropy():
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (5,), generator=generator)
+    settings = LogprobSettings(0.7, with_entropy=True, chunk_size=2, vocab_block=3, compute_dtype=torch.float64)
+
+    def both(h, w):
+        return ChunkedTokenLogprobs.apply(h, w, targets, settings)
+
+    assert torch.autograd.gradcheck(both, (hidden, weight))
+    assert torch.autograd.gradcheck(lambda h, w: both(h, w)[1], (hidden, weight))
+    plain = ChunkedTokenLogprobs.apply(hidden, weight, targets, LogprobSettings(0.7, compute_dtype=torch.float64))
+    assert not plain[1].requires_grad
 
 
 def test_chunk_size_does_not_change_the_result():

@@ -59,6 +59,16 @@ def test_trl_weights_its_default_k3_by_the_importance_ratio(tiny_model_dir, eos,
     weighted = polo_train(setting, data)
     assert relative_error(plain.gradients[0], oracle.gradients[0]) > 1e-3
     assert relative_error(weighted.gradients[0], oracle.gradients[0]) <= TOLERANCE
+    # how: on the first step the weight adds k3_it ∇log π(y_it), so on table entry (i, t) TRL's gradient is the plain
+    # estimator's plus β k3_it / (|y_i| · B) under the GRPO aggregation
+    batch, width = setting.batch_size, setting.max_completion_length
+    lengths = torch.tensor([len(ids) for ids in data.completion_ids], dtype=torch.float64).unsqueeze(1)
+    mask = torch.arange(width).unsqueeze(0) < lengths
+    log_ratio = data.ref_logprobs - data.logprobs
+    k3 = torch.where(mask, torch.expm1(log_ratio) - log_ratio, 0.0)
+    ours = plain.gradients[0][: batch * width].view(batch, width)
+    theirs = oracle.gradients[0][: batch * width].view(batch, width)
+    assert relative_error(ours + setting.beta * k3 / (lengths * batch), theirs) <= TOLERANCE
 
 
 def test_polo_guards_k3_against_overflow_above_a_log_ratio_of_20(tiny_model_dir, eos, tmp_path):
@@ -93,3 +103,26 @@ def test_trl_leaves_rounding_in_groups_whose_rewards_are_all_equal(tiny_model_di
     assert torch.equal(polo.advantages[:8], torch.zeros(8, dtype=polo.advantages.dtype))
     assert 1e-7 < oracle.advantages[:8].abs().max() < 1e-4
     assert relative_error(polo.advantages[8:].double(), oracle.advantages[8:].double()) <= TOLERANCE
+
+
+def test_under_gspo_trl_weights_k3_by_the_sequence_ratio_polo_by_the_token_ratio(tiny_model_dir, eos, tmp_path):
+    """DeepSeek-V3.2 (2512.02556) weights each token's k3 by that token's ratio π(y_t)/π_old(y_t). polo does
+    so whatever the policy loss; TRL, under `importance_sampling_level="sequence"` (GSPO), uses the sequence ratio
+    s_i = exp(mean_t log ρ_t) instead. Even on-policy (ρ = s = 1) the gradients differ: ∇(ρ_t k3_t) = ∇k3_t + k3_t
+    ∇log π(y_t) puts a token's own k3 on it, while ∇(s_i Σ_t k3_t) spreads the row's mean k3 over its tokens. So on
+    the first step, on table entry (i, t), TRL's gradient is polo's plus β (mean_t' k3_it' − k3_it) / (|y_i| · B)
+    under the GRPO aggregation, and exactly that."""
+    setting = Setting(sequence_ratio=True, epsilon_low=3e-4, epsilon_high=4e-4, beta=0.1, use_bias_correction_kl=True)
+    data = make_data(setting, eos)
+    polo, oracle = polo_train(setting, data), trl_train(setting, data, tiny_model_dir, tmp_path)
+    batch, width = setting.batch_size, setting.max_completion_length
+    ours = polo.gradients[0][: batch * width].view(batch, width)
+    theirs = oracle.gradients[0][: batch * width].view(batch, width)
+    assert relative_error(ours, theirs) > 1e-3
+    lengths = torch.tensor([len(ids) for ids in data.completion_ids], dtype=torch.float64)
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    log_ratio = data.ref_logprobs - data.logprobs
+    k3 = torch.where(mask, torch.expm1(log_ratio) - log_ratio, 0.0)
+    row_mean = k3.sum(-1, keepdim=True) / lengths.unsqueeze(1)
+    shift = torch.where(mask, setting.beta * (row_mean - k3) / (lengths.unsqueeze(1) * batch), 0.0)
+    assert relative_error(ours + shift, theirs) <= TOLERANCE

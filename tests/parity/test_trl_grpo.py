@@ -2,7 +2,8 @@
 
 Every setting the two share gives the same advantages and the same gradient at every optimizer step, to 1e-6
 relative (max |polo − TRL| / max |TRL|). What is left is rounding: TRL's Bessel factor count / (count − 1) is an fp32
-number (1.5e-8 relative); everything else agrees to ~1e-15.
+number (1.5e-8 relative), and TRL builds the sampler's log-probs from Python lists as fp32 (up to 1e-7 with the
+sampler correction); everything else agrees to ~1e-15.
 """
 
 from __future__ import annotations
@@ -47,6 +48,57 @@ SHARED = {
     "sapo": Setting(loss_type="sapo", epochs=2, num_minibatches=2),
     "scale_rewards_batch": Setting(scale_rewards="batch", num_minibatches=2, learning_rate=10.0),
     "top_entropy_quantile": Setting(top_entropy_quantile=0.2, micro_batch_size=8, num_minibatches=2, beta=0.05),
+    # the entropy bonus: each micro-batch's mean entropy, whatever the loss's aggregation, on the tokens it trains
+    "entropy_coef": Setting(entropy_coef=0.1, micro_batch_size=2, num_minibatches=2, epochs=2),
+    "entropy_coef_dapo": Setting(loss_type="dapo", entropy_coef=0.3, epochs=2, learning_rate=10.0),
+    "entropy_coef_top_entropy": Setting(entropy_coef=0.2, top_entropy_quantile=0.2, micro_batch_size=8, epochs=2),
+    # LUSPO: GSPO's sequence ratio, each sequence's loss times its length (TRL: loss_type luspo, sequence level)
+    "luspo": Setting(
+        loss_type="luspo", sequence_ratio=True, epsilon_low=3e-4, epsilon_high=4e-4, num_minibatches=2, epochs=2
+    ),
+    "luspo_grad_accumulation": Setting(
+        loss_type="luspo", sequence_ratio=True, epsilon_low=3e-4, epsilon_high=4e-4, micro_batch_size=2, epochs=2
+    ),
+    "luspo_token_ratio_k3": Setting(loss_type="luspo", beta=0.1, epochs=2, num_minibatches=2, learning_rate=1.0),
+    # VESPO: a token mean like DAPO's, so one optimizer step per pass (see the DAPO normaliser above)
+    "vespo": Setting(loss_type="vespo", epochs=3, learning_rate=10.0),
+    "vespo_kernel": Setting(loss_type="vespo", vespo_kernel=(1.5, 2.5, 4.0, 1.0), epochs=2, micro_batch_size=2),
+    "vespo_k3": Setting(loss_type="vespo", beta=0.1, epochs=2, learning_rate=10.0),
+    # several rewards (of scales 1, 10, 100, some None) summed with weights, then normalised in the group (GRPO) ...
+    "reward_weights": Setting(reward_weights=(1.0, 0.5, 0.02), epochs=2, num_minibatches=2),
+    # ... or each normalised in its group, summed, and the sum normalised over the batch (GDPO)
+    "gdpo": Setting(reward_weights=(1.0, 0.5, 0.02), multi_objective_aggregation="normalize_then_sum", epochs=2),
+    "gdpo_dapo": Setting(
+        loss_type="dapo",
+        reward_weights=(2.0, -1.0),
+        multi_objective_aggregation="normalize_then_sum",
+        epochs=3,
+        learning_rate=10.0,
+    ),
+    # the sampler's log-probs differ from the training forward's: each mode of the correction, with bounds that bite
+    "sampler_token_truncate": Setting(sampler_correction="token_truncate", sampler_correction_bounds=(0.8, 1.5)),
+    "sampler_token_mask": Setting(
+        sampler_correction="token_mask", sampler_correction_bounds=(0.6, 1.6), epochs=2, num_minibatches=2
+    ),
+    "sampler_sequence_truncate": Setting(
+        sampler_correction="sequence_truncate", loss_type="dapo", epochs=2, learning_rate=10.0
+    ),
+    "sampler_sequence_mask": Setting(
+        sampler_correction="sequence_mask", sampler_correction_bounds=(0.5, None), num_minibatches=2, beta=0.05
+    ),
+    "sampler_gspo": Setting(
+        sampler_correction="token_truncate",
+        sequence_ratio=True,
+        epsilon_low=3e-4,
+        epsilon_high=4e-4,
+        num_minibatches=2,
+        epochs=2,
+    ),
+    # DeepSeek-V3.2's off-policy sequence mask, against the sampling policy's log-probs, then against the sampler's
+    "off_policy_mask": Setting(off_policy_mask_threshold=0.02, epochs=3, num_minibatches=2),
+    "off_policy_mask_sampler": Setting(
+        off_policy_mask_threshold=0.05, sampler_correction="token_truncate", epochs=2, num_minibatches=2
+    ),
 }
 
 
@@ -76,6 +128,16 @@ def test_polo_computes_what_trl_computes(name, tiny_model_dir, eos, tmp_path):
         clipped = oracle.metrics.get("clip_ratio/region_mean") or oracle.metrics.get("cispo_clip_ratio")
         if clipped is not None:  # SAPO clips nothing: its gate is smooth
             assert max(clipped) > 0 and polo.metrics["clip_fraction/low"] + polo.metrics["clip_fraction/high"] > 0
+    if setting.loss_type == "vespo" and steps > 1:  # later steps weighted sequences by φ(w) away from φ(1) = 1
+        assert min(oracle.metrics["vespo/phi_seq_mean"]) < 0.9
+    if setting.sampler_correction is not None:  # the sampler's weights were not all 1
+        ratios = (
+            oracle.metrics["sampling/importance_sampling_ratio/min"]
+            + oracle.metrics["sampling/importance_sampling_ratio/max"]
+        )
+        assert min(ratios) < 0.9 and max(ratios) > 1.1
+    if setting.off_policy_mask_threshold is not None:  # some drifted completion was left out
+        assert polo.metrics["off_policy/masked_fraction"] > 0
     if setting.mask_truncated:  # some completions were truncated, and left out of the loss
         assert data.truncated.any()
 
@@ -87,6 +149,13 @@ def test_polo_computes_what_trl_computes(name, tiny_model_dir, eos, tmp_path):
         ("k3_beta", {"beta": 0.09}),
         ("dr_grpo", {"loss_aggregation": "token_mean"}),
         ("grpo_minibatches", {"scale_rewards": False}),
+        ("entropy_coef", {"entropy_coef": 0.12}),
+        ("luspo", {"loss_aggregation": "seq_mean_token_mean"}),  # GSPO's sequence mean instead of LUSPO's sum
+        ("vespo", {"policy_loss_options": {"lambda_neg": 2.5}}),
+        ("gdpo", {"advantage_estimator": "grpo"}),  # the weighted sum normalised in its group instead
+        ("sampler_token_truncate", {"sampler_correction_max": 1.4}),
+        ("sampler_sequence_mask", {"sampler_correction": "token_mask"}),
+        ("off_policy_mask", {"off_policy_mask_threshold": None}),
     ],
 )
 def test_the_comparison_catches_a_changed_setting(name, change, tiny_model_dir, eos, tmp_path):

@@ -48,6 +48,8 @@ AGGREGATION = {
     "bnpo": "micro_batch_token_mean",
     "cispo": "token_mean",
     "sapo": "seq_mean_token_mean",
+    "luspo": "seq_mean_token_sum",
+    "vespo": "token_mean",
 }
 
 
@@ -63,8 +65,17 @@ class Setting:
     use_bias_correction_kl: bool = False  # TRL's default is True; polo's kl_importance_weighted, off by default
     delta: float | None = None  # two-sided clipping: TRL delta, polo clip_delta
     top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    vespo_kernel: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)  # k_pos, lambda_pos, k_neg, lambda_neg
     mask_truncated: bool = False
     scale_rewards: str = "group"  # group | batch | none
+    reward_weights: tuple[float, ...] = ()  # several reward functions with these weights (none: one reward)
+    multi_objective_aggregation: str = "sum_then_normalize"  # TRL's; normalize_then_sum: polo's gdpo estimator
+    # the sampler's own log-probs differ from the training forward's: TRL's vllm_importance_sampling_mode (with
+    # use_vllm forced on, its generation replaced), polo's sampler_correction; and the bounds of its weight
+    sampler_correction: str | None = None
+    sampler_correction_bounds: tuple[float | None, float | None] = (None, 3.0)
+    off_policy_mask_threshold: float | None = None
     group_size: int = 4
     prompts: int = 4
     micro_batch_size: int = 4  # TRL per_device_train_batch_size
@@ -87,13 +98,15 @@ class Setting:
 class Data:
     """One generation batch: what was sampled and how each table scores it (all fp64)."""
 
-    rewards: torch.Tensor  # (batch,)
+    rewards: torch.Tensor  # (batch,) the total: Σ_k w_k r_k over the rewards that apply
     completion_ids: list[list[int]]  # unpadded; a truncated one has max_completion_length tokens and no EOS
     truncated: torch.Tensor  # (batch,) bool
     logprobs: torch.Tensor  # (batch, T) the sampling policy's table
     ref_logprobs: torch.Tensor  # (batch, T)
     entropies: torch.Tensor  # (batch, T)
     eos: int
+    reward_columns: torch.Tensor | None = None  # (batch, K) each reward function's values, NaN where it returned None
+    sampling_logprobs: torch.Tensor | None = None  # (batch, T) the sampler's own, near the sampling policy's table
 
 
 def make_data(setting: Setting, eos: int, seed: int = 0) -> Data:
@@ -109,8 +122,18 @@ def make_data(setting: Setting, eos: int, seed: int = 0) -> Data:
             tokens[-1] = eos
         completion_ids.append(tokens)
     logprobs = -0.1 - 2.5 * torch.rand(batch, width, generator=generator, dtype=torch.float64)
-    return Data(
-        rewards=torch.rand(batch, generator=generator, dtype=torch.float64),
+    rewards, reward_columns = torch.rand(batch, generator=generator, dtype=torch.float64), None
+    if setting.reward_weights:
+        # rewards of different scales, each with a few None: row 0 has none that applies at all
+        scales = 10.0 ** torch.arange(len(setting.reward_weights), dtype=torch.float64)
+        reward_columns = torch.rand(batch, len(scales), generator=generator, dtype=torch.float64) * scales
+        reward_columns[torch.rand(batch, len(scales), generator=generator) < 0.1] = torch.nan
+        reward_columns[0] = torch.nan
+        weights = torch.tensor(setting.reward_weights, dtype=torch.float64)
+        rewards = torch.nan_to_num(reward_columns * weights, nan=0.0).sum(-1)
+    data = Data(
+        rewards=rewards,
+        reward_columns=reward_columns,
         completion_ids=completion_ids,
         truncated=truncated,
         logprobs=logprobs,
@@ -118,6 +141,9 @@ def make_data(setting: Setting, eos: int, seed: int = 0) -> Data:
         entropies=2.0 * torch.rand(batch, width, generator=generator, dtype=torch.float64),
         eos=eos,
     )
+    # drawn last, so that the batch of a setting without them is what it always was
+    data.sampling_logprobs = logprobs + 0.4 * torch.randn(batch, width, generator=generator, dtype=torch.float64)
+    return data
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -164,10 +190,15 @@ class TablePolicy(torch.nn.Module):
         """Return the log-probs `(len(rows), width)` of completions `rows`."""
         return self.table[rows, :width] + self.shared[:width]
 
+    def entropy(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """Return the entropies `(len(rows), width)`: the given ones moved by half the log-probs, so that an entropy
+        bonus has a gradient on the table too."""
+        return self.entropies[rows, :width] + 0.5 * self.logprobs(rows, width)
+
     def forward(self, prompt_ids, prompt_mask, completion_ids, completion_mask, **_):
         """polo's training forward: row i's prompt is the single token i."""
         rows, width = prompt_ids[:, -1], completion_ids.shape[1]
-        return self.logprobs(rows, width), self.entropies[rows, :width], None
+        return self.logprobs(rows, width), self.entropy(rows, width), None
 
     def scores(self, rollouts: Rollouts) -> torch.Tensor:
         """Return what `polo.rl.step.score_completions` returns for a model: the log-probs, without gradient."""
@@ -177,9 +208,16 @@ class TablePolicy(torch.nn.Module):
 
 def polo_policy_loss(setting: Setting) -> str:
     """Return polo's policy loss for `setting`."""
-    if setting.loss_type in ("cispo", "sapo"):
+    if setting.loss_type in ("cispo", "sapo", "vespo"):
         return setting.loss_type
     return "gspo" if setting.sequence_ratio else "ppo_clip"
+
+
+def polo_loss_options(setting: Setting) -> dict:
+    """Return polo's `algorithm.policy_loss_options` for `setting` (VESPO's kernel; no other loss has options)."""
+    if setting.loss_type != "vespo":
+        return {}
+    return dict(zip(("k_pos", "lambda_pos", "k_neg", "lambda_neg"), setting.vespo_kernel))
 
 
 def polo_config(setting: Setting, **algorithm):
@@ -188,7 +226,11 @@ def polo_config(setting: Setting, **algorithm):
         {
             "algorithm": {
                 "name": "gspo" if setting.sequence_ratio else "grpo",
+                "advantage_estimator": "gdpo"
+                if setting.multi_objective_aggregation == "normalize_then_sum"
+                else "grpo",
                 "policy_loss": polo_policy_loss(setting),
+                "policy_loss_options": polo_loss_options(setting),
                 "loss_aggregation": AGGREGATION[setting.loss_type],
                 "clip_eps_low": setting.epsilon_low,
                 "clip_eps_high": setting.epsilon_high,
@@ -197,9 +239,14 @@ def polo_config(setting: Setting, **algorithm):
                 "kl_importance_weighted": setting.use_bias_correction_kl,
                 "clip_delta": setting.delta,
                 "top_entropy_quantile": setting.top_entropy_quantile,
+                "entropy_coef": setting.entropy_coef,
                 "mask_truncated": setting.mask_truncated,
                 "scale_rewards": {"group": True, "none": False, "batch": "batch"}[setting.scale_rewards],
                 "group_size": setting.group_size,
+                "sampler_correction": setting.sampler_correction,
+                "sampler_correction_min": setting.sampler_correction_bounds[0],
+                "sampler_correction_max": setting.sampler_correction_bounds[1],
+                "off_policy_mask_threshold": setting.off_policy_mask_threshold,
                 "update_epochs": setting.epochs,
                 **algorithm,
             },
@@ -223,6 +270,7 @@ def polo_rollouts(data: Data, setting: Setting) -> Rollouts:
     for row, tokens in enumerate(data.completion_ids):
         completion_ids[row, : len(tokens)] = torch.tensor(tokens)
         completion_mask[row, : len(tokens)] = 1
+    sampled = setting.sampler_correction is not None
     return Rollouts(
         prompt_ids=torch.arange(batch).unsqueeze(1),
         prompt_mask=torch.ones(batch, 1, dtype=torch.long),
@@ -231,6 +279,7 @@ def polo_rollouts(data: Data, setting: Setting) -> Rollouts:
         truncated=data.truncated.clone(),
         texts=[""] * batch,
         group_size=setting.group_size,
+        sampling_logprobs=data.sampling_logprobs.clone() if sampled else None,
     )
 
 
@@ -243,8 +292,12 @@ def polo_train(setting: Setting, data: Data, config=None) -> Trajectory:
     run = SimpleNamespace(config=config, model=policy, reference=reference, critic=None, compute=CPU)
     with mock.patch.object(step_module, "score_completions", lambda model, rollouts, *_, **__: model.scores(rollouts)):
         scores = step_module.score_before_update(run, rollouts)
+    columns, weights = None, None
+    if data.reward_columns is not None:
+        columns = {f"reward{k}": column.clone() for k, column in enumerate(data.reward_columns.T)}
+        weights = dict(zip(columns, setting.reward_weights))
     update_batch = step_module.compute_advantages(
-        Batch(rollouts, data.rewards.clone(), ["p"] * setting.prompts), scores, config
+        Batch(rollouts, data.rewards.clone(), ["p"] * setting.prompts, columns), scores, config, weights
     )
     optimizer = RecordingSGD(policy.parameters(), setting.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -277,10 +330,15 @@ def trl_config(setting: Setting, output_dir: Path, **overrides):
         "epsilon_high": 1.0 + setting.epsilon_high if setting.loss_type == "cispo" else setting.epsilon_high,
         "delta": setting.delta,
         "top_entropy_quantile": setting.top_entropy_quantile,
+        "entropy_coef": setting.entropy_coef,
+        **dict(zip(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), setting.vespo_kernel)),
         "beta": setting.beta,
         "use_bias_correction_kl": setting.use_bias_correction_kl,
         "mask_truncated_completions": setting.mask_truncated,
         "scale_rewards": setting.scale_rewards,
+        "multi_objective_aggregation": setting.multi_objective_aggregation,
+        "reward_weights": list(setting.reward_weights) or None,
+        "off_policy_mask_threshold": setting.off_policy_mask_threshold,
         "learning_rate": setting.learning_rate,
         "report_to": "none",
         "use_cpu": True,
@@ -291,7 +349,7 @@ def trl_config(setting: Setting, output_dir: Path, **overrides):
     return GRPOConfig(**fields)
 
 
-def trl_trainer(model_dir: Path, args, data: Data, policy: TablePolicy):
+def trl_trainer(model_dir: Path, args, data: Data, policy: TablePolicy, setting: Setting):
     """Return a real `GRPOTrainer` whose log-probs are `policy`'s (its reference's: `data.ref_logprobs`), whose
     generation returns `data`'s completions and whose reward is `data.rewards`."""
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -303,25 +361,36 @@ def trl_trainer(model_dir: Path, args, data: Data, policy: TablePolicy):
     def unused_reward(completions, **kwargs):
         raise AssertionError("the oracle's rewards are given")
 
+    columns = data.rewards.unsqueeze(1) if data.reward_columns is None else data.reward_columns
+    reward_funcs = [unused_reward] * columns.shape[1]
     trainer = GRPOTrainer(
         model=str(model_dir),
-        reward_funcs=[unused_reward],
+        reward_funcs=reward_funcs,
         args=args,
         train_dataset=Dataset.from_dict({"prompt": ["p"] * batch}),
     )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
 
+    sampled = None
+    if setting.sampler_correction is not None:  # as TRL's vLLM generation would: the sampler's log-probs
+        sampled = [data.sampling_logprobs[row, : len(ids)].tolist() for row, ids in enumerate(data.completion_ids)]
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+        trainer.vllm_importance_sampling_mode = setting.sampler_correction
+        trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max = (
+            setting.sampler_correction_bounds
+        )
+
     def generate(prompts):
         completions = [""] * len(prompts)
-        return [[row] for row in range(batch)], data.completion_ids, None, completions, None, None, None, None
+        return [[row] for row in range(batch)], data.completion_ids, None, completions, sampled, None, None, None
 
     def rewards(inputs, prompts, completions, completion_ids_list):
-        return data.rewards.clone().unsqueeze(1)
+        return columns.clone()
 
     def logprobs_and_entropies(model, input_ids, attention_mask, logits_to_keep, *_, compute_entropy=False, **__):
         rows = input_ids[:, 0]  # every prompt is one token: the row's index
-        entropies = data.entropies[rows, :logits_to_keep] if compute_entropy else None
+        entropies = policy.entropy(rows, logits_to_keep) if compute_entropy else None
         if model is trainer.ref_model and model is not None:
             return data.ref_logprobs[rows, :logits_to_keep], entropies, None
         return policy.logprobs(rows, logits_to_keep), entropies, None
@@ -338,7 +407,7 @@ def trl_train(setting: Setting, data: Data, model_dir: Path, output_dir: Path, *
 
     args = trl_config(setting, output_dir, **overrides)
     policy = TablePolicy(data.logprobs, data.entropies)
-    trainer = trl_trainer(model_dir, args, data, policy)
+    trainer = trl_trainer(model_dir, args, data, policy, setting)
     generation = trainer._generate_and_score_completions([{"prompt": "p"} for _ in data.completion_ids])
     micro_batches = split_tensor_dict(generation, args.steps_per_generation)
     optimizer = RecordingSGD(policy.parameters(), setting.learning_rate)

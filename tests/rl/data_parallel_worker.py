@@ -53,7 +53,7 @@ def one_update(batch, config_dict: dict, model_dir: str):
         config=config,
         compute=CPU,
         task=None,
-        reward_set=SimpleNamespace(names=[]),  # the batch comes scored: no reward function is called
+        reward_set=SimpleNamespace(weights={}),  # the batch comes scored: no reward function is called
         instruction="",
         model=model,
         tokenizer=tokenizer,

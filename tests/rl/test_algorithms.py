@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -130,3 +132,68 @@ def test_ppo_resume_restores_the_critic(layout, tiny_model_dir, tmp_path):
     train(first, overrides + ["train.steps=2"], reward_functions=rewards)
     resumed = train(first, overrides + ["train.steps=4", "output.resume=true"], reward_functions=rewards)
     assert without_times(resumed.metrics) == without_times(straight.metrics)
+
+
+def test_gdpo_reads_each_rewards_column_and_weight(tiny_model_dir, tmp_path):
+    """The step hands the gdpo estimator every term of the total: each reward function's column with its weight,
+    and a shaping column (DAPO's overlong penalty) with weight 1; a polo train run with two rewards trains."""
+    from types import SimpleNamespace
+
+    from polo.rl.batching import Batch
+    from polo.rl.step import PreUpdateScores, compute_advantages
+
+    config = load_config(tiny_config(tiny_model_dir, "unused"), ["algorithm.advantage_estimator=gdpo"])
+    generator = torch.Generator().manual_seed(0)
+    columns = {name: torch.rand(8, generator=generator) for name in ("digits", "length", "overlong")}
+    weights = {"digits": 1.0, "length": 0.25}
+    total = columns["digits"] + 0.25 * columns["length"] + columns["overlong"]
+    rollouts = SimpleNamespace(completion_mask=torch.ones(8, 3, dtype=torch.long))
+    update = compute_advantages(Batch(rollouts, total, ["a", "b"], columns), PreUpdateScores(), config, weights)
+    stacked = torch.stack(list(columns.values()), dim=1)
+    expected = core.decoupled_group_advantages(stacked, torch.tensor([1.0, 0.25, 1.0]), 4, eps=1e-4)
+    torch.testing.assert_close(update.advantages[:, 0], expected)
+    grpo = core.group_advantages(total, 4)
+    assert not torch.allclose(expected, grpo, atol=1e-3)  # not the normalised sum
+
+    def length(completion: str, row: dict) -> float:
+        return float(len(completion))
+
+    result = train(
+        tiny_config(tiny_model_dir, tmp_path / "gdpo", eval={"before": False, "after": False}),
+        ["algorithm.advantage_estimator=gdpo", "train.steps=2"],
+        reward_functions={digit_share: 1.0, length: 0.01},
+    )
+    rows = [row for row in result.metrics if "loss" in row]
+    assert len(rows) == 2 and all(math.isfinite(row["loss"]) for row in rows)
+
+
+def test_the_sampler_correction_and_the_off_policy_mask_train(tiny_model_dir, tmp_path, monkeypatch):
+    """polo train with the sampler correction: the CPU sampler records its log-probs, the update weighs each token by
+    π_old/μ (in fp32 on the CPU the two forwards agree, so every weight is 1 to 1e-4, and the logged gap is as small),
+    and the off-policy mask is logged."""
+    weights, real = [], core.sampler_correction_weights
+
+    def recording(*args, **kwargs):
+        weights.append(real(*args, **kwargs))
+        return weights[-1]
+
+    monkeypatch.setattr(core, "sampler_correction_weights", recording)
+    result = train(
+        tiny_config(tiny_model_dir, tmp_path / "corrected", eval={"before": False, "after": False}),
+        [
+            "algorithm.sampler_correction=token_mask",
+            "algorithm.sampler_correction_min=0.5",
+            "algorithm.off_policy_mask_threshold=0.1",
+            "train.num_minibatches=2",
+            "train.prompts_per_step=2",
+            "train.steps=2",
+        ],
+        reward_functions={digit_share: 1.0},
+    )
+    rows = [row for row in result.metrics if "loss" in row]
+    assert len(rows) == 2 and all(math.isfinite(row["loss"]) for row in rows)
+    assert all(0.0 <= row["off_policy/masked_fraction"] <= 1.0 for row in rows)
+    assert all(0.0 <= row["sampler/logprob_gap"] < 1e-4 for row in rows)
+    assert len(weights) == 2
+    for batch_weights in weights:
+        assert torch.allclose(batch_weights, torch.ones_like(batch_weights), atol=1e-4)

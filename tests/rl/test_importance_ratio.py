@@ -107,3 +107,22 @@ def test_every_optimizer_step_takes_its_ratio_against_the_sampling_policy(
     else:
         assert metrics["approx_kl"] > 1e-6 and metrics["ratio/mean"] != pytest.approx(1.0, abs=1e-6)
     assert {"entropy", "clip_fraction/low", "clip_fraction/high"} <= set(metrics)
+
+
+def test_the_docs_name_the_trl_and_verl_metric_of_every_update_diagnostic():
+    """docs/evaluation.md's table of what an update logs has a row for each diagnostic of a step's row (the KL to the
+    sampling policy, the mean importance ratio, both clip fractions, the entropy, the KL to the reference), each
+    with what TRL and verl call it (or "none")."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "evaluation.md").read_text()
+    table = text.split("## What an update logs")[1].split("\n## ")[0]
+    rows = {}
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells
+    keys = {"approx_kl", "ratio/mean", "clip_fraction/low", "clip_fraction/high", "entropy", "kl"}
+    assert keys <= set(rows), sorted(keys - set(rows))
+    assert all(rows[key][1] and rows[key][2] and rows[key][3] for key in keys)
+    assert rows["clip_fraction/low"][2] == "`clip_ratio/low_mean`" and rows["entropy"][3] == "`actor/entropy`"

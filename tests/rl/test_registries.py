@@ -87,7 +87,7 @@ def test_unknown_names_list_the_registered_ones(tmp_path, monkeypatch):
     with pytest.raises(
         ConfigError,
         match=r"algorithm.advantage_estimator: 'grpoo' is not a registered advantage estimator "
-        r"\(did you mean 'grpo'\?\); registered: grpo, rloo, reinforce_pp, gae",
+        r"\(did you mean 'grpo'\?\); registered: grpo, rloo, reinforce_pp, gae, gdpo",
     ):
         load_config({"algorithm": {"advantage_estimator": "grpoo"}})
     with pytest.raises(ConfigError, match="algorithm.policy_loss: cannot import module 'no_such_module'"):

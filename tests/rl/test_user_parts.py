@@ -149,3 +149,30 @@ def test_polo_config_shows_a_registered_entry_s_own_settings(user_module):
     assert [key.key for key in sections["task.options"].keys] == ["task.options.upto"]
     loss = sections["algorithm.policy_loss_options"]
     assert [(key.key, key.accepts) for key in loss.keys] == [("algorithm.policy_loss_options.scale", "> 0")]
+
+
+def test_a_user_task_from_a_module_with_its_own_options_evaluates_with_polo_eval(tiny_model_dir, user_module):
+    task = {"name": "my_parts:Doubling", "num_eval": 3, "options": {"largest": 4}}
+    (user_module / "recipe.yaml").write_text(yaml.safe_dump({"model": {"name": str(tiny_model_dir)}, "task": task}))
+    polo = Path(sys.executable).with_name("polo")
+    args = ["eval", "--recipe", "recipe.yaml", "--greedy", "--max-new-tokens", "3", "--output", "eval.json"]
+    finished = subprocess.run(
+        [str(polo), *args, "--no-progress"], cwd=user_module, capture_output=True, text=True, timeout=900
+    )
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    calls = [json.loads(line) for line in (user_module / "task_calls.jsonl").read_text().splitlines()]
+    assert calls[-1] == {"num_train": None, "num_eval": 3, "largest": 4}  # the task keys and its own option
+    result = json.loads((user_module / "eval.json").read_text())
+    assert result["settings"]["task"] == "doubling" and result["settings"]["num_problems"] == 3
+    references = [problem["reference"] for problem in result["problems"]]
+    assert [problem["question"] for problem in result["problems"]] == [f"2 * {int(n) // 2}" for n in references]
+    assert all(int(n) // 2 <= 4 for n in references)  # drawn with the recipe's largest=4, not the default 9
+
+
+def test_polo_evaluate_takes_a_user_task_from_a_module(tiny_model_dir, user_module):
+    import polo
+
+    task = {"name": "my_parts:Doubling", "num_eval": 2, "options": {"largest": 3}}
+    result = polo.evaluate({"model": {"name": str(tiny_model_dir)}, "task": task}, settings={"greedy": True})
+    assert len(result.problems) == 2 and result.settings["task"] == "doubling"
+    assert all(int(problem["reference"]) <= 6 for problem in result.problems)

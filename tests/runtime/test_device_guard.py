@@ -56,8 +56,20 @@ def guarded_rl_step(config: dict, overrides: list[str] | None = None) -> tuple[d
 
 @pytest.mark.parametrize(
     "overrides",
-    [["train.precision=fp32"], ["train.precision=bf16_master"], ["train.precision=bf16_master", "model.lora.r=4"]],
-    ids=["fp32", "bf16_master", "lora"],
+    [
+        ["train.precision=fp32"],
+        ["train.precision=bf16_master"],
+        ["train.precision=bf16_master", "model.lora.r=4"],
+        [
+            "algorithm.advantage_estimator=gdpo",
+            "algorithm.sampler_correction=sequence_mask",
+            "algorithm.off_policy_mask_threshold=0.1",
+            "algorithm.policy_loss=gspo",
+            "algorithm.loss_aggregation=seq_mean_token_sum",
+        ],
+        ["algorithm.name=vespo"],
+    ],
+    ids=["fp32", "bf16_master", "lora", "gdpo_luspo_sampler_correction", "vespo"],
 )
 def test_a_whole_grpo_step_names_the_device_of_every_tensor(tiny_model_dir, tmp_path, overrides):
     """Sample, score, reference, old log-probs, advantages, update and checkpoint, under the guard."""

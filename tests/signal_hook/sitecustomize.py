@@ -4,6 +4,7 @@
                               sampling (its first sampling round), update (the policy update),
                               checkpoint (while writing checkpoint N), fit (the backward
                               pass of optimizer step N of polo sft, rm or dpo);
+- POLO_TEST_SIGKILL=PHASE:N   the same with SIGKILL: the process dies there, with no chance to clean up;
 - POLO_TEST_HOLD_UNTIL=PATH   once the run has taken its directory's lock, before it checks or writes
                               anything there, wait until PATH exists (at most two minutes).
 
@@ -18,48 +19,48 @@ import time
 from pathlib import Path
 
 
-def _sigterm_once(fired: list) -> None:
-    """Send this process SIGTERM, the first time only (a second one would abort the run at once)."""
+def _signal_once(fired: list, signum: int) -> None:
+    """Send this process `signum`, the first time only (a second SIGTERM would abort the run at once)."""
     if not fired:
         fired.append(True)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
 
 
-def _signal_before(owner, name: str, fires) -> None:
-    """Replace `owner.name` with a wrapper that sends SIGTERM (once) when `fires(args)` is true, then calls the real
+def _signal_before(owner, name: str, fires, signum: int) -> None:
+    """Replace `owner.name` with a wrapper that sends `signum` (once) when `fires(args)` is true, then calls the real
     one."""
     real, fired = getattr(owner, name), []
 
     def wrapper(*args, **kwargs):
         if fires(args):
-            _sigterm_once(fired)
+            _signal_once(fired, signum)
         return real(*args, **kwargs)
 
     setattr(owner, name, wrapper)
 
 
-def _install_sigterm(spec: str) -> None:
-    """Wrap the polo function of the phase `spec` names so that it signals in step N."""
+def _install_signal(spec: str, signum: int) -> None:
+    """Wrap the polo function of the phase `spec` names so that it sends `signum` in step N."""
     phase, _, number = spec.partition(":")
     target, calls = int(number), []
     if phase == "sampling":  # sample_and_score(run, step, ...)
         from polo.rl import step as module
 
-        _signal_before(module, "sample_and_score", lambda args: args[1] == target)
+        _signal_before(module, "sample_and_score", lambda args: args[1] == target, signum)
     elif phase == "update":  # one update per step: the N-th call is step N of this process (counted from its start)
         from polo.rl import step as module
 
-        _signal_before(module, "policy_update", lambda args: calls.append(1) or len(calls) == target)
+        _signal_before(module, "policy_update", lambda args: calls.append(1) or len(calls) == target, signum)
     elif phase == "fit":  # _backpropagate(trainee, batch, objective, micro_batch_size, name, step)
         from polo.finetune import fit as module
 
-        _signal_before(module, "_backpropagate", lambda args: args[-1] == target)
+        _signal_before(module, "_backpropagate", lambda args: args[-1] == target, signum)
     elif phase == "checkpoint":  # Checkpointer._write(self, step, ...)
         from polo.runtime.checkpoint import Checkpointer
 
-        _signal_before(Checkpointer, "_write", lambda args: args[1] == target)
+        _signal_before(Checkpointer, "_write", lambda args: args[1] == target, signum)
     else:
-        raise ValueError(f"POLO_TEST_SIGTERM={spec!r}: the phase must be sampling, update, fit or checkpoint")
+        raise ValueError(f"{spec!r}: the phase must be sampling, update, fit or checkpoint")
 
 
 def _install_hold(path: str) -> None:
@@ -79,6 +80,8 @@ def _install_hold(path: str) -> None:
 
 
 if os.environ.get("POLO_TEST_SIGTERM"):
-    _install_sigterm(os.environ["POLO_TEST_SIGTERM"])
+    _install_signal(os.environ["POLO_TEST_SIGTERM"], signal.SIGTERM)
+if os.environ.get("POLO_TEST_SIGKILL"):
+    _install_signal(os.environ["POLO_TEST_SIGKILL"], signal.SIGKILL)
 if os.environ.get("POLO_TEST_HOLD_UNTIL"):
     _install_hold(os.environ["POLO_TEST_HOLD_UNTIL"])

@@ -1,7 +1,8 @@
 """A config field that documents itself: `setting(default, help=..., range=..., choices=...)`.
 
 Every field of every recipe section (`polo train`, `sft`, `rm`, `dpo`, `control`, `pipeline`) is
-declared with `setting`, so its metadata is the one source of three things: the range and choices
+declared with `setting` (defined in `polo.core.fields`, so that a part registered in `polo.core` declares its
+options the same way), so its metadata is the one source of three things: the range and choices
 checks (`polo.config.validation.check_settings`), `polo config` and `polo train --help KEY`, and
 docs/config.md (`polo.config.describe`). A field without help fails tests/config/test_documented.py.
 
@@ -20,42 +21,14 @@ docs/config.md (`polo.config.describe`). A field without help fails tests/config
 
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import MISSING, fields
-from dataclasses import field as dataclass_field
+from dataclasses import fields
 from typing import Any
 
+from polo.core.fields import Choices, parse_range, setting
 from polo.core.registry import Registry
 
-Choices = tuple[str, ...] | Registry
-
-
-def setting(
-    default: Any = MISSING,
-    *,
-    help: str,
-    range: str | None = None,
-    choices: Choices | None = None,
-    others: str | None = None,
-    options_of: Registry | None = None,
-    used_by: Registry | None = None,
-    default_factory: Any = MISSING,
-) -> Any:
-    """Return a dataclass field whose metadata holds its help, range and choices (list and dict defaults are copied)."""
-    if range is not None:
-        parse_range(range)  # a malformed range fails when polo is imported, not when a value is checked
-    if isinstance(default, (list, dict)):
-        default, default_factory = MISSING, (lambda value=default: copy.deepcopy(value))
-    metadata = {
-        "help": help,
-        "range": range,
-        "choices": choices,
-        "others": others,
-        "options_of": options_of,
-        "used_by": used_by,
-    }
-    return dataclass_field(default=default, default_factory=default_factory, metadata=metadata)
+__all__ = ["Choices", "accepted", "choice_names", "help_of", "override", "parse_range", "setting", "within"]
 
 
 def override(cls: type, name: str, default: Any, *, help: str | None = None, range: str | None = None) -> Any:
@@ -64,18 +37,6 @@ def override(cls: type, name: str, default: Any, *, help: str | None = None, ran
     metadata = dict(spec.metadata)
     metadata.update({key: value for key, value in (("help", help), ("range", range)) if value is not None})
     return setting(default, **metadata)
-
-
-def parse_range(spec: str) -> tuple[float, float, bool, bool]:
-    """Return (low, high, low included, high included) of a range: "> 0", ">= 0", "[0, 1)", "(0, 1]"."""
-    text = spec.strip()
-    if text[:1] in "[(" and text[-1:] in "])":
-        low, high = (float(bound) for bound in text[1:-1].split(","))
-        return low, high, text[0] == "[", text[-1] == "]"
-    operator, _, bound = text.partition(" ")
-    if operator not in (">", ">="):
-        raise ValueError(f"range {spec!r} is not '> N', '>= N' or an interval such as '[0, 1)'")
-    return float(bound), math.inf, operator == ">=", False
 
 
 def within(spec: str | None, value: float) -> bool:

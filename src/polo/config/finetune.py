@@ -15,22 +15,13 @@ from polo.config.fields import override, setting
 from polo.config.loading import build_dataclass, config_to_dict, read_recipe
 from polo.config.schema import (
     PRECISIONS,
-    CallbackConfig,
     ModelConfig,
     OptimizerConfig,
-    callbacks_setting,
+    RunOutputConfig,
+    allow_changes_setting,
     device_setting,
     gradient_checkpointing_setting,
-    hub_private_setting,
-    keep_checkpoints_setting,
-    project_setting,
-    push_to_hub_setting,
-    report_to_setting,
-    resume_setting,
-    run_name_setting,
-    save_every_setting,
     threads_setting,
-    tracker_dir_setting,
 )
 from polo.config.validation import check_device, check_output, check_settings
 
@@ -63,7 +54,7 @@ class FinetuneTrainConfig(OptimizerConfig):
     epochs: int = setting(1, help="passes over the training rows", range=">= 1")
     max_steps: int | None = setting(None, help="stop after this many optimizer steps (null: all epochs)", range=">= 1")
     batch_size: int = setting(
-        32, help="examples per optimizer step: demonstrations (sft) or rankings (rm, dpo)", range=">= 1"
+        32, help="examples per optimizer step: demonstrations to imitate, or rankings to prefer", range=">= 1"
     )
     micro_batch_size: int = setting(
         32, help="sequences per forward/backward (gradient accumulation); a ranking is never split", range=">= 1"
@@ -81,25 +72,32 @@ class FinetuneTrainConfig(OptimizerConfig):
     eval_every: int = setting(0, help="also evaluate every N steps (0: only before and after)", range=">= 0")
 
 
+# The keys that say what a `polo sft`, `rm` or `dpo` run is: a resume whose recipe changes one is refused unless
+# output.allow_changes names it (polo.runtime.resume). The model is also DPO's reference; the data decides which
+# example each step's data position names, and DPO's reference log-probs are kept per example.
+FINETUNE_RESUME_KEYS = (
+    "model.name",
+    "data.train_path",
+    "data.eval_path",
+    "data.num_train",
+    "data.num_eval",
+    "dpo.beta",
+    "dpo.nll_weight",
+)
+
+
 @dataclass
-class FinetuneOutputConfig:
+class FinetuneOutputConfig(RunOutputConfig):
     """Where a fine-tuning run writes (the trained model goes to `<dir>/final`), its trackers and the Hub."""
 
-    dir: str = setting(
-        "runs/finetune", help="the run directory: config.yaml, metrics.jsonl, summary.json, checkpoints/, final/"
+    dir: str = override(
+        RunOutputConfig,
+        "dir",
+        "runs/finetune",
+        help="the run directory: config.yaml, metrics.jsonl, summary.json, checkpoints/, final/",
     )
-    save_every: int = save_every_setting(100)
-    keep_checkpoints: int = keep_checkpoints_setting()
-    resume: bool = resume_setting()
-    overwrite: bool = setting(False, help="a run into a directory holding an earlier run removes that run first")
-    report_to: list[str] = report_to_setting()
-    project: str | None = project_setting()
-    run_name: str | None = run_name_setting()
-    tracker_dir: str | None = tracker_dir_setting()
-    progress: bool = setting(True, help="show a progress bar")
-    push_to_hub: str | None = push_to_hub_setting()
-    hub_private: bool = hub_private_setting()
-    callbacks: list[CallbackConfig] = callbacks_setting()
+    save_every: int = override(RunOutputConfig, "save_every", 100)
+    allow_changes: list[str] = allow_changes_setting(FINETUNE_RESUME_KEYS)
 
 
 @dataclass
@@ -156,26 +154,49 @@ class DPOConfig:
     )
 
 
-def validate_finetune(config: SFTConfig | RewardModelConfig | DPOConfig) -> None:
-    """Raise `ConfigError` for the first value that has the right type but makes no sense."""
+# Which of the rows a command trains on were passed from Python (train_dataset, eval_dataset) instead of named by path.
+NO_ROWS_PASSED = (False, False)
+
+
+def check_data_source(data: DataConfig, passed: tuple[bool, bool] = NO_ROWS_PASSED) -> None:
+    """Raise `ConfigError` unless each split comes from one place: its jsonl path or rows passed from Python."""
+    for key, path, given, what in (
+        ("data.train_path", data.train_path, passed[0], "train_dataset"),
+        ("data.eval_path", data.eval_path, passed[1], "eval_dataset"),
+    ):
+        if path and given:
+            raise ConfigError(f"{key} is {path!r} and a {what} was passed too; pass one ({key}: null with {what})")
+    if not data.train_path and not passed[0]:
+        raise ConfigError(
+            "data.train_path is required: a jsonl file of training examples (or, from Python, train_dataset=rows)"
+        )
+
+
+def validate_finetune(
+    config: SFTConfig | RewardModelConfig | DPOConfig, passed: tuple[bool, bool] = NO_ROWS_PASSED
+) -> None:
+    """Raise `ConfigError` for the first value that has the right type but makes no sense; `passed` says which of
+    train_dataset and eval_dataset the caller gave."""
     check_settings(config)
     if config.model.lora.r:
         raise ConfigError(
             f"model.lora.r={config.model.lora.r}: LoRA is available for RL training (polo train) only; "
             "polo sft, dpo and rm fine-tune every weight (set model.lora.r=0)"
         )
-    if not config.data.train_path:
-        raise ConfigError("data.train_path is required: a jsonl file of training examples")
+    check_data_source(config.data, passed)
     check_output(config.output)
     check_device("train.device", config.train.device)
 
 
-def load_finetune_config(cls: type, recipe: Any, overrides: list[str] | None = None) -> Any:
-    """Return a validated `cls` (`SFTConfig`, `RewardModelConfig`, `DPOConfig`) from a recipe and overrides."""
+def load_finetune_config(
+    cls: type, recipe: Any, overrides: list[str] | None = None, passed: tuple[bool, bool] = NO_ROWS_PASSED
+) -> Any:
+    """Return a validated `cls` (`SFTConfig`, `RewardModelConfig`, `DPOConfig`) from a recipe and overrides; `passed`
+    says which of train_dataset and eval_dataset the caller gave (`check_data_source`)."""
     if isinstance(recipe, cls):
         recipe = config_to_dict(recipe)
     config = build_dataclass(cls, read_recipe(recipe, overrides))
-    validate_finetune(config)
+    validate_finetune(config, passed)
     return config
 
 

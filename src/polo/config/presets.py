@@ -17,7 +17,10 @@ from polo.core.registry import did_you_mean
 # a 4096-token buffer under a 20480 cap = 0.2); RLOO (Ahmadian et al. 2024); REINFORCE++ (Hu 2025:
 # KL in the reward, batch-normalised returns); GSPO (Zheng et al. 2025: clip range 3e-4 / 4e-4); CISPO
 # (MiniMax 2025: a token-level loss; the weight's cap 1 + 4 = ScaleRL's ε_max of 5, Khatri et al. 2025); SAPO
-# (Qwen 2025: GRPO's sequence-mean loss with a soft gate for the clip, temperatures 1 and 1.05);
+# (Qwen 2025: GRPO's sequence-mean loss with a soft gate for the clip, temperatures 1 and 1.05); LUSPO (Liu et
+# al. 2026: GSPO's loss and clip range, each sequence's loss scaled by its length, so a sum per sequence); VESPO
+# (arXiv 2602.10693: REINFORCE under a gamma kernel of the sequence ratio, its k and λ in policy_loss_options;
+# a token mean, as TRL aggregates it);
 # PPO for LMs (Ouyang et al. 2022; Stiennon et al. 2020). Every preset names its four registered
 # parts (polo.core.registry) explicitly, so a reader goes from the name straight to the functions;
 # the paper names live here, the functions are named for what they compute.
@@ -79,6 +82,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "advantage_estimator": "grpo",
         "policy_loss": "sapo",
         "loss_aggregation": "seq_mean_token_mean",
+        "kl_estimator": "k3",
+    },
+    "luspo": {
+        "advantage_estimator": "grpo",
+        "policy_loss": "gspo",
+        "loss_aggregation": "seq_mean_token_sum",
+        "kl_estimator": "k3",
+        "clip_eps_low": 3e-4,
+        "clip_eps_high": 4e-4,
+    },
+    "vespo": {
+        "advantage_estimator": "grpo",
+        "policy_loss": "vespo",
+        "loss_aggregation": "token_mean",
         "kl_estimator": "k3",
     },
     "ppo": {

@@ -48,7 +48,9 @@ class OptimizerConfig:
     Shared by every training command's `train` section; each command sets its own defaults.
     """
 
-    learning_rate: float = setting(1e-6, help="peak learning rate, reached after the warm-up", range=">= 0")
+    # Adam's first step moves every weight by about the learning rate, and a model's weights start near 0.02:
+    # no run, of a language model or a Gymnasium network, goes near 1, so a larger rate is a typo.
+    learning_rate: float = setting(1e-6, help="peak learning rate, reached after the warm-up", range="[0, 1]")
     weight_decay: float = setting(0.0, help="AdamW's decoupled weight decay (0: plain Adam)", range=">= 0")
     adam_beta1: float = setting(0.9, help="β1, the decay of Adam's first-moment (mean) estimate", range="[0, 1)")
     adam_beta2: float = setting(
@@ -134,6 +136,17 @@ def keep_checkpoints_setting() -> Any:
 def resume_setting() -> Any:
     """Return the `output.resume` field of the commands that checkpoint."""
     return setting(False, help="continue from the newest checkpoint in dir (docs/cluster.md)")
+
+
+def allow_changes_setting(keys: tuple[str, ...]) -> Any:
+    """Return the `output.allow_changes` field of a command whose runs resume, over `keys`: those that say what its run
+    is (polo.runtime.resume)."""
+    return setting(
+        [],
+        help="keys a resume may change although they define the run (any other change to them is refused); "
+        "each change is recorded in dir/config_changes.jsonl and config.yaml keeps the starting value",
+        choices=keys,
+    )
 
 
 @dataclass
@@ -346,6 +359,23 @@ class SamplingConfig:
         help="nucleus sampling: keep the smallest set of tokens with this much probability (Holtzman et al. 2020)",
         range="(0, 1]",
     )
+    top_k: int = setting(
+        0,
+        help="keep only the k likeliest tokens, before top_p (Fan et al. 2018; transformers' and TRL's top_k); 0: off",
+        range=">= 0",
+    )
+    min_p: float = setting(
+        0.0,
+        help="after top_p, drop the tokens less likely than min_p times the likeliest one (Nguyen et al. 2024, "
+        "'min-p sampling'; TRL's min_p); 0: off",
+        range="[0, 1]",
+    )
+    repetition_penalty: float = setting(
+        1.0,
+        help="CTRL's penalty (Keskar et al. 2019) on every token already in the prompt or the completion, before the "
+        "temperature: a positive logit divided by it, a negative one multiplied; > 1 discourages repeats; 1: off",
+        range="> 0",
+    )
     max_new_tokens: int = setting(
         64,
         help="the completion budget; a completion cut here is truncated (see algorithm.mask_truncated)",
@@ -373,7 +403,8 @@ class AlgorithmConfig:
         "grpo",
         help="the preset: a named set of the fields below (grpo: Shao et al. 2024; dr_grpo: Liu et al. 2025; "
         "dapo: Yu et al. 2025; rloo: Ahmadian et al. 2024; reinforce_pp: Hu 2025; gspo: Zheng et al. 2025; "
-        "cispo: MiniMax 2025; sapo: Qwen 2025; ppo: Schulman et al. 2017, Ouyang et al. 2022)",
+        "cispo: MiniMax 2025; sapo: Qwen 2025; luspo: Liu et al. 2026; vespo: arXiv 2602.10693; "
+        "ppo: Schulman et al. 2017, Ouyang et al. 2022)",
         choices=tuple(PRESETS),
     )
     advantage_estimator: str = setting(
@@ -400,7 +431,10 @@ class AlgorithmConfig:
         1e-4, help="ε in (r − mean) / (std + ε): a group whose rewards are all equal gets advantage 0", range=">= 0"
     )
     clip_eps_low: float = setting(
-        0.2, help="ε_low: the ratio is clipped below at 1 − ε_low (PPO's ε, Schulman et al. 2017)", range=">= 0"
+        0.2,
+        help="ε_low: the ratio is clipped below at 1 − ε_low (PPO's ε, Schulman et al. 2017); below 1, since a "
+        "ratio is always above 0 and a bound of 0 or less never binds",
+        range="[0, 1)",
     )
     clip_eps_high: float = setting(
         0.2,
@@ -426,8 +460,59 @@ class AlgorithmConfig:
         "'Beyond the 80/20 Rule'); the KL and the normalisers still count every token; 1: all",
         range="(0, 1]",
     )
+    entropy_coef: float = setting(
+        0.0,
+        help="the entropy bonus: the loss subtracts entropy_coef x the policy's mean per-token entropy, whatever "
+        "the loss's aggregation (Mnih et al. 2016; PPO's c2; TRL's entropy_coef; polo.core.losses); 0: off",
+        range=">= 0",
+    )
+    sampler_correction: str | None = setting(
+        None,
+        help="weight every token's policy loss by π_old/μ, μ the sampler's own log-prob of the token, to correct for "
+        "the sampler's numerics (TIS, Yao et al. 2025; TRL's vllm_importance_sampling_mode): token_* per token, "
+        "sequence_* one product per completion; *_truncate clips the weight to [sampler_correction_min, "
+        "sampler_correction_max], *_mask zeroes it outside; null: off",
+        choices=core.SAMPLER_CORRECTIONS,
+    )
+    sampler_correction_min: float | None = setting(
+        None, help="the lower bound of sampler_correction's weight (null: none)", range=">= 0"
+    )
+    sampler_correction_max: float | None = setting(
+        3.0, help="the upper bound of sampler_correction's weight (null: none; TRL's default 3)", range="> 0"
+    )
+    off_policy_mask_threshold: float | None = setting(
+        None,
+        help="leave out of the policy loss a completion with a negative advantage whose mean log μ − log π per token "
+        "exceeds this (DeepSeek-V3.2's off-policy sequence masking, its δ; μ the sampler's own log-probs where "
+        "sampler_correction records them, else the sampling policy's); null: off",
+        range=">= 0",
+    )
     beta: float = setting(
         0.0, help="KL coefficient to the starting model; a reference model is kept only when beta > 0", range=">= 0"
+    )
+    kl_target: float | None = setting(
+        None,
+        help="the adaptive KL controller (Ziegler et al. 2019; verl's kl_ctrl.type adaptive): beta starts at "
+        "algorithm.beta and moves each step toward keeping the step's kl near this target (polo.core.reference); "
+        "null: beta stays fixed",
+        range="> 0",
+    )
+    kl_horizon: int = setting(
+        10000,
+        help="the adaptive KL controller's horizon in completions: one step moves beta by at most "
+        "20 % x its completions / kl_horizon",
+        range=">= 1",
+    )
+    sync_ref_model: bool = setting(
+        False,
+        help="move the reference toward the policy every ref_model_sync_steps steps (TR-DPO, Gorbatovski et al. "
+        "2024; TRL's sync_ref_model): ref <- alpha * policy + (1 - alpha) * ref",
+    )
+    ref_model_mixup_alpha: float = setting(
+        0.6, help="with sync_ref_model: alpha, the policy's share in the new reference (1: a copy)", range="[0, 1]"
+    )
+    ref_model_sync_steps: int = setting(
+        512, help="with sync_ref_model: steps (sampled batches) between two reference updates", range=">= 1"
     )
     kl_estimator: str = setting(
         "k3",
@@ -482,7 +567,7 @@ class AlgorithmConfig:
         help="PPO's critic: separate (its own trunk) | head (a value head on the policy trunk)",
         choices=("separate", "head"),
     )
-    critic_learning_rate: float = setting(1e-5, help="the critic's AdamW learning rate", range=">= 0")
+    critic_learning_rate: float = setting(1e-5, help="the critic's AdamW learning rate", range="[0, 1]")
     critic_warmup_steps: int = setting(0, help="steps that train only the critic before the policy moves", range=">= 0")
     value_clip: float | None = setting(
         0.2, help="clip the value prediction within this of the old value (PPO2); null: unclipped", range="> 0"
@@ -583,29 +668,34 @@ RESUME_KEYS = (
 
 
 @dataclass
-class OutputConfig:
-    """Where a run writes, how often it checkpoints, resuming, trackers and the Hub."""
+class RunOutputConfig:
+    """Where a run of a causal LM writes, how often it checkpoints, resuming, trackers and the Hub.
+
+    The keys `polo train`, `sft`, `rm` and `dpo` share; each command's `output` section is one,
+    with its own defaults and keys of its own.
+    """
 
     dir: str = setting("runs/grpo", help="the run directory: config.yaml, metrics.jsonl, checkpoints/, plots")
     save_every: int = save_every_setting(10)
     keep_checkpoints: int = keep_checkpoints_setting()
     resume: bool = resume_setting()
     overwrite: bool = setting(False, help="a fresh run into a directory holding an earlier run removes that run first")
-    allow_changes: list[str] = setting(
-        [],
-        help="keys a resume may change although they define the run (any other change to them is refused); "
-        "each change is recorded in dir/config_changes.jsonl and config.yaml keeps the starting value",
-        choices=RESUME_KEYS,
-    )
     report_to: list[str] = report_to_setting()
     project: str | None = project_setting()
     run_name: str | None = run_name_setting()
     tracker_dir: str | None = tracker_dir_setting()
-    plots: bool = setting(True, help="draw reward, accuracy and length curves into dir at the end")
     progress: bool = setting(True, help="show a progress bar")
     push_to_hub: str | None = push_to_hub_setting()
     hub_private: bool = hub_private_setting()
     callbacks: list[CallbackConfig] = callbacks_setting()
+
+
+@dataclass
+class OutputConfig(RunOutputConfig):
+    """Where a run writes, how often it checkpoints, resuming, trackers and the Hub."""
+
+    allow_changes: list[str] = allow_changes_setting(RESUME_KEYS)
+    plots: bool = setting(True, help="draw reward, accuracy and length curves into dir at the end")
 
 
 @dataclass

@@ -152,6 +152,7 @@ def validate(config: Config) -> None:
             "model.lora.r > 0 is not supported with train.data_parallel=fsdp (the adapters are small: use ddp)"
         )
     check_groups(config)
+    check_sampler_correction(config)
     if config.algorithm.kl_in_reward and not estimator.token_level:
         token_level = [
             name for name in core.ADVANTAGE_ESTIMATORS.names() if core.ADVANTAGE_ESTIMATORS.entry(name).token_level
@@ -161,6 +162,7 @@ def validate(config: Config) -> None:
         )
     if config.algorithm.kl_in_reward and config.algorithm.beta == 0:
         raise ConfigError("algorithm.kl_in_reward needs algorithm.beta > 0 (the KL coefficient in the reward)")
+    check_reference_motion(config)
     if not config.rewards:
         raise ConfigError("rewards: at least one reward function is needed, e.g. {correct: 1.0}")
     check_rewards(config.rewards)
@@ -175,6 +177,46 @@ def validate(config: Config) -> None:
         config.algorithm.policy_loss_options,
         positional=2,
     )
+
+
+def check_reference_motion(config: Config) -> None:
+    """Refuse an adaptive KL coefficient or a reference update without the reference they move."""
+    alg = config.algorithm
+    if alg.kl_target is not None and alg.beta == 0:
+        raise ConfigError(
+            "algorithm.kl_target needs algorithm.beta > 0 (the adaptive controller's starting coefficient)"
+        )
+    if alg.sync_ref_model and alg.beta == 0:
+        raise ConfigError("algorithm.sync_ref_model needs algorithm.beta > 0 (with no KL term there is no reference)")
+    if alg.sync_ref_model and config.model.lora.r:
+        raise ConfigError(
+            "algorithm.sync_ref_model needs a reference of its own; with model.lora.r > 0 the reference is the "
+            "base model under the adapters, which the policy shares (set model.lora.r=0)"
+        )
+    if alg.sync_ref_model and config.train.data_parallel == "fsdp":
+        raise ConfigError("algorithm.sync_ref_model is not supported with train.data_parallel=fsdp; use ddp")
+
+
+def check_sampler_correction(config: Config) -> None:
+    """Raise `ConfigError` for a sampler correction whose bounds are crossed or that this run cannot apply."""
+    algorithm = config.algorithm
+    if algorithm.sampler_correction is None:
+        return
+    low, high = algorithm.sampler_correction_min, algorithm.sampler_correction_max
+    if low is not None and high is not None and not low < high:
+        raise ConfigError(
+            f"algorithm.sampler_correction_min ({low}) must be below algorithm.sampler_correction_max ({high})"
+        )
+    if config.task.environment.name is not None:
+        raise ConfigError(
+            "algorithm.sampler_correction needs the sampler's own log-probs, which multi-turn episodes "
+            "(task.environment) do not record; leave it null"
+        )
+    if algorithm.policy_loss == "vespo":
+        raise ConfigError(
+            "algorithm.sampler_correction does not apply to policy_loss vespo, whose kernel would take the weight "
+            "inside it; leave it null"
+        )
 
 
 def check_groups(config: Config) -> None:

@@ -141,7 +141,7 @@ class ControlTrainConfig(OptimizerConfig):
     )
     minibatch_size: int = setting(64, help="transitions per gradient step; 0: the whole batch", range=">= 0")
     value_learning_rate: float | None = setting(
-        None, help="the critic's own rate (trpo, reinforce); null: learning_rate", range="> 0"
+        None, help="the critic's own rate (trpo, reinforce); null: learning_rate", range="(0, 1]"
     )
     clip_grad_norm_per_network: bool = setting(
         False, help="ppo: clip the actor's and the critic's gradients separately"

@@ -1,6 +1,7 @@
 """polo.core: the policy-optimization maths as pure tensor functions (no I/O, no models)."""
 
 from polo.core.advantages import (
+    decoupled_group_advantages,
     discounted_returns,
     expand_to_tokens,
     explained_variance,
@@ -16,9 +17,11 @@ from polo.core.advantages import (
 from polo.core.distributed import all_reduce_sum, global_count
 from polo.core.kl import KL_ESTIMATORS, importance_weighted_kl, kl_estimate, kl_k1, kl_k2, kl_k3
 from polo.core.losses import (
+    SAMPLER_CORRECTIONS,
     aggregate_loss,
     cispo_loss,
     cispo_policy_loss,
+    entropy_bonus,
     entropy_from_logits,
     gspo_loss,
     gspo_policy_loss,
@@ -26,17 +29,23 @@ from polo.core.losses import (
     masked_mean,
     masked_sum,
     micro_batch_token_mean,
+    off_policy_sequences,
     ppo_clip_loss,
     ppo_clip_policy_loss,
+    sampler_correction_weights,
     sapo_loss,
     sapo_policy_loss,
     seq_mean_token_mean,
+    seq_mean_token_sum,
     seq_mean_token_sum_norm,
     token_mean,
     value_loss,
     vanilla_pg_loss,
+    vespo_loss,
+    vespo_policy_loss,
 )
 from polo.core.preference import dpo_loss, pairwise_loss
+from polo.core.reference import adaptive_kl_coefficient, mix_into_reference
 from polo.core.registry import (
     ADVANTAGE_ESTIMATORS,
     CHECKERS,
@@ -77,6 +86,7 @@ from polo.core.trpo import (
 )
 
 __all__ = [
+    "SAMPLER_CORRECTIONS",
     "ADVANTAGE_ESTIMATORS",
     "CHECKERS",
     "COMMANDS",
@@ -113,8 +123,10 @@ __all__ = [
     "KL_ESTIMATORS",
     "aggregate_loss",
     "all_reduce_sum",
+    "decoupled_group_advantages",
     "discounted_returns",
     "dpo_loss",
+    "entropy_bonus",
     "entropy_from_logits",
     "expand_to_tokens",
     "explained_variance",
@@ -131,18 +143,25 @@ __all__ = [
     "cispo_policy_loss",
     "high_entropy_tokens",
     "sapo_loss",
+    "sampler_correction_weights",
+    "off_policy_sequences",
     "sapo_policy_loss",
     "gspo_policy_loss",
     "micro_batch_token_mean",
     "ppo_clip_policy_loss",
     "seq_mean_token_mean",
+    "seq_mean_token_sum",
     "seq_mean_token_sum_norm",
+    "vespo_loss",
+    "vespo_policy_loss",
     "token_mean",
     "kl_estimate",
     "kl_k1",
     "kl_k2",
     "kl_k3",
     "importance_weighted_kl",
+    "adaptive_kl_coefficient",
+    "mix_into_reference",
     "masked_mean",
     "masked_sum",
     "ppo_clip_loss",

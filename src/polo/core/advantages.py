@@ -111,10 +111,55 @@ def group_advantages(
 
 def _batch_std(rewards: torch.Tensor) -> torch.Tensor:
     """Return the unbiased standard deviation of every reward on every rank (0 for a single reward)."""
-    totals = all_reduce_sum(torch.stack([rewards.sum(), torch.tensor(float(rewards.numel()), device=rewards.device)]))
+    return _batch_moments(rewards, torch.ones_like(rewards, dtype=torch.bool))[1]
+
+
+def _batch_moments(values: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the mean and the unbiased standard deviation of `values[valid]` over every rank (std 0 for one value)."""
+    kept = torch.where(valid, values, 0.0)
+    totals = all_reduce_sum(torch.stack([kept.sum(), valid.sum().to(values.dtype)]))
     count, mean = totals[1], totals[0] / totals[1].clamp(min=1.0)
-    squares = all_reduce_sum(((rewards - mean) ** 2).sum())
-    return torch.sqrt(squares / (count - 1).clamp(min=1.0)) if count > 1 else torch.zeros_like(mean)
+    squares = all_reduce_sum(torch.where(valid, (values - mean) ** 2, 0.0).sum())
+    std = torch.sqrt(squares / (count - 1).clamp(min=1.0)) if count > 1 else torch.zeros_like(mean)
+    return mean, std
+
+
+def decoupled_group_advantages(
+    reward_columns: torch.Tensor,
+    weights: torch.Tensor,
+    group_size: int,
+    eps: float = 1e-4,
+    scored: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Return GDPO's advantages `(batch,)`: each reward normalised in its group, the weighted sum normalised over
+    the batch.
+
+        Â_ik = (r_ik − mean_g(r_k)) / (std_g(r_k) + eps)       for each reward k, over i's group (as GRPO's)
+        s_i  = Σ_k w_k Â_ik
+        A_i  = (s_i − mean_B(s)) / (std_B(s) + eps)             over the batch, every rank
+
+    Normalising the sum of the rewards (GRPO) lets a reward with a wide spread drown the others, and maps
+    different combinations of rewards to the same advantage; normalising each reward first keeps each one's
+    ranking within the group, and the batch normalisation keeps the sum's scale fixed however many rewards there
+    are (GDPO, arXiv 2601.05242; TRL's `multi_objective_aggregation="normalize_then_sum"`). A reward that does not
+    apply to a completion (NaN: a TRL-form reward's None) is left out of its group's statistics and adds 0 to
+    s_i; a group in which a reward is constant gets 0 from that reward (`scored_group_advantages`). `scored`
+    (batch,) bool marks the completions some reward applied to: the others get advantage 0 and are left out of the
+    batch statistics. The stds are unbiased (divide by count − 1), as `group_advantages`'.
+    Shapes: reward_columns (batch, K), weights (K,), scored (batch,) → advantages (batch,).
+    """
+    if reward_columns.dim() != 2 or weights.shape != reward_columns.shape[1:]:
+        raise ValueError(
+            f"reward_columns must be (batch, K) and weights (K,), got {tuple(reward_columns.shape)} and "
+            f"{tuple(weights.shape)}"
+        )
+    per_reward = [
+        scored_group_advantages(column, ~column.isnan(), group_size, True, eps) for column in reward_columns.T
+    ]
+    summed = (torch.stack(per_reward, dim=1) * weights.to(reward_columns.dtype)).sum(dim=1)
+    valid = scored if scored is not None else torch.ones_like(summed, dtype=torch.bool)
+    mean, std = _batch_moments(summed, valid)
+    return torch.where(valid, (summed - mean) / (std + eps), 0.0)
 
 
 def scored_group_advantages(
@@ -351,3 +396,18 @@ def gae_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, torc
     token_rewards = token_level_rewards(inputs.rewards, inputs.mask, inputs.kl, settings.beta)
     advantages, returns = gae_advantages(token_rewards, inputs.values, inputs.mask, settings.gamma, settings.lam)
     return whiten(advantages, inputs.mask), returns
+
+
+@register_advantage(
+    "gdpo", help="each reward normalised in its group, the weighted sum over the batch (GDPO, arXiv 2601.05242)"
+)
+def gdpo_estimator(inputs: AdvantageInputs, settings) -> tuple[torch.Tensor, None]:
+    """Return GDPO's `decoupled_group_advantages` of the rewards' own columns on every token of completion i.
+
+    It normalises by the std by construction, so `scale_rewards` is not read; `advantage_eps` is its ε."""
+    if inputs.reward_columns is None or inputs.reward_weights is None:
+        raise ValueError("the gdpo estimator needs each reward's column (AdvantageInputs.reward_columns and weights)")
+    advantages = decoupled_group_advantages(
+        inputs.reward_columns, inputs.reward_weights, inputs.group_size, settings.advantage_eps, inputs.scored
+    )
+    return expand_to_tokens(advantages, inputs.mask), None

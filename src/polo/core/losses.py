@@ -8,8 +8,11 @@ positions reaches neither the loss nor the gradients.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from polo.core.fields import setting
 from polo.core.registry import (
     LOSS_AGGREGATIONS,
     LossNormalisers,
@@ -257,6 +260,141 @@ def sapo_policy_loss(inputs: PolicyLossInputs, settings) -> tuple[torch.Tensor, 
     )
 
 
+@dataclass
+class VespoSettings:
+    """VESPO's reshaping kernel φ(w) = w^k e^{λ(1 − w)}: one (k, λ) for non-negative advantages, one for negative."""
+
+    k_pos: float = setting(
+        2.0,
+        help="k of φ for A ≥ 0: the power of w, which takes the weight to 0 as the sequence ratio w → 0",
+        range=">= 0",
+    )
+    lambda_pos: float = setting(
+        3.0,
+        help="λ of φ for A ≥ 0: the rate of e^{−λw}, which takes it to 0 as w grows (φ peaks at w = k/λ)",
+        range="> 0",
+    )
+    k_neg: float = setting(3.0, help="k of φ for A < 0", range=">= 0")
+    lambda_neg: float = setting(2.0, help="λ of φ for A < 0", range="> 0")
+
+
+def vespo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    options: VespoSettings,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return (per-token VESPO loss `(batch, seq)`, stats): REINFORCE weighted by a smooth kernel of the sequence ratio.
+
+        log w_i = Σ_t (log π(y_it) − log π_old(y_it))            (over valid tokens; no 1/|y_i|)
+        φ(w)   = w^k e^{λ (1 − w)} = exp(λ + k log w − λ w)       (k, λ: k_pos, λ_pos if A ≥ 0, else k_neg, λ_neg)
+        l_it   = −sg(φ(w_i)) A_it log π(y_it)                    (sg: no gradient through the weight)
+
+    φ(1) = 1, so on-policy it is GRPO's REINFORCE gradient; off-policy the weight rises to its peak at w = k/λ and
+    decays smoothly to 0 on both sides instead of being clipped, and nothing is length-normalised (VESPO,
+    arXiv 2602.10693, 2026: the closed-form kernel of a variational proposal with variance reduction; its
+    defaults k = 2, λ = 3 for positive advantages and k = 3, λ = 2 for negative are TRL's). The paper leaves the
+    aggregation to the trainer; the `vespo` preset takes a token mean, as TRL does. polo computes φ in log space
+    without clamping log w: φ tends to 0 at both ends, where exp underflows to exactly that (TRL clamps log w to
+    [log 1e-8, 20], which changes φ only where it is below 1e-14).
+    Shapes: logprobs, old_logprobs, mask (batch, seq); advantages (batch,) or (batch, seq).
+    Stats: `weight_sum`, the sum of φ over valid tokens, and `token_count` (nothing is clipped).
+    """
+    is_valid = mask.bool()
+    token_advantages = _token_advantages(advantages, mask)
+    with torch.no_grad():
+        log_weight = masked_sum(logprobs - old_logprobs, is_valid, dim=-1).unsqueeze(-1)
+        non_negative = token_advantages >= 0
+        k = torch.where(non_negative, options.k_pos, options.k_neg)
+        lam = torch.where(non_negative, options.lambda_pos, options.lambda_neg)
+        weight = torch.exp(lam + k * log_weight - lam * torch.exp(log_weight))
+        stats = {
+            "weight_sum": masked_sum(weight.expand_as(logprobs), is_valid).float(),
+            "token_count": is_valid.sum().float(),
+        }
+    per_token = torch.where(is_valid, -weight * token_advantages * logprobs, 0.0)
+    return per_token, stats
+
+
+@register_policy_loss(
+    "vespo",
+    settings=VespoSettings,
+    help="REINFORCE weighted by a smooth gamma kernel of the unnormalised sequence ratio (VESPO, 2026)",
+)
+def vespo_policy_loss(
+    inputs: PolicyLossInputs, settings, options: VespoSettings
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return `vespo_loss` of a micro-batch with its kernel's `algorithm.policy_loss_options` (k, λ per sign)."""
+    return vespo_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask, options)
+
+
+SAMPLER_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampler_correction_weights(
+    old_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    low: float | None = None,
+    high: float | None = None,
+) -> torch.Tensor:
+    """Return the importance weights that correct for the sampler's numerics, `(batch, seq)` or `(batch, 1)`.
+
+        c_t = π_old(y_t) / μ(y_t) = exp(log π_old(y_t) − log μ(y_t))        (token_*)
+        c_i = Π_t c_t = exp(Σ_t (log π_old(y_it) − log μ(y_it)))              (sequence_*: one per completion)
+        *_truncate: c ← clip(c, low, high)       *_mask: c ← 0 where c < low or c > high
+
+    μ is the sampler: the same weights as π_old, but its own forward (a KV cache, other kernels, another precision)
+    gives slightly other probabilities, so the tokens were drawn from μ and every policy loss, which takes them as
+    drawn from π_old, gets them weighted by c (truncated importance sampling, TIS: Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"; its masked form, MIS; TRL's
+    `vllm_importance_sampling_*`). A missing bound (None) is no bound. A log-prob the sampler could not give (NaN)
+    counts as no correction. The weights carry no gradient.
+    Shapes: old_logprobs, sampling_logprobs, mask (batch, seq) → (batch, seq) (token_*) or (batch, 1) (sequence_*).
+    """
+    if mode not in SAMPLER_CORRECTIONS:
+        raise ValueError(f"sampler correction mode {mode!r} is not one of {', '.join(SAMPLER_CORRECTIONS)}")
+    log_ratio = torch.nan_to_num(torch.where(mask.bool(), old_logprobs - sampling_logprobs, 0.0), nan=0.0)
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True)
+    weights = torch.exp(log_ratio.detach())
+    if mode.endswith("truncate"):
+        return weights.clamp(min=low, max=high)
+    outside = torch.zeros_like(weights, dtype=torch.bool)
+    if low is not None:
+        outside |= weights < low
+    if high is not None:
+        outside |= weights > high
+    return weights.masked_fill(outside, 0.0)
+
+
+def off_policy_sequences(
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """Return a bool mask `(batch, 1)` (or `(batch, seq)` for per-token advantages) of the completions to keep.
+
+        KL_i = (1/|y_i|) Σ_t (log μ(y_it) − log π(y_it))       (the sampled completion's drift, over valid tokens)
+        keep_i = A_i ≥ 0  or  KL_i ≤ threshold
+
+    A completion with a negative advantage that the policy has drifted far from is left out of the loss: pushing
+    its probability further down teaches little and destabilises training (DeepSeek-AI 2025, DeepSeek-V3.2,
+    arXiv 2512.02556, eq. 9, its δ; TRL's `off_policy_mask_threshold`). μ is the sampler's log-probs, or the
+    sampling policy's where the sampler gives none; π is the policy being trained, so the mask changes from one
+    optimizer step to the next. A NaN log-prob counts as no drift.
+    Shapes: logprobs, sampling_logprobs, mask (batch, seq); advantages (batch,) or (batch, seq).
+    """
+    is_valid = mask.bool()
+    drift = torch.nan_to_num(torch.where(is_valid, sampling_logprobs - logprobs.detach(), 0.0), nan=0.0)
+    mean_drift = masked_mean(drift, is_valid, dim=-1).unsqueeze(-1)
+    return (_token_advantages(advantages, mask) >= 0) | (mean_drift <= threshold)
+
+
 def high_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
     """Return a bool mask `(batch, seq)` of the valid tokens whose entropy is in the top `quantile` of the valid ones.
 
@@ -370,6 +508,20 @@ def micro_batch_token_mean(per_token: torch.Tensor, mask: torch.Tensor, normalis
     return masked_sum(per_token, mask) / local_tokens / _checked("num_micro_batches", normalisers.num_micro_batches)
 
 
+@register_aggregation("seq_mean_token_sum", help="a sum per sequence, then a mean over sequences (LUSPO)")
+def seq_mean_token_sum(per_token: torch.Tensor, mask: torch.Tensor, normalisers: LossNormalisers) -> torch.Tensor:
+    """Return each sequence's sum over its tokens, averaged over the step's sequences (LUSPO's objective).
+
+        L = Σ_i Σ_t m_it l_it / num_sequences
+
+    Under GSPO's loss, which writes a sequence's loss L_i on each of its |y_i| tokens, this is mean_i |y_i| L_i:
+    each sequence's loss scaled by its length, which removes the bias of GSPO's sequence mean against long
+    completions (Liu et al. 2026, LUSPO, arXiv 2602.05261). Under a token-level loss it is a sequence-mean of sums.
+    Shapes: per_token, mask (batch, seq) → scalar.
+    """
+    return masked_sum(per_token, mask) / _checked("num_sequences", normalisers.num_sequences)
+
+
 def aggregate_loss(
     per_token: torch.Tensor, mask: torch.Tensor, mode: str, normalisers: LossNormalisers
 ) -> torch.Tensor:
@@ -379,6 +531,7 @@ def aggregate_loss(
         token_mean                Σ_it m_it l_it / num_tokens                               (DAPO)
         seq_mean_token_sum_norm   Σ_it m_it l_it / (num_sequences · max_completion_length)  (Dr. GRPO)
         micro_batch_token_mean    (Σ_it m_it l_it / Σ_it m_it) / num_micro_batches          (TRL's bnpo)
+        seq_mean_token_sum        Σ_it m_it l_it / num_sequences                            (LUSPO)
 
     The counts in `normalisers` are GLOBAL: for the whole optimizer step, over every
     micro-batch of gradient accumulation and every rank (see
@@ -411,3 +564,17 @@ def entropy_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = N
         torch.isfinite(logits), logits, torch.zeros((), dtype=logits.dtype, device=logits.device)
     )
     return logsumexp - (probs * finite_logits).sum(dim=-1)
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float, normalisers: LossNormalisers) -> torch.Tensor:
+    """Return the entropy bonus's term of this micro-batch's loss (Williams & Peng 1991; Mnih et al. 2016; PPO's
+    c₂ S[π], Schulman et al. 2017), a scalar:
+
+        L_H = − c · (Σ_t m_t H_t / Σ_t m_t) / num_micro_batches,    H_t = −Σ_v π(v | ·) log π(v | ·)
+
+    Minimising it raises the policy's entropy, so it keeps exploring. polo takes TRL's reading: the mean
+    entropy of the tokens `mask` marks, per micro-batch (`micro_batch_token_mean`), whatever the policy
+    loss's aggregation, so c means the same for every loss (verl aggregates it as the policy loss instead).
+    Shapes: entropy (with a gradient), mask (batch, seq) → scalar.
+    """
+    return -coef * micro_batch_token_mean(entropy, mask, normalisers)

@@ -285,6 +285,8 @@ class AdvantageInputs:
     (batch, seq) are the critic's values before the update (None without a critic). `scored`
     (batch,) bool is False for a completion no reward applied to (every TRL-form reward returned
     None), None when every completion was scored; `grpo` leaves those out of its group statistics.
+    `reward_columns` (batch, K) are the K terms `rewards` sums, each unweighted (NaN where a reward did not
+    apply), and `reward_weights` (K,) their weights, for estimators that treat the rewards apart (`gdpo`).
     """
 
     rewards: torch.Tensor
@@ -293,6 +295,8 @@ class AdvantageInputs:
     kl: torch.Tensor | None = None
     values: torch.Tensor | None = None
     scored: torch.Tensor | None = None
+    reward_columns: torch.Tensor | None = None
+    reward_weights: torch.Tensor | None = None
 
 
 @dataclass

@@ -262,10 +262,15 @@ def _source_rows(
 _FINGERPRINT = re.compile(r"rows sha256 ([0-9a-f]{64})")
 
 
-def rows_fingerprint(task: Task) -> str:
-    """Return the sha256 of the task's train and eval rows (what a resumed run must see again)."""
-    text = json.dumps([task.train_rows, task.eval_rows], sort_keys=True, default=str)
+def rows_sha256(*splits: list) -> str:
+    """Return the sha256 of rows given from Python, split after split (what a resumed run must see again)."""
+    text = json.dumps(list(splits), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def rows_fingerprint(task: Task) -> str:
+    """Return the sha256 of the task's train and eval rows."""
+    return rows_sha256(task.train_rows, task.eval_rows)
 
 
 def passed_datasets_note(task: Task) -> str:
@@ -280,17 +285,23 @@ def passed_datasets_note(task: Task) -> str:
 
 def check_same_datasets(config_path: Path, task: Task) -> None:
     """Raise ConfigError unless the run whose config.yaml is ``config_path`` was trained on the same passed rows."""
+    check_same_rows(config_path, rows_fingerprint(task))
+
+
+def check_same_rows(config_path: Path, fingerprint: str) -> None:
+    """Raise ConfigError unless the run whose config.yaml is ``config_path`` records rows passed from Python whose
+    sha256 is ``fingerprint`` (its note's ``rows sha256``)."""
     recorded = _FINGERPRINT.search(config_path.read_text()) if config_path.is_file() else None
     run_dir = config_path.parent
     if recorded is None:
         raise ConfigError(
-            f"output.resume: the run in {run_dir} was not trained on datasets passed to polo.train (its config.yaml "
+            f"output.resume: the run in {run_dir} was not trained on datasets passed from Python (its config.yaml "
             "records none); resume it without train_dataset/eval_dataset, or pick a new output.dir"
         )
-    if recorded.group(1) != rows_fingerprint(task):
+    if recorded.group(1) != fingerprint:
         raise ConfigError(
             f"output.resume: the run in {run_dir} was trained on other rows (sha256 {recorded.group(1)[:12]}, "
-            f"these are {rows_fingerprint(task)[:12]}); pass the same train_dataset and eval_dataset to resume it, "
+            f"these are {fingerprint[:12]}); pass the same train_dataset and eval_dataset to resume it, "
             "or pick a new output.dir"
         )
 
@@ -299,8 +310,10 @@ __all__ = [
     "BUILDERS",
     "HfSource",
     "check_same_datasets",
+    "check_same_rows",
     "hf_task",
     "load_splits",
     "passed_datasets_note",
     "rows_fingerprint",
+    "rows_sha256",
 ]

@@ -25,13 +25,14 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from polo.data.arithmetic import OPERATIONS, arithmetic_task
 from polo.data.base import Task, TaskDataError, fill_instruction, read_jsonl
+from polo.data.hf import numbered_rows
 from polo.generation.prompts import prompt_messages
 
 ROLES = ("system", "user", "assistant", "tool")  # tool: an observation in a multi-turn episode (docs/tools.md)
@@ -161,16 +162,39 @@ def ranking_from_row(row: dict, path: str | Path, line: int) -> Ranking:
     return Ranking(messages, responses)
 
 
+def rows_of(data: Any, source: str, from_row: Callable[[dict, str | Path, int], Any], limit: int | None = None) -> list:
+    """Return `from_row(row, source, index)` for the first `limit` rows of a ``datasets.Dataset`` or a list of dicts.
+
+    The rows go through the same checks as a jsonl file's (`demonstration_from_row`,
+    `ranking_from_row`); a bad one is named by its 0-based index, as ``data[index]``, in one line.
+    """
+    rows = numbered_rows(data, source)[:limit]
+    if not rows:
+        raise TaskDataError(source, None, "holds no rows")
+    read = []
+    for index, row in rows:
+        if not isinstance(row, dict):
+            raise TaskDataError(source, index, f"expected a dict of fields, got {type(row).__name__}", unit="row")
+        try:
+            read.append(from_row(row, source, index))
+        except TaskDataError as error:  # the row checks speak of lines; a dataset's rows are counted from 0
+            raise TaskDataError(source, index, error.problem, unit="row") from None
+    return read
+
+
+def read_rows(path: str | Path, from_row: Callable[[dict, str | Path, int], Any], limit: int | None = None) -> list:
+    """Return `from_row(row, path, line)` for the first `limit` rows of a jsonl file (all when None)."""
+    return [from_row(row, path, line) for line, row in read_jsonl(path)[:limit]]
+
+
 def read_demonstrations(path: str | Path, limit: int | None = None) -> list[Demonstration]:
     """Return the demonstrations of a jsonl file (the first `limit` when given)."""
-    rows = read_jsonl(path)[:limit]
-    return [demonstration_from_row(row, path, line) for line, row in rows]
+    return read_rows(path, demonstration_from_row, limit)
 
 
 def read_rankings(path: str | Path, limit: int | None = None) -> list[Ranking]:
     """Return the comparisons of a jsonl file as rankings (the first `limit` when given)."""
-    rows = read_jsonl(path)[:limit]
-    return [ranking_from_row(row, path, line) for line, row in rows]
+    return read_rows(path, ranking_from_row, limit)
 
 
 # ---------------------------------------------------------------- the built-in arithmetic set

@@ -30,12 +30,14 @@ import torch
 
 from polo import core
 from polo.config import ConfigError
-from polo.config.finetune import DPOConfig, load_dpo_config
-from polo.data.preferences import read_rankings
+from polo.config.finetune import DPOConfig
+from polo.config.finetune import load_dpo_config as load_dpo_config  # callers load the recipe from here
+from polo.data.preferences import ranking_from_row
 from polo.finetune.fit import (
     Example,
     FinetuneResult,
     FitTrainer,
+    PassedRows,
     collate_rankings,
     encode_splits,
     finetune,
@@ -113,7 +115,9 @@ class DPOTrainer(FitTrainer):
         """Return the rankings with their reference log-probs: scored now in a fresh run (the reference is scored
         in the weights the policy trains in, so the log-ratios start at exactly 0), read from `state` in a
         resumed one."""
-        train_examples, eval_examples = encode_splits(self.tokenizer, self.config.data, read_rankings, encode_rankings)
+        train_examples, eval_examples = encode_splits(
+            self.tokenizer, self.config.data, ranking_from_row, encode_rankings, self.rows
+        )
         if state is not None:
             saved = state["reference_logps"]
             return with_logps(train_examples, saved["train"]), with_logps(eval_examples, saved["eval"])
@@ -158,11 +162,15 @@ def dpo(
     config: DPOConfig | str | Path | dict | None = None,
     overrides: list[str] | None = None,
     *,
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
     callbacks: list | None = None,
 ) -> FinetuneResult:
     """Train a policy with DPO on ranked comparisons and return the result; it lands in `<output.dir>/final`.
 
     With `output.resume=true` a stopped run continues from its newest checkpoint, exactly;
-    `callbacks` follow `polo.runtime.callbacks`.
+    `callbacks` follow `polo.runtime.callbacks`. `train_dataset` / `eval_dataset` (a `datasets.Dataset` or a
+    list of dicts, rows as in the jsonl files) stand in for data.train_path / data.eval_path.
     """
-    return finetune(DPOTrainer, load_dpo_config(config, overrides), callbacks)
+    rows = PassedRows(train_dataset, eval_dataset)
+    return finetune(DPOTrainer, DPOConfig, config, overrides, callbacks, rows)

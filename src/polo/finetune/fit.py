@@ -35,9 +35,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import yaml
 
 from polo import core
 from polo.config import config_to_dict
+from polo.config.finetune import FINETUNE_RESUME_KEYS, load_finetune_config
+from polo.data.hf import check_same_rows, numbered_rows, rows_sha256
+from polo.data.preferences import read_rows, rows_of
 from polo.kernels import (
     LogprobSettings,
     supports_fused_logprobs,
@@ -53,12 +57,19 @@ from polo.models.precision import MasterWeights, master_weights, trainer_optimiz
 from polo.models.scoring import completion_logprobs, position_ids_from_mask
 from polo.models.sequences import Encoded, TokenBatch, collate, encode, sequence_rewards  # noqa: F401  (the fit loop's batch types)
 from polo.runtime.callbacks import run_callbacks
-from polo.runtime.checkpoint import Checkpointer, load_trainer_state, mark_float32, staged_directory
+from polo.runtime.checkpoint import (
+    Checkpointer,
+    claim_output_dir,
+    load_trainer_state,
+    mark_float32,
+    staged_directory,
+)
 from polo.runtime.device import CPU, Compute, finetune_compute, torch_threads
 from polo.runtime.lifecycle import Cadence, Ending, Evaluation, StepReport, resume_point, run_lifecycle, snapshot_config
 from polo.runtime.metrics import read_metrics, truncate_metrics
 from polo.runtime.optimizer import build_schedule
 from polo.runtime.parallel import is_main_process
+from polo.runtime.resume import RECIPE_FILE, started_recipe
 from polo.runtime.seeding import restore_rng, seed_everything
 from polo.runtime.trackers import Trackers
 
@@ -363,13 +374,21 @@ class FitTrainer:
 
     name, method, headline = "polo fit", "fit", ("loss",)
 
-    def __init__(self, config: Any):
-        self.config, self.started = config, time.perf_counter()
+    def __init__(self, config: Any, rows: PassedRows | None = None):
+        self.config, self.started, self.rows = config, time.perf_counter(), rows or PassedRows()
         train, output = config.train, config.output
         self.output_dir, self.trackers = Path(output.dir), Trackers.of(config)
         self.compute = prepare_run(config)
-        self.checkpointer = Checkpointer(self.output_dir, output.keep_checkpoints)
-        resume_from = resume_point(self.output_dir, self.checkpointer, output.resume, output.overwrite)
+        recipe = config_to_dict(config)
+        self.checkpointer = Checkpointer(
+            self.output_dir, output.keep_checkpoints, yaml.safe_dump(recipe, sort_keys=False), self.name
+        )
+        point = resume_point(self.checkpointer, self.name, output, recipe, FINETUNE_RESUME_KEYS)
+        resume_from, fingerprint = point.checkpoint, self.rows.fingerprint()
+        if resume_from is None:
+            claim_output_dir(self.output_dir, output.overwrite, output.resume)
+        elif fingerprint is not None:  # rows read from a path are data.train_path's, a key resume_point compares
+            check_same_rows(self.output_dir / RECIPE_FILE, fingerprint[1])
         state = load_trainer_state(resume_from) if resume_from is not None else None
         model, self.tokenizer = self.load(str(resume_from) if resume_from is not None else config.model.name)
         self.trainee = prepare_model(model, self.compute, train.gradient_checkpointing)
@@ -397,7 +416,7 @@ class FitTrainer:
         self.trainee.model.train()
         batches = _optimizer_batches(self.train_examples, train.batch_size, total_steps, train.seed)
         self.batches = itertools.islice(batches, self.start_step, None)  # a resumed run's data position
-        snapshot_config(self.output_dir, config_to_dict(config))
+        snapshot_config(self.output_dir, recipe, self.rows.note(fingerprint), point)
 
     # ------------------------------------------------ what each command says
 
@@ -504,13 +523,26 @@ class FitTrainer:
         return FinetuneResult(self.output_dir, model_dir, ending.last_step, before, after, rows, seconds)
 
 
-def finetune(trainer: Callable[[Any], FitTrainer], config: Any, callbacks: list | None = None) -> FinetuneResult:
-    """Return the result of a fine-tuning run of `trainer(config)` through the lifecycle (`polo.runtime.lifecycle`).
+def finetune(
+    trainer: type[FitTrainer],
+    config_class: type,
+    recipe: Any,
+    overrides: list[str] | None = None,
+    callbacks: list | None = None,
+    rows: PassedRows | None = None,
+) -> FinetuneResult:
+    """Return the result of a fine-tuning run of `trainer` through the lifecycle (`polo.runtime.lifecycle`).
 
-    `callbacks` come after those the recipe's `output.callbacks` names (`polo.runtime.callbacks`).
+    `recipe` (a path, mapping or `config_class` object) and `overrides` make the config;
+    `callbacks` come after those the recipe's `output.callbacks` names (`polo.runtime.callbacks`);
+    `rows` are the training and held-out rows given from Python instead of data.train_path / eval_path.
     """
+    rows = rows or PassedRows()
+    config = load_finetune_config(config_class, recipe, overrides, rows.passed)
     with torch_threads(config.train.threads):  # the caller's thread count comes back after the run
-        return run_lifecycle(lambda rollback: trainer(config), config.output.dir, run_callbacks(config, callbacks))
+        return run_lifecycle(
+            lambda rollback: trainer(config, rows), config.output.dir, run_callbacks(config, callbacks)
+        )
 
 
 def _optimizer_batches(
@@ -601,17 +633,58 @@ def prepare_run(config: Any) -> Compute:
     return compute
 
 
-def encode_splits(tokenizer, data: Any, read: Callable, to_examples: Callable) -> tuple[list, list]:
-    """Return (training examples, held-out examples) of a `data` section: `to_examples(tokenizer, read(path, n), ...)`.
+@dataclass(frozen=True)
+class PassedRows:
+    """Training and held-out rows given from Python (each a ``datasets.Dataset`` or a list of dicts, or None: the
+    split comes from data.train_path / data.eval_path)."""
 
-    `read` reads `data.train_path` (and `data.eval_path` when set) cut to `data.num_train`/`num_eval`
-    rows; `to_examples` turns them into examples with `data.system_prompt` and `data.max_length`.
+    train: Any = None
+    eval: Any = None
+
+    @property
+    def passed(self) -> tuple[bool, bool]:
+        """Return which of the two splits were given (`polo.config.finetune.check_data_source`)."""
+        return self.train is not None, self.eval is not None
+
+    def fingerprint(self) -> tuple[str, str] | None:
+        """Return (how many rows of each split were given, their sha256), or None when none were given."""
+        if not any(self.passed):
+            return None
+        splits = [
+            [row for _, row in numbered_rows(data, source)] if data is not None else None
+            for data, source in ((self.train, "train_dataset"), (self.eval, "eval_dataset"))
+        ]
+        counts = ", ".join(f"{len(rows)} {what} rows" for rows, what in zip(splits, ("train", "eval")) if rows)
+        return counts, rows_sha256(*splits)
+
+    def note(self, fingerprint: tuple[str, str] | None) -> str:
+        """Return the comment lines config.yaml starts with when rows were given ("" when none were)."""
+        if fingerprint is None:
+            return ""
+        return (
+            "# data: rows passed from Python (train_dataset, eval_dataset), not read from a path (hence null): "
+            f"{fingerprint[0]}, rows sha256 {fingerprint[1]}.\n"
+            "# output.resume=true continues this run only with the same rows passed again.\n"
+        )
+
+
+def encode_splits(
+    tokenizer, data: Any, from_row: Callable, to_examples: Callable, rows: PassedRows
+) -> tuple[list, list]:
+    """Return (training examples, held-out examples) of a `data` section: `to_examples(tokenizer, rows, ...)`.
+
+    Each split's rows are `from_row` of each row of `data.train_path` (`data.eval_path`), or of the
+    rows passed from Python, `rows.train` (`rows.eval`), cut to `data.num_train` (`num_eval`);
+    `to_examples` turns them into examples with `data.system_prompt` and `data.max_length`.
     """
 
-    def split(path: str, count: int | None) -> list:
-        return to_examples(tokenizer, read(path, count), data.system_prompt, data.max_length)
+    def split(path: str | None, given: Any, source: str, count: int | None) -> list:
+        read = read_rows(path, from_row, count) if given is None else rows_of(given, source, from_row, count)
+        return to_examples(tokenizer, read, data.system_prompt, data.max_length)
 
-    return split(data.train_path, data.num_train), split(data.eval_path, data.num_eval) if data.eval_path else []
+    train = split(data.train_path, rows.train, "train_dataset", data.num_train)
+    held_out = data.eval_path or rows.eval is not None
+    return train, split(data.eval_path, rows.eval, "eval_dataset", data.num_eval) if held_out else []
 
 
 def write_summary(output_dir: Path, **fields: Any) -> None:
@@ -627,16 +700,17 @@ def publish_finetuned(config: Any, model_dir: Path, steps: int, method: str, hel
     """
     if not is_main_process():
         return
-    import yaml
-
     command = {"sft": "sft", "dpo": "dpo", "reward model": "rm"}[method]
+    # What the run started from, with a line per change a resume was allowed (polo.runtime.resume).
+    started, changes = started_recipe(config_to_dict(config), Path(config.output.dir))
+    train_path = started["data"]["train_path"]
     card = ModelCard(
         location=config.output.push_to_hub or str(model_dir),
-        base_model=config.model.name,
+        base_model=started["model"]["name"],
         method=method,
-        trained_on=Path(config.data.train_path).name,
+        trained_on=Path(train_path).name if train_path else "rows passed from Python",
         steps=steps,
-        recipe=yaml.safe_dump(config_to_dict(config), sort_keys=False),
+        recipe=changes + yaml.safe_dump(started, sort_keys=False),
         command=command,
         held_out=held_out,
         no_eval_note="the recipe sets no data.eval_path",

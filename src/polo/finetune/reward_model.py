@@ -26,12 +26,14 @@ from typing import Any
 import torch
 
 from polo import core
-from polo.config.finetune import RewardModelConfig, load_reward_model_config
-from polo.data.preferences import Ranking, read_rankings, write_jsonl
+from polo.config.finetune import RewardModelConfig
+from polo.config.finetune import load_reward_model_config as load_reward_model_config  # callers load it from here
+from polo.data.preferences import Ranking, ranking_from_row, write_jsonl
 from polo.finetune.fit import (
     Example,
     FinetuneResult,
     FitTrainer,
+    PassedRows,
     collate_rankings,
     encode,
     encode_splits,
@@ -160,7 +162,7 @@ class RewardModelTrainer(FitTrainer):
 
     def examples(self, state: dict | None) -> tuple[list[Example], list[Example]]:
         self.last_scores: list[list[float]] = []
-        return encode_splits(self.tokenizer, self.config.data, read_rankings, encode_rankings)
+        return encode_splits(self.tokenizer, self.config.data, ranking_from_row, encode_rankings, self.rows)
 
     def make_objective(self) -> PairwiseObjective:
         return PairwiseObjective(self.tokenizer.pad_token_id, self.compute.device)
@@ -205,11 +207,15 @@ def train_reward_model(
     config: RewardModelConfig | str | Path | dict | None = None,
     overrides: list[str] | None = None,
     *,
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
     callbacks: list | None = None,
 ) -> FinetuneResult:
     """Train a reward model on ranked comparisons and return the result; it lands in `<output.dir>/final`.
 
     With `output.resume=true` a stopped run continues from its newest checkpoint, exactly;
-    `callbacks` follow `polo.runtime.callbacks`.
+    `callbacks` follow `polo.runtime.callbacks`. `train_dataset` / `eval_dataset` (a `datasets.Dataset` or a
+    list of dicts, rows as in the jsonl files) stand in for data.train_path / data.eval_path.
     """
-    return finetune(RewardModelTrainer, load_reward_model_config(config, overrides), callbacks)
+    rows = PassedRows(train_dataset, eval_dataset)
+    return finetune(RewardModelTrainer, RewardModelConfig, config, overrides, callbacks, rows)

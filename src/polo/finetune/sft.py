@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 
-from polo.config.finetune import SFTConfig, load_sft_config
-from polo.data.preferences import Demonstration, read_demonstrations
+from polo.config.finetune import SFTConfig
+from polo.config.finetune import load_sft_config as load_sft_config  # callers load the recipe from here
+from polo.data.preferences import Demonstration, demonstration_from_row
 from polo.finetune.fit import (
     Example,
     FinetuneResult,
     FitTrainer,
+    PassedRows,
     collate,
     encode,
     encode_splits,
@@ -72,7 +74,7 @@ class SFTTrainer(FitTrainer):
         return load_policy(source, attn_implementation=self.config.model.attn_implementation)
 
     def examples(self, state: dict | None) -> tuple[list[Example], list[Example]]:
-        return encode_splits(self.tokenizer, self.config.data, read_demonstrations, encode_demonstrations)
+        return encode_splits(self.tokenizer, self.config.data, demonstration_from_row, encode_demonstrations, self.rows)
 
     def make_objective(self) -> SFTObjective:
         return SFTObjective(self.tokenizer.pad_token_id, self.compute.device)
@@ -86,11 +88,15 @@ def sft(
     config: SFTConfig | str | Path | dict | None = None,
     overrides: list[str] | None = None,
     *,
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
     callbacks: list | None = None,
 ) -> FinetuneResult:
     """Fine-tune a causal LM on demonstrations and return the result; the model lands in `<output.dir>/final`.
 
     With `output.resume=true` a stopped run continues from its newest checkpoint, exactly;
-    `callbacks` follow `polo.runtime.callbacks`.
+    `callbacks` follow `polo.runtime.callbacks`. `train_dataset` / `eval_dataset` (a `datasets.Dataset` or a
+    list of dicts, rows as in the jsonl files) stand in for data.train_path / data.eval_path.
     """
-    return finetune(SFTTrainer, load_sft_config(config, overrides), callbacks)
+    rows = PassedRows(train_dataset, eval_dataset)
+    return finetune(SFTTrainer, SFTConfig, config, overrides, callbacks, rows)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from polo.generation.rollouts import Decoding, Rollouts, one_turn_rollouts
-from polo.generation.sampling import sample_next_token
+from polo.generation.sampling import Context, sample_next_token, token_logprobs
 from polo.generation.stopping import Stopping
 from polo.kernels import (
     contiguous_head_input,
@@ -41,13 +41,34 @@ class DecodeRows:
     rows still in the decode batch (and its cache).
     """
 
-    def __init__(self, batch: int, max_new_tokens: int, pad_id: int, device: torch.device):
+    def __init__(self, batch: int, max_new_tokens: int, pad_id: int, device: torch.device, record: bool = False):
         self.completion_ids = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        # each drawn token's log-prob under the sampler's own forward (Decoding.record_logprobs)
+        self.logprobs = torch.zeros((batch, max_new_tokens), device=device) if record else None
         self.completion_mask = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
         self.truncated = torch.ones(batch, dtype=torch.bool, device=device)
         self.length, self.pad_id = 0, pad_id
         self.rows = torch.arange(batch, device=device)  # the completion row of each batch position
         self.live = torch.ones(batch, dtype=torch.bool, device=device)  # not finished yet
+        self.prompts: Context | None = None  # each completion row's prompt, kept for the repetition penalty
+
+    def keep_prompts(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, samples_per_prompt: int) -> None:
+        """Keep each completion row's prompt (prompts, len), repeated for its samples, for `context`."""
+        self.prompts = Context(
+            prompt_ids.repeat_interleave(samples_per_prompt, dim=0),
+            prompt_mask.repeat_interleave(samples_per_prompt, dim=0),
+        )
+
+    def context(self, index: torch.Tensor) -> Context | None:
+        """Return the tokens the batch positions `index` (live,) have seen, their prompt and their completion so far;
+        None unless `keep_prompts` kept the prompts."""
+        if self.prompts is None:
+            return None
+        written = self.rows[index]
+        return Context(
+            torch.cat([self.prompts.ids[written], self.completion_ids[written, : self.length]], dim=1),
+            torch.cat([self.prompts.mask[written], self.completion_mask[written, : self.length]], dim=1),
+        )
 
     def live_index(self) -> torch.Tensor:
         """Return the batch positions still being written, (live,) long, in row order."""
@@ -57,10 +78,21 @@ class DecodeRows:
         """Return True when no row of the batch has finished."""
         return bool(self.live.all())
 
-    def write(self, step: int, index: torch.Tensor, tokens: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
-        """Return which of `tokens` (one per live position `index`) end their row, after writing them at `step`."""
+    def write(
+        self,
+        step: int,
+        index: torch.Tensor,
+        tokens: torch.Tensor,
+        stop: torch.Tensor,
+        logits: torch.Tensor,
+        temperature,
+    ) -> torch.Tensor:
+        """Return which of `tokens` (one per live position `index`, drawn from `logits`) end their row, after writing
+        them at `step` (and their log-probs, when recorded)."""
         written = self.rows[index]
         self.completion_ids[written, step] = tokens
+        if self.logprobs is not None:
+            self.logprobs[written, step] = token_logprobs(logits, tokens, temperature)
         self.completion_mask[written, step] = 1
         self.length = step + 1
         finished = torch.isin(tokens, stop)
@@ -84,9 +116,11 @@ class DecodeRows:
         self.rows, self.live = self.rows[keep], self.live[keep]
         return keep
 
-    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return `(completion_ids, completion_mask)` cut to the longest completion, and `truncated`."""
-        return self.completion_ids[:, : self.length], self.completion_mask[:, : self.length], self.truncated
+    def result(self) -> tuple[torch.Tensor, ...]:
+        """Return `(completion_ids, completion_mask)` cut to the longest completion, and `truncated` (then the
+        recorded log-probs, cut the same way)."""
+        result = (self.completion_ids[:, : self.length], self.completion_mask[:, : self.length], self.truncated)
+        return result if self.logprobs is None else (*result, self.logprobs[:, : self.length])
 
 
 @torch.no_grad()
@@ -99,8 +133,9 @@ def generate(
     *,
     compute: Compute = CPU,
     samples_per_prompt: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return `(completion_ids, completion_mask, truncated)` sampled with a KV cache.
+) -> tuple[torch.Tensor, ...]:
+    """Return `(completion_ids, completion_mask, truncated)` sampled with a KV cache (and, with
+    `decoding.record_logprobs`, each drawn token's log-prob `(batch, max_completion_len)`, 0 at padding).
 
     Shapes: prompt (prompts, prompt_len) -> completion (batch, max_completion_len), truncated
     (batch,), with batch = prompts x `samples_per_prompt` and each prompt's samples in
@@ -113,8 +148,7 @@ def generate(
     the prompts' device; the draws come from `decoding.generator` (the device's default one when None).
     """
     # Read once: the decode loop below runs per token.
-    max_new_tokens, temperature, top_p = decoding.max_new_tokens, decoding.temperature, decoding.top_p
-    generator, stop_strings = decoding.generator, stopping.strings
+    max_new_tokens, stop_strings = decoding.max_new_tokens, stopping.strings
     batch, device = prompt_ids.shape[0] * samples_per_prompt, prompt_ids.device
     stop = torch.tensor(stopping.stop_ids, dtype=torch.long, device=device)
     attention_mask = prompt_mask.long()
@@ -124,7 +158,9 @@ def generate(
     with_cache = {cache_keyword(model): cache}  # the name this transformers takes it under (polo.models.family)
     was_training = model.training
     model.eval()
-    rows = DecodeRows(batch, max_new_tokens, stopping.pad_id, device)
+    rows = DecodeRows(batch, max_new_tokens, stopping.pad_id, device, decoding.record_logprobs)
+    if decoding.repetition_penalty != 1.0:  # the penalty reads each row's prompt and what it has written
+        rows.keep_prompts(prompt_ids, attention_mask, samples_per_prompt)
     lean_step = lean_decode_step(model, cache, compute)
     with compute.autocast(), contiguous_head_input(model), prepacked_linears(model, batch, compute):
         logits, attention_mask = prefill(model, prompt_ids, attention_mask, cache)
@@ -135,8 +171,9 @@ def generate(
             next_position = next_position.repeat_interleave(samples_per_prompt, dim=0)
         for step in range(max_new_tokens):
             index = rows.live_index()
-            tokens = sample_next_token(logits if rows.all_live() else logits[index], temperature, top_p, generator)
-            finished = rows.write(step, index, tokens, stop)
+            live_logits = logits if rows.all_live() else logits[index]
+            tokens = sample_next_token(live_logits, decoding, rows.context(index))
+            finished = rows.write(step, index, tokens, stop, live_logits, decoding.temperature)
             if stop_strings is not None:
                 written = rows.rows[index]
                 finished = finished | stop_strings.reached(rows.completion_ids[written, : step + 1])

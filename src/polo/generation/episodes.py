@@ -18,6 +18,7 @@ is the completion, and `loss_mask` marks what the model wrote.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,8 @@ from polo.models.family import encode_prompts
 from polo.runtime.device import CPU, Compute
 
 TEMPLATE_SENTINEL = "\u2063polo-turn-end\u2063"  # marks where the model's text ends in a rendered chat
+CONTENT_MARK = "\u2063polo-content-{}\u2063"  # stands for an observation's content in a rendered chat
+CONTENT_MARKS = re.compile("\u2063polo-content-([0-9]+)\u2063")
 
 
 @dataclass
@@ -125,16 +128,47 @@ def environment_steps(episodes: Sequence[Episode]) -> list[EnvStep]:
         return list(pool.map(lambda episode: episode.environment.step(episode.record.turns[-1]), episodes))
 
 
+def special_spellings(tokenizer) -> list[str]:
+    """Return the texts the tokenizer reads as its special tokens (`<|im_end|>`, `<|im_start|>`, EOS, ...)."""
+    return [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+
+
+def spells_a_special_token(tokenizer, content: object) -> bool:
+    """Return True when `content` is text that holds the spelling of one of the tokenizer's special tokens."""
+    return isinstance(content, str) and any(spelling in content for spelling in special_spellings(tokenizer))
+
+
 def observation_ids(tokenizer, observation: list[dict], after_eos: bool, eos_ids: Sequence[int]) -> list[int]:
     """Return the token ids that follow a model's turn: the template's turn end, `observation`, the next turn's opening.
 
     Rendered through the chat template (`render_messages`) after a sentinel assistant turn and cut
     at the sentinel, so the text is the template's own. When the model's turn already ended with an
     EOS token (`after_eos`), the template's closing EOS is not written twice.
+
+    An observation is text from outside (a tool's output, a page an environment fetched), and the
+    chat's control tokens must stay the template's: a tool printing `<|im_end|>` then
+    `<|im_start|>user` would otherwise write a user turn. So a message whose content spells a
+    special token is tokenised in pieces: the template's text around it with its control tokens,
+    the content as plain text (`split_special_tokens`). Any other observation is tokenised whole,
+    as the chat template's text, its ids unchanged.
     """
-    messages = [{"role": "user", "content": "."}, {"role": "assistant", "content": TEMPLATE_SENTINEL}, *observation]
+    forged = {
+        index for index, message in enumerate(observation) if spells_a_special_token(tokenizer, message.get("content"))
+    }
+    shown = [
+        {**message, "content": CONTENT_MARK.format(index)} if index in forged else message
+        for index, message in enumerate(observation)
+    ]
+    messages = [{"role": "user", "content": "."}, {"role": "assistant", "content": TEMPLATE_SENTINEL}, *shown]
     text = render_messages(tokenizer, messages).split(TEMPLATE_SENTINEL, 1)[1]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = []
+    # split with its group: the template's text at even positions, a marked content's index at odd ones
+    for position, piece in enumerate(CONTENT_MARKS.split(text) if forged else [text]):
+        if position % 2:
+            content = observation[int(piece)]["content"]
+            ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
     if after_eos and ids and ids[0] in eos_ids:
         ids = ids[1:]
     return ids

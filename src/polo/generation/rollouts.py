@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from polo.generation.prompts import tokenize_prompts
+from polo.generation.sampling import Decoding
 from polo.generation.stopping import Stopping
 from polo.runtime.device import CPU, Compute
 
@@ -52,17 +53,6 @@ class EpisodeRecord:
         return "\n".join(parts)
 
 
-@dataclass(frozen=True)
-class Decoding:
-    """How a sampler draws each completion: at most `max_new_tokens` tokens, at `temperature` (0 is greedy) and
-    nucleus `top_p`, from `generator` (None: the device's default generator)."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    generator: torch.Generator | None = None
-
-
 @dataclass
 class Rollouts:
     """A batch of sampled completions; groups of `group_size` rows share a prompt and are contiguous."""
@@ -76,6 +66,9 @@ class Rollouts:
     group_size: int
     loss_mask: torch.Tensor | None = None  # (batch, completion_len), 1 on tokens the model wrote; None: completion_mask
     episodes: list[EpisodeRecord] | None = None  # per row, what happened in a multi-turn episode (None: one turn)
+    # (batch, completion_len) the sampler's own log-prob of each drawn token, under the sampling temperature; None
+    # where the sampler did not record them (Decoding.record_logprobs)
+    sampling_logprobs: torch.Tensor | None = None
 
     @property
     def model_token_mask(self) -> torch.Tensor:
@@ -103,6 +96,7 @@ class Rollouts:
             group_size=self.group_size,
             loss_mask=None if self.loss_mask is None else self.loss_mask[rows],
             episodes=None if self.episodes is None else [self.episodes[i] for i in _indices(rows, len(self))],
+            sampling_logprobs=None if self.sampling_logprobs is None else self.sampling_logprobs[rows],
         )
 
 
@@ -153,7 +147,7 @@ def one_turn_rollouts(
     """
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     prompt_ids, prompt_mask = prompt_ids.to(compute.device), prompt_mask.to(compute.device)
-    completion_ids, completion_mask, truncated = generate(
+    completion_ids, completion_mask, truncated, *recorded = generate(
         model,
         prompt_ids,
         prompt_mask,
@@ -167,4 +161,13 @@ def one_turn_rollouts(
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     padded = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(padded, skip_special_tokens=True)
-    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, group_size)
+    return Rollouts(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        truncated,
+        texts,
+        group_size,
+        sampling_logprobs=recorded[0] if recorded else None,
+    )

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from polo.generation.rollouts import Decoding, Rollouts, one_turn_rollouts
-from polo.generation.sampling import sample_on_device
+from polo.generation.rollouts import Rollouts, one_turn_rollouts
+from polo.generation.sampling import Context, Decoding, sample_on_device, token_logprobs
 from polo.generation.stopping import Stopping, StopStrings
 from polo.models.family import cache_keyword
 from polo.models.scoring import position_ids_from_mask
@@ -52,8 +52,7 @@ class DecodeShape:
     batch: int
     prompt_len: int
     max_new_tokens: int
-    temperature: float
-    top_p: float
+    decoding: Decoding  # without its generator, which each call gives
     stop_ids: tuple[int, ...]
     pad_id: int
     captured: bool
@@ -126,11 +125,15 @@ class StaticDecoder:
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # where the next drawn token is written
         self.completion_ids = torch.full((rows, shape.max_new_tokens), shape.pad_id, dtype=torch.long, device=device)
         self.completion_mask = torch.zeros((rows, shape.max_new_tokens), dtype=torch.long, device=device)
+        self.logprobs = (
+            torch.zeros((rows, shape.max_new_tokens), device=device) if shape.decoding.record_logprobs else None
+        )
         # The whole decode attends through one (rows, L) mask: prompt padding 0, everything after 1;
         # causality (and any sliding window) hides the positions not yet written.
         self.attention_mask = torch.ones((rows, shape.cache_len), dtype=torch.long, device=device)
         self.stop = torch.tensor(shape.stop_ids, dtype=torch.long, device=device)
-        self.generator: torch.Generator | None = None
+        self.decoding = shape.decoding  # the shape's, with each call's generator (`start`)
+        self.prompts: Context | None = None  # each row's prompt, read by the repetition penalty (eager, as the draw)
         buffers = (self.tokens, self.positions, self.finished, self.column, self.completion_ids, self.completion_mask)
         for buffer in (*buffers, self.attention_mask):
             torch._dynamo.mark_static_address(buffer)  # mutated in place by the graph: CUDA graphs need fixed addresses
@@ -180,7 +183,13 @@ class StaticDecoder:
         self.column.zero_()
         self.completion_ids.fill_(self.shape.pad_id)
         self.completion_mask.zero_()
-        self.generator = generator
+        self.decoding = replace(self.shape.decoding, generator=generator)
+        if self.shape.decoding.repetition_penalty != 1.0:
+            self.prompts = Context(
+                prompt_ids.repeat_interleave(group_size, dim=0), prompt_mask.repeat_interleave(group_size, dim=0)
+            )
+        if self.logprobs is not None:
+            self.logprobs.zero_()
         self._take(logits.repeat_interleave(group_size, dim=0))
 
     def step(self) -> None:
@@ -206,10 +215,19 @@ class StaticDecoder:
 
     def _take(self, logits: torch.Tensor) -> None:
         """Return nothing: draw a token per row from `logits` (rows, vocab); finished rows write pad, masked."""
-        drawn = sample_on_device(logits, self.shape.temperature, self.shape.top_p, self.generator)
+        context = None
+        if self.prompts is not None:  # unwritten columns and finished rows are masked out, so the shapes stay fixed
+            context = Context(
+                torch.cat([self.prompts.ids, self.completion_ids], dim=1),
+                torch.cat([self.prompts.mask, self.completion_mask], dim=1),
+            )
+        drawn = sample_on_device(logits, self.decoding, context)
         tokens = drawn.masked_fill(self.finished, self.shape.pad_id)
         self.completion_ids.index_copy_(1, self.column, tokens[:, None])
         self.completion_mask.index_copy_(1, self.column, (~self.finished).long()[:, None])
+        if self.logprobs is not None:  # eager, after the captured forward, like the draw
+            drawn_logprobs = token_logprobs(logits, drawn, self.decoding.temperature).masked_fill(self.finished, 0.0)
+            self.logprobs.index_copy_(1, self.column, drawn_logprobs[:, None])
         self.finished.logical_or_(torch.isin(tokens, self.stop))
         self.tokens.copy_(tokens)
         self.column.add_(1)
@@ -230,10 +248,12 @@ class StaticDecoder:
                     break
             self.step()
 
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return copies of `(completion_ids, completion_mask, truncated)`: (rows, longest) twice, then (rows,)."""
+    def finish(self) -> tuple[torch.Tensor, ...]:
+        """Return copies of `(completion_ids, completion_mask, truncated)`: (rows, longest) twice, then (rows,); and
+        the recorded log-probs (rows, longest) when the shape records them."""
         length = int(self.completion_mask.sum(-1).max()) if self.shape.batch else 0
-        return self.completion_ids[:, :length].clone(), self.completion_mask[:, :length].clone(), ~self.finished
+        result = (self.completion_ids[:, :length].clone(), self.completion_mask[:, :length].clone(), ~self.finished)
+        return result if self.logprobs is None else (*result, self.logprobs[:, :length].clone())
 
 
 def decoder_for(model, shape: DecodeShape, compute: Compute) -> StaticDecoder:
@@ -270,8 +290,9 @@ def generate(
     compute: Compute = CPU,
     samples_per_prompt: int = 1,
     capture: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return `(completion_ids, completion_mask, truncated)` as `cpu_sampler.generate` does, with fixed shapes.
+) -> tuple[torch.Tensor, ...]:
+    """Return `(completion_ids, completion_mask, truncated)` as `cpu_sampler.generate` does, with fixed shapes (and
+    the drawn tokens' log-probs with `decoding.record_logprobs`).
 
     Shapes: prompt (prompts, prompt_len) -> completion (batch, longest completion), truncated (batch,),
     batch = prompts x `samples_per_prompt`, a prompt's samples in consecutive rows. `capture` (default:
@@ -287,8 +308,7 @@ def generate(
         prompt_ids.shape[0] * samples_per_prompt,
         prompt_ids.shape[1],
         decoding.max_new_tokens,
-        float(decoding.temperature),
-        float(decoding.top_p),
+        replace(decoding, generator=None, temperature=float(decoding.temperature), top_p=float(decoding.top_p)),
         stopping.stop_ids,
         stopping.pad_id,
         capture,

@@ -13,7 +13,7 @@ statistics are merged across blocks online, and backward takes each tile's logit
 the forward on a CPU when they fit `KEPT_LOGITS_BYTES`, else recomputed from the saved hidden states,
 with the per-token logsumexp:
 
-    ∂ log π(y_t) / ∂z_t = (onehot(y_t) − p_t) / T
+    ∂ log π(y_t) / ∂z_t = (onehot(y_t) − p_t) / T          ∂H_t / ∂z_t = −p_t ⊙ (log p_t + H_t) / T
     ∂L/∂h_t = g_t (onehot(y_t) − p_t)/T · W          ∂L/∂W = Σ_t g_t ((onehot(y_t) − p_t)/T)ᵀ h_t
 
 `completion_logprobs_fused` applies this to a Hugging Face causal LM by running the trunk
@@ -170,7 +170,7 @@ def _tiles(n: int, vocab: int, chunk_size: int, vocab_block: int):
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
-    """log π(target) (with gradient) and entropy (without) from hidden states and lm_head weight, in tiles.
+    """log π(target) and entropy, both with gradient, from hidden states and lm_head weight, in tiles.
 
     forward(hidden (N, d), weight (V, d), targets (N,) long, settings) -> (logprobs (N,), entropy (N,)),
     both float32 (float64 when compute_dtype is float64); `settings` is a `LogprobSettings` with its
@@ -183,7 +183,8 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     logsumexp (N,) are saved for backward, and on a CPU the logits themselves where they fit
     (`KEPT_LOGITS_BYTES`; else backward recomputes them). Backward visits the tiles vocabulary block
     by block, so each block's weight gradient is summed over the token chunks and written once.
-    Entropy is not differentiable; with `with_entropy=False` it is returned as zeros.
+    With `with_entropy=False` the entropy is returned as zeros, not differentiable. An output the loss
+    does not use gets no gradient and costs backward nothing; the entropy's adds one exp per tile.
     """
 
     @staticmethod
@@ -244,21 +245,23 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             lse = m + log_s
             logprobs = target_logit - lse
             entropy = log_s - r / s if with_entropy else torch.zeros(n, dtype=acc_dtype, device=device)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.set_materialize_grads(False)  # an output the loss does not use sends None: no work for it in backward
         ctx.kept = kept  # the logits tiles, per vocabulary block (N, block) in compute_dtype, or None
         ctx.temperature = float(temperature)
         ctx.chunk_size = int(chunk_size)
         ctx.vocab_block = int(vocab_block)
         ctx.compute_dtype = compute_dtype
-        ctx.mark_non_differentiable(entropy)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if grad_logprobs is None or not (need_hidden or need_weight):
+        if (grad_logprobs is None and grad_entropy is None) or not (need_hidden or need_weight):
             return None, None, None, None
         compute_dtype = ctx.compute_dtype
         acc_dtype = lse.dtype
@@ -269,7 +272,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         with torch.autocast(device.type, enabled=False), torch.no_grad():
             h_all = hidden.to(compute_dtype)
             w = weight.to(compute_dtype)
-            neg_g = grad_logprobs.to(acc_dtype) * -inv_t  # (N,): −g_t / T
+            # (N,): −g_t / T for the log-probs and for the entropy (None when the loss does not use it)
+            neg_g = grad_logprobs.to(acc_dtype) * -inv_t if grad_logprobs is not None else lse.new_zeros(n)
+            neg_g_entropy = grad_entropy.to(acc_dtype) * -inv_t if grad_entropy is not None else None
             grad_hidden = torch.zeros(hidden.shape, dtype=acc_dtype, device=device) if need_hidden else None
             grad_weight = (
                 (torch.empty if n else torch.zeros)(weight.shape, dtype=weight.dtype, device=device)
@@ -290,7 +295,13 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                     z = _tile_logits(h_all[t0:t1], w[v0:v1], buffers, inv_t, onednn)
                 else:  # the forward's own logits: the same values the matmul would give again
                     z = _kept_tile_logits(kept[v0 // vocab_block][t0:t1], buffers, inv_t)
-                grad_z = z.sub_(lse[t0:t1, None]).exp_().mul_(neg_g[t0:t1, None])
+                log_p = z.sub_(lse[t0:t1, None])
+                if neg_g_entropy is None:
+                    grad_z = log_p.exp_().mul_(neg_g[t0:t1, None])
+                else:  # ∂H/∂z_v = −p_v (log p_v + H) / T, added to the log-probs' (−g/T) p_v
+                    p = torch.exp(log_p, out=buffers[2][: log_p.numel()].view_as(log_p))
+                    grad_z = log_p.add_(entropy[t0:t1, None]).mul_(neg_g_entropy[t0:t1, None])
+                    grad_z = grad_z.add_(neg_g[t0:t1, None]).mul_(p)
                 local = targets[t0:t1] - v0
                 hit = ((local >= 0) & (local < v1 - v0)).nonzero().squeeze(1)
                 if hit.numel():
@@ -358,7 +369,7 @@ def token_logprobs(
 
         z = hidden · weightᵀ                  (batch, seq, V), never held beyond `chunk_size` tokens
         logprobs = z[target]/T − logsumexp(z/T)          differentiable w.r.t. hidden and weight
-        entropy  = logsumexp(z/T) − Σ_v softmax(z/T)_v · z_v/T     no gradient; None unless with_entropy
+        entropy  = logsumexp(z/T) − Σ_v softmax(z/T)_v · z_v/T     differentiable too; None unless with_entropy
 
     Shapes: hidden (batch, seq, d), weight (V, d) (an lm_head / tied embedding matrix, no bias),
     targets (batch, seq) integer ids. T, the entropy, the tiles and the matmul's dtype are

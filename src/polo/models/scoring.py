@@ -54,7 +54,8 @@ def completion_logprobs(
     log π(y_t | x, y_<t) = z[y_t]/T − logsumexp(z/T): taken with a gather and a logsumexp so
     no full-vocabulary log-softmax tensor is kept for backward. Logits are computed only for
     the completion positions. With `with_entropy`, also returns the per-token entropy of the
-    sampling distribution (no gradient).
+    sampling distribution: with a gradient on the chunked lm_head path (an entropy bonus trains
+    through it), without one on the full-logits path.
     """
     if FUSED_LOGPROBS:
         shared = shared_completion_logprobs(

@@ -44,6 +44,9 @@ def trim_padding(rollouts: Rollouts) -> Rollouts:
         group_size=rollouts.group_size,
         loss_mask=None if rollouts.loss_mask is None else rollouts.loss_mask[:, :completion_len],
         episodes=rollouts.episodes,
+        sampling_logprobs=None
+        if rollouts.sampling_logprobs is None
+        else rollouts.sampling_logprobs[:, :completion_len],
     )
 
 
@@ -56,16 +59,18 @@ def on_device(rollouts: Rollouts, device: torch.device) -> Rollouts:
         rollouts.completion_mask,
         rollouts.truncated,
     )
-    loss_mask = rollouts.loss_mask
-    if all(tensor.device == device for tensor in tensors) and (loss_mask is None or loss_mask.device == device):
+    optional = (rollouts.loss_mask, rollouts.sampling_logprobs)
+    if all(tensor.device == device for tensor in tensors + tuple(t for t in optional if t is not None)):
         return rollouts
     moved = [tensor.to(device) for tensor in tensors]
+    loss_mask, sampling_logprobs = (None if tensor is None else tensor.to(device) for tensor in optional)
     return Rollouts(
         *moved,
         texts=rollouts.texts,
         group_size=rollouts.group_size,
-        loss_mask=None if loss_mask is None else loss_mask.to(device),
+        loss_mask=loss_mask,
         episodes=rollouts.episodes,
+        sampling_logprobs=sampling_logprobs,
     )
 
 
@@ -152,6 +157,9 @@ def concat_rollouts(parts: list[Rollouts]) -> Rollouts:
         if parts[0].loss_mask is None
         else torch.cat([right(part.loss_mask, completion_len) for part in parts]),
         episodes=None if parts[0].episodes is None else [episode for part in parts for episode in part.episodes],
+        sampling_logprobs=None
+        if parts[0].sampling_logprobs is None
+        else torch.cat([right(part.sampling_logprobs, completion_len) for part in parts]),
     )
 
 

@@ -1,9 +1,10 @@
 """The divergence guard: a step that ruins the weights stops the run before they are saved anywhere.
 
 A NaN or infinite loss is caught before its update (`polo.rl.update` skips the step), but a finite
-loss can still carry an update that wrecks the weights: with `train.learning_rate=1e9` step 1's
-gradient is finite, Adam moves every weight by about 1e9, and only step 2's loss is NaN. So the
-guard judges each step after its update, before it is logged as good, evaluated or checkpointed:
+loss can still carry an update that wrecks the weights: at `train.learning_rate=1`, the top of its
+range, step 1's loss and gradient are finite and Adam moves every weight by about 1, many times its
+size, which only the next step's loss would show. So the guard judges each step after its update,
+before it is logged as good, evaluated or checkpointed:
 
 - the global weight norm must stay finite and within `train.divergence_factor` times the last
   accepted step's (the starting weights' for step 1); weights move little per step, so a jump

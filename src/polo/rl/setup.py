@@ -24,7 +24,7 @@ from polo.data.hf import check_same_datasets, passed_datasets_note
 from polo.data.prompt_lengths import PromptRoom, fit_prompts
 from polo.generation.cpu_sampler import rollout
 from polo.generation.rollouts import Sampler
-from polo.kernels import use_fast_attention, use_lean_layers, use_onednn_linears
+from polo.kernels import supports_fused_logprobs, use_fast_attention, use_lean_layers, use_onednn_linears
 from polo.models.family import context_length
 from polo.models.hub import check_push
 from polo.models.loading import frozen_copy, load_policy, resolve_model_path, setup_activation_checkpointing
@@ -39,23 +39,11 @@ from polo.rl.update import Learner, optimizer_steps_per_batch, update_modules
 from polo.runtime import parallel
 from polo.runtime.checkpoint import Checkpointer, claim_output_dir, load_trainer_state
 from polo.runtime.device import Compute, train_compute
+from polo.runtime.lifecycle import ResumePoint, resume_point, snapshot_config
 from polo.runtime.metrics import truncate_metrics
 from polo.runtime.optimizer import build_schedule
 from polo.runtime.parallel import is_main_process
-from polo.runtime.resume import (
-    CHANGES_FILE,
-    Change,
-    changed_keys,
-    check_changes,
-    damaged_line,
-    finished_run,
-    forget_changes_from,
-    newest_intact,
-    recipe_text,
-    record_changes,
-    saved_recipe,
-    set_aside,
-)
+from polo.runtime.resume import finished_run
 from polo.runtime.seeding import restore_rng, seed_everything
 
 
@@ -85,6 +73,15 @@ class Run:
     # batches seen between the checkpoint and the jump are skipped, not replayed.
     data_offset: int = 0
     rollbacks: int = 0
+    beta: float = 0.0  # the next step's KL coefficient: algorithm.beta, or where the adaptive controller moved it
+
+    @property
+    def step_config(self) -> Config:
+        """Return the config a step trains with: the recipe, with the adaptive controller's KL coefficient."""
+        alg = self.config.algorithm
+        if alg.kl_target is None:
+            return self.config
+        return replace(self.config, algorithm=replace(alg, beta=self.beta))
 
     @property
     def learner(self) -> Learner:
@@ -94,7 +91,17 @@ class Run:
     def checkpoint_state(self) -> dict:
         """Return the run state a checkpoint keeps beside the weights and the optimizer."""
         critic = self.critic.state() if self.critic is not None else {}
-        return {"eval_before": self.eval_before, "data_offset": self.data_offset, "rollbacks": self.rollbacks, **critic}
+        state = {
+            "eval_before": self.eval_before,
+            "data_offset": self.data_offset,
+            "rollbacks": self.rollbacks,
+            **critic,
+        }
+        if self.config.algorithm.kl_target is not None:
+            state["beta"] = self.beta
+        if self.config.algorithm.sync_ref_model:  # the reference has moved away from model.name
+            state["reference"] = self.reference.state_dict()
+        return state
 
     def save(self, step: int) -> Path | None:
         """Write checkpoint `step` (every rank calls it) and return its path (None off rank 0)."""
@@ -128,39 +135,17 @@ def checked_config(config, overrides: list[str] | None) -> Config:
     return config
 
 
-def find_resume_point(config: Config, checkpointer: Checkpointer) -> tuple[Path | None, list[Change]]:
-    """Return (the checkpoint to resume from or None for a fresh run, the recipe changes output.allow_changes allows).
-
-    Reads only files: a damaged newest checkpoint is named and set aside for the newest intact
-    one, a change to a key that defines the run (`RESUME_KEYS`) is refused, and a finished run
-    raises `RunFinishedError`. A fresh run's claim on output.dir is `claim_output_dir`'s.
-    """
-    if not config.output.resume:
-        return None, []
-    resume_from, damaged = newest_intact(checkpointer.root)
-    parallel.barrier()  # every rank has looked before the main process moves anything
-    if is_main_process():
-        for checkpoint in damaged:
-            print(damaged_line(checkpoint, resume_from), flush=True)
-            set_aside(checkpoint)
-    parallel.barrier()
-    if resume_from is None:
-        if is_main_process():
-            print(f"polo: resume=true but no checkpoint in {checkpointer.root}; starting from step 0")
-        return None, []
-    finished = finished_run(resume_from, config.train.steps, Path(config.output.dir))
-    if finished is not None:
-        raise finished
-    saved = saved_recipe(resume_from, Path(config.output.dir)) or {}
-    changes = changed_keys(saved, config_to_dict(config), RESUME_KEYS)
-    allowed = check_changes(changes, config.output.allow_changes, resume_from, "output.allow_changes")
-    if allowed and is_main_process():
-        print(
-            f"polo: resuming from {resume_from.name} with {', '.join(map(str, allowed))}, as output.allow_changes "
-            f"allows (recorded in {CHANGES_FILE})",
-            flush=True,
-        )
-    return resume_from, allowed
+def find_resume_point(config: Config, checkpointer: Checkpointer) -> ResumePoint:
+    """Return where the run starts (`polo.runtime.lifecycle.resume_point`), over the keys that define an RL run
+    (`RESUME_KEYS`); a finished run raises `RunFinishedError`."""
+    return resume_point(
+        checkpointer,
+        "polo train",
+        config.output,
+        config_to_dict(config),
+        RESUME_KEYS,
+        lambda checkpoint: finished_run(checkpoint, config.train.steps, Path(config.output.dir)),
+    )
 
 
 def load_models(config: Config, compute: Compute, resume_from: Path | None) -> tuple:
@@ -174,6 +159,7 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
     start_from = str(resume_from) if resume_from is not None and not lora.r else config.model.name
     model, tokenizer = load_policy(start_from, attn_implementation=config.model.attn_implementation)
     check_router_loss(model, config.algorithm.router_aux_loss_coef)
+    check_entropy_bonus(model, config.algorithm.entropy_coef)
     model = model.to(compute.device)
     model.train()
     setup_activation_checkpointing(model, config.train.gradient_checkpointing, compute.available_memory())
@@ -204,6 +190,16 @@ def load_models(config: Config, compute: Compute, resume_from: Path | None) -> t
     return model, tokenizer, reference
 
 
+def check_entropy_bonus(model, entropy_coef: float) -> None:
+    """Refuse an entropy bonus for a model whose entropy has no gradient: only the chunked lm_head path
+    (`polo.kernels.logprobs`, a plain decoder whose logits are lm_head(hidden)) differentiates it for free."""
+    if entropy_coef > 0 and not supports_fused_logprobs(model):
+        raise ConfigError(
+            f"algorithm.entropy_coef={entropy_coef} needs a model whose logits are lm_head(hidden), which polo "
+            f"differentiates the entropy of; {type(model).__name__} changes its logits after the head"
+        )
+
+
 def resume(run: Run, checkpoint: Path) -> None:
     """Restore optimizer, schedule, random streams, critic and step from `checkpoint` into `run`."""
     state = load_trainer_state(checkpoint)  # onto the CPU: the optimizer and critic place it on the run's device
@@ -223,6 +219,10 @@ def resume(run: Run, checkpoint: Path) -> None:
         run.critic.load(state)
     run.start_step, run.eval_before = state["step"], state.get("eval_before")
     run.data_offset, run.rollbacks = state.get("data_offset", 0), state.get("rollbacks", 0)
+    if run.config.algorithm.kl_target is not None:
+        run.beta = state.get("beta", run.beta)
+    if run.config.algorithm.sync_ref_model and "reference" in state:
+        run.reference.load_state_dict(state["reference"])
     if is_main_process():  # the one writer; a second rank rewriting the same file could empty it
         truncate_metrics(run.output_dir / "metrics.jsonl", run.start_step)
         truncate_metrics(run.output_dir / "samples.jsonl", run.start_step)
@@ -271,10 +271,14 @@ def set_up(
     recorded = config if train_dataset is None else replace(config, task=replace(config.task, name="hf"))
     output_dir = Path(config.output.dir)
     checkpointer = Checkpointer(
-        output_dir, config.output.keep_checkpoints, yaml.safe_dump(config_to_dict(recorded), sort_keys=False)
+        output_dir,
+        config.output.keep_checkpoints,
+        yaml.safe_dump(config_to_dict(recorded), sort_keys=False),
+        "polo train",
     )
     # Before anything loads: a refused resume or a damaged checkpoint costs nothing.
-    resume_from, changes = find_resume_point(recorded, checkpointer) if rollback is None else (rollback.checkpoint, [])
+    point = find_resume_point(recorded, checkpointer) if rollback is None else None
+    resume_from = point.checkpoint if point is not None else rollback.checkpoint
     compute = train_compute(config)
     task = make_task(config, train_dataset, eval_dataset)
     config = recorded
@@ -309,6 +313,7 @@ def set_up(
         checkpointer=checkpointer,
         output_dir=output_dir,
         sampler=sampler_for(config, task, compute),
+        beta=config.algorithm.beta,
     )
     if resume_from is not None:
         resume(run, resume_from)
@@ -317,10 +322,5 @@ def set_up(
         if resume_from is None and is_main_process():  # back to the starting model: the rows logged since go
             truncate_metrics(output_dir / "metrics.jsonl", 0)
             truncate_metrics(output_dir / "samples.jsonl", 0)
-    if is_main_process():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        if resume_from is not None and rollback is None:  # changes from an earlier try at these steps are void
-            forget_changes_from(output_dir, run.start_step)
-            record_changes(output_dir, run.start_step, changes)
-        (output_dir / "config.yaml").write_text(note + recipe_text(config_to_dict(config), output_dir))
+    snapshot_config(output_dir, config_to_dict(config), note, point)
     return run

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -138,7 +138,15 @@ def sample_and_score(run: Run, step: int, round_index: int, timings: dict) -> Sc
             run.tokenizer,
             prompts,
             alg.group_size,
-            Decoding(sampling.max_new_tokens, sampling.temperature, sampling.top_p),
+            Decoding(
+                sampling.max_new_tokens,
+                sampling.temperature,
+                sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty,
+                record_logprobs=alg.sampler_correction is not None,  # the sampler's own, for the correction
+            ),
             compute=run.compute,
             rows=row_batch,
         )
@@ -387,7 +395,9 @@ def score_before_update(run: Run, rollouts: Rollouts) -> PreUpdateScores:
         scores.old_values, scores.old_logprobs = run.critic.score(
             run.model, rollouts, micro_batch_size, run.compute, temperature
         )
-    if scores.old_logprobs is None and (optimizer_steps_per_batch(run.config) > 1 or alg.kl_in_reward):
+    # the sampler correction compares the sampler's log-probs with the training forward's, even on-policy
+    needs_old = optimizer_steps_per_batch(run.config) > 1 or alg.kl_in_reward or alg.sampler_correction is not None
+    if scores.old_logprobs is None and needs_old:
         with parallel.gathered_weights(run.model):
             scores.old_logprobs = score_completions(run.model, rollouts, micro_batch_size, run.compute, temperature)
     return scores
@@ -403,24 +413,42 @@ def scored_rows(columns: dict[str, torch.Tensor], reward_names: Sequence[str]) -
     return None if bool(scored.all()) else scored
 
 
+def reward_terms(
+    columns: dict[str, torch.Tensor], reward_weights: Mapping[str, float]
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """Return the terms the total reward sums, `(batch, K)`, and their weights `(K,)`: each reward function's column
+    with its weight, and each shaping column (overlong, an environment's own reward) with weight 1; (None, None)
+    for a batch without columns."""
+    if not columns:
+        return None, None
+    stacked = torch.stack(list(columns.values()), dim=1)
+    weights = [float(reward_weights.get(name, 1.0)) for name in columns]
+    return stacked, torch.tensor(weights, dtype=stacked.dtype, device=stacked.device)
+
+
 def compute_advantages(
-    batch: Batch, scores: PreUpdateScores, config: Config, reward_names: Sequence[str] = ()
+    batch: Batch, scores: PreUpdateScores, config: Config, reward_weights: Mapping[str, float] | None = None
 ) -> UpdateBatch:
     """Return the update's batch: the rollouts, advantages from the registered estimator and the losses' targets.
 
-    `reward_names` are the reward functions among `batch.columns`, whose None (NaN) marks a completion
-    none of them applied to (`scored_rows`)."""
+    `reward_weights` names the reward functions among `batch.columns` with their weights: their None (NaN)
+    marks a completion none of them applied to (`scored_rows`), and an estimator that treats the rewards apart
+    reads each one's column (`reward_terms`)."""
     alg = config.algorithm
     kl = (
         core.kl_estimate(scores.old_logprobs, scores.reference_logprobs, alg.kl_estimator) if alg.kl_in_reward else None
     )
+    reward_weights = reward_weights or {}
+    reward_columns, weights = reward_terms(batch.columns or {}, reward_weights)
     inputs = core.AdvantageInputs(
         batch.rewards,
         batch.rollouts.completion_mask.float(),
         alg.group_size,
         kl=kl,
         values=scores.old_values,
-        scored=scored_rows(batch.columns or {}, reward_names),
+        scored=scored_rows(batch.columns or {}, list(reward_weights)),
+        reward_columns=reward_columns,
+        reward_weights=weights,
     )
     advantages, returns = core.ADVANTAGE_ESTIMATORS[alg.advantage_estimator](inputs, alg)
     return UpdateBatch(
@@ -459,14 +487,15 @@ def rl_step(run: Run, step: int) -> StepResult:
     rollouts = batch.rollouts
 
     started = time.perf_counter()
-    update_batch = compute_advantages(batch, score_before_update(run, rollouts), run.config, run.reward_set.names)
+    config = run.step_config  # the recipe, with the adaptive controller's KL coefficient
+    update_batch = compute_advantages(batch, score_before_update(run, rollouts), config, run.reward_set.weights)
     timings["reference"] = time.perf_counter() - started
     advantages = update_batch.advantages
     completions = completion_rows(batch, advantages) if logs_tables(run.config.output.report_to) else None
 
     started = time.perf_counter()
     train_policy = run.critic is None or run.critic.trains_policy(step)
-    update_metrics = policy_update(run.learner, update_batch, run.config, train_policy=train_policy)
+    update_metrics = policy_update(run.learner, update_batch, config, train_policy=train_policy)
     timings["update"] = time.perf_counter() - started
 
     total_time = sum(timings.values())
@@ -494,7 +523,38 @@ def rl_step(run: Run, step: int) -> StepResult:
     result.messages = sampled.messages
     if completions is not None:  # every rank's, for a tracker's completions table
         result.completions = [row for part in parallel.gather_objects(completions) for row in part]
+    adapt_kl_coefficient(run, result.metrics, len(rollouts))
+    sync_reference(run, step)
     return result
+
+
+def adapt_kl_coefficient(run: Run, metrics: dict, completions: int) -> None:
+    """Under the adaptive KL controller (`algorithm.kl_target`), log the step's KL coefficient as `beta` and move it
+    for the next step from the step's `kl`, measured over every rank's `completions` (`core.adaptive_kl_coefficient`).
+    """
+    alg = run.config.algorithm
+    if alg.kl_target is None:
+        return
+    samples = parallel.sum_over_ranks({"completions": float(completions)})["completions"]
+    metrics["beta"] = run.beta
+    kl = metrics.get("kl")
+    if kl is not None and math.isfinite(kl):
+        run.beta = core.adaptive_kl_coefficient(run.beta, kl, alg.kl_target, alg.kl_horizon, int(samples))
+
+
+def sync_reference(run: Run, step: int) -> None:
+    """With `algorithm.sync_ref_model`, after every `ref_model_sync_steps`-th step move the reference toward the
+    policy (TR-DPO's soft update, `core.mix_into_reference`); every rank holds the whole reference and mixes alike."""
+    alg = run.config.algorithm
+    if not alg.sync_ref_model or step % alg.ref_model_sync_steps:
+        return
+    policy = dict(run.model.named_parameters())
+    names = [name for name, _ in run.reference.named_parameters()]
+    core.mix_into_reference(
+        (parameter for _, parameter in run.reference.named_parameters()),
+        (policy[name] for name in names),
+        alg.ref_model_mixup_alpha,
+    )
 
 
 def least_tokens(

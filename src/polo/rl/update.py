@@ -1,7 +1,7 @@
 """The policy update: `update_epochs` passes of minibatch optimizer steps over one batch of whole groups.
 
 Per micro-batch: log-probs under the current policy -> registered policy loss (PPO clip, GSPO,
-...) -> + beta * KL to the reference -> registered aggregation -> backward. Normalisers
+...) -> + beta * KL to the reference -> registered aggregation (− entropy_coef * mean entropy) -> backward. Normalisers
 (sequences, valid tokens) are global per optimizer step: counted over the whole minibatch and all
 ranks through `polo.core.global_count`, so gradient accumulation over micro-batches gives exactly
 the full-minibatch gradient.
@@ -41,6 +41,9 @@ SUM_KEYS = (
     "grad_norm",
     "value_loss",
     "critic_grad_norm",
+    "off_policy_masked",
+    "sampler_gap",
+    "sampler_tokens",
 )
 
 
@@ -104,6 +107,7 @@ class UpdateContext:
         if self.alg.mask_truncated:  # DAPO's overlong filtering: truncated completions teach nothing
             self.loss_mask = self.loss_mask * (~self.rollouts.truncated).float().unsqueeze(-1)
         self.kl_in_loss = self.ref_logprobs is not None and not self.alg.kl_in_reward
+        self.sampler_weights = sampler_weights(self.rollouts, self.old_logprobs, self.loss_mask, self.alg)
         self.policy_loss = bind_options(  # a loss's own options (algorithm.policy_loss_options), checked and bound
             "algorithm.policy_loss_options",
             core.POLICY_LOSSES.entry(self.alg.policy_loss),
@@ -111,7 +115,43 @@ class UpdateContext:
             positional=2,
         )
         self.sums = {key: 0.0 for key in SUM_KEYS}
+        if self.sampler_weights is not None:  # how far the sampler's log-probs are from the trainer's, once a batch
+            width = self.old_logprobs.shape[1]
+            gap = (self.old_logprobs - self.rollouts.sampling_logprobs[:, :width]).abs()
+            valid = self.loss_mask[:, :width].bool()
+            self.sums["sampler_gap"] = float(core.masked_sum(torch.nan_to_num(gap, nan=0.0), valid))
+            self.sums["sampler_tokens"] = float(valid.sum())
         self.routing = RoutingSums()
+
+
+def sampler_weights(
+    rollouts: Rollouts, old_logprobs: torch.Tensor | None, mask: torch.Tensor, alg
+) -> torch.Tensor | None:
+    """Return the batch's sampler-correction weights `(batch, seq)` or `(batch, 1)` (`core.sampler_correction_weights`),
+    or None when `algorithm.sampler_correction` is off."""
+    if alg.sampler_correction is None:
+        return None
+    if rollouts.sampling_logprobs is None or old_logprobs is None:
+        raise ValueError(
+            "algorithm.sampler_correction needs the sampler's log-probs (Rollouts.sampling_logprobs) and the sampling "
+            "policy's (UpdateBatch.old_logprobs); this batch lacks one"
+        )
+    return core.sampler_correction_weights(
+        old_logprobs,
+        rollouts.sampling_logprobs[:, : old_logprobs.shape[1]],
+        mask[:, : old_logprobs.shape[1]],
+        alg.sampler_correction,
+        alg.sampler_correction_min,
+        alg.sampler_correction_max,
+    )
+
+
+def off_policy_kept(ctx: UpdateContext, logprobs, old, advantages, mask, micro) -> torch.Tensor:
+    """Return which of the micro-batch's completions `core.off_policy_sequences` keeps, measuring the drift from the
+    sampler's log-probs where it recorded them, else from the sampling policy's."""
+    sampled = ctx.rollouts.sampling_logprobs
+    sampling = old if sampled is None else sampled[micro, : logprobs.shape[1]].to(logprobs.dtype)
+    return core.off_policy_sequences(logprobs, sampling, advantages, mask, ctx.alg.off_policy_mask_threshold)
 
 
 def policy_loss_term(
@@ -126,13 +166,23 @@ def policy_loss_term(
 
     With `top_entropy_quantile` < 1 the policy term keeps only the micro-batch's high-entropy tokens (`entropy`,
     `core.high_entropy_tokens`); the KL and the aggregation's counts keep every token, as the paper's objective does.
+    So do `off_policy_mask_threshold`, which leaves drifted negative-advantage completions out of the policy term, and
+    `sampler_correction`, which weights it by π_old/μ.
     """
     alg, width = ctx.alg, logprobs.shape[1]
     old = ctx.old_logprobs[micro, :width] if ctx.old_logprobs is not None else logprobs.detach()
     token_advantages = ctx.advantages[micro, :width] if ctx.advantages.dim() == 2 else ctx.advantages[micro]
     per_token, stats = ctx.policy_loss(core.PolicyLossInputs(logprobs, old, token_advantages, mask), alg)
+    trained = mask  # the tokens the policy term (and the entropy bonus, as in TRL) acts on
+    if alg.off_policy_mask_threshold is not None:
+        kept = off_policy_kept(ctx, logprobs, old, token_advantages, mask, micro)
+        per_token = torch.where(kept, per_token, 0.0)
+        ctx.sums["off_policy_masked"] += float((mask.bool() & ~kept).sum())
+    if ctx.sampler_weights is not None:
+        per_token = per_token * ctx.sampler_weights[micro, :width].to(per_token.dtype)
     if alg.top_entropy_quantile < 1.0 and entropy is not None:
-        per_token = torch.where(core.high_entropy_tokens(entropy, mask, alg.top_entropy_quantile), per_token, 0.0)
+        trained = core.high_entropy_tokens(entropy, mask, alg.top_entropy_quantile)
+        per_token = torch.where(trained, per_token, 0.0)
     if ctx.kl_in_loss:
         kl = core.kl_estimate(logprobs, ctx.ref_logprobs[micro, :width], alg.kl_estimator)
         if alg.kl_importance_weighted:
@@ -142,7 +192,10 @@ def policy_loss_term(
     ctx.sums["clip_low"] += float(stats.get("clip_low_count", 0.0))
     ctx.sums["clip_high"] += float(stats.get("clip_high_count", 0.0))
     add_drift(ctx, logprobs.detach(), old, mask, stats)
-    return core.aggregate_loss(per_token, mask, alg.loss_aggregation, normalisers)
+    loss = core.aggregate_loss(per_token, mask, alg.loss_aggregation, normalisers)
+    if alg.entropy_coef > 0:
+        loss = loss + core.entropy_bonus(entropy, trained.to(mask.dtype), alg.entropy_coef, normalisers)
+    return loss
 
 
 def add_drift(ctx: UpdateContext, logprobs: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, stats: dict) -> None:
@@ -192,7 +245,7 @@ def micro_batch_step(ctx: UpdateContext, micro: torch.Tensor, normalisers: core.
         logprobs = logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
         loss = policy_loss_term(ctx, logprobs, micro, mask, normalisers, entropy)
         loss = loss + ctx.routing.add(routing, alg.router_aux_loss_coef, normalisers.num_micro_batches)
-        ctx.sums["entropy"] += float((entropy * mask).sum())
+        ctx.sums["entropy"] += float((entropy.detach() * mask).sum())
     if values is not None:  # value head on the shared trunk: one backward for both losses
         head_loss = value_loss(values, ctx.batch, micro, mask, alg, normalisers)
         ctx.sums["value_loss"] += float(head_loss.detach())
@@ -263,6 +316,10 @@ def update_metrics(ctx: UpdateContext, optimizer_steps: int) -> dict:
                 "ratio/mean": sums["ratio"] / tokens,
             }
         )
+        if ctx.alg.off_policy_mask_threshold is not None:
+            metrics["off_policy/masked_fraction"] = sums["off_policy_masked"] / tokens
+        if ctx.sampler_weights is not None:  # mean |log π_old − log μ| per token: what the correction corrects
+            metrics["sampler/logprob_gap"] = sums["sampler_gap"] / max(sums["sampler_tokens"], 1.0)
     if ctx.kl_in_loss and ctx.train_policy:
         metrics["kl"] = sums["kl"] / tokens
     elif ctx.ref_logprobs is not None and ctx.old_logprobs is not None:  # k1 of the sampled batch

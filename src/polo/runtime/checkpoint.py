@@ -86,15 +86,16 @@ def staged_directory(target: Path, what: str, keeps: str = "") -> Iterator[Path]
 class Checkpointer:
     """Saves and finds checkpoint directories `<dir>/checkpoints/step-NNNNNN`.
 
-    `recipe` (the run's config as YAML text) is written into each checkpoint as config.yaml: a
-    resume compares the recipe it is given with the one the checkpoint was trained under
-    (`polo.runtime.resume`).
+    `recipe` (the run's config as YAML text) is written into each checkpoint as config.yaml and
+    `command` ("polo sft") into its trainer state: a resume compares the recipe and command it is
+    given with those the checkpoint was trained under (`polo.runtime.resume`).
     """
 
-    def __init__(self, output_dir: Path, keep: int, recipe: str | None = None):
+    def __init__(self, output_dir: Path, keep: int, recipe: str | None = None, command: str | None = None):
         self.root = output_dir / "checkpoints"
         self.keep = keep
         self.recipe = recipe
+        self.command = command
 
     def latest(self) -> Path | None:
         complete = [path for path in self.root.glob("step-*") if (path / "trainer_state.pt").exists()]
@@ -147,6 +148,7 @@ class Checkpointer:
                 "optimizer": optimizer_state,
                 "scheduler": scheduler.state_dict(),
                 "rng": rng_state(),
+                "command": self.command,
                 **extra,
             }
             torch.save(state, staging / "trainer_state.pt")  # last: a checkpoint is whole once this exists

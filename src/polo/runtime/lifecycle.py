@@ -27,14 +27,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-
 from polo.runtime import parallel
 from polo.runtime.callbacks import RunInfo
-from polo.runtime.checkpoint import Checkpointer, claim_output_dir
+from polo.runtime.checkpoint import Checkpointer
 from polo.runtime.interrupt import Abandoned, RunStopped, StopRequest, print_now
 from polo.runtime.metrics import MetricsLogger
 from polo.runtime.parallel import is_main_process
+from polo.runtime.resume import (
+    CHANGES_FILE,
+    RECIPE_FILE,
+    Change,
+    changed_keys,
+    check_changes,
+    check_command,
+    damaged_line,
+    forget_changes_from,
+    newest_intact,
+    recipe_text,
+    record_changes,
+    saved_recipe,
+    set_aside,
+    step_of,
+)
 from polo.runtime.run_lock import owned_run_dir
 from polo.runtime.trackers import Trackers
 
@@ -169,26 +183,76 @@ def held(output_dir: Path | str | None) -> Iterator[None]:
         yield
 
 
-def resume_point(output_dir: Path, checkpointer: Checkpointer, resume: bool, overwrite: bool) -> Path | None:
-    """Return the checkpoint a run continues from, or None for a fresh run (refused over an earlier run's files unless
-    `overwrite`, which removes them).
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run starts: the checkpoint it continues from (None: a fresh run) and the recipe changes it allows."""
 
-    The one place a run decides where it starts: the checks of a changed recipe or a damaged
-    checkpoint belong in this call.
+    checkpoint: Path | None = None
+    changes: tuple[Change, ...] = ()
+
+
+def resume_point(
+    checkpointer: Checkpointer,
+    command: str,
+    output: Any,
+    recipe: dict,
+    keys: Sequence[str],
+    finished: Callable[[Path], Exception | None] | None = None,
+) -> ResumePoint:
+    """Return where a run starts, from files alone: the one place every command decides it (`polo.runtime.resume`).
+
+    `output` is the recipe's output section (`dir`, `resume`, `allow_changes`); `recipe` the run's
+    config as a mapping, `keys` those of its keys that say what the run is. With `output.resume`:
+    a damaged newest checkpoint is named in one line and set aside for the newest intact one; a
+    checkpoint another command wrote is refused; `finished(checkpoint)` may say there is nothing
+    left to do (raised); a change to one of `keys` is refused in one line naming it and both
+    values unless `output.allow_changes` names it. A fresh run's claim on the directory is the
+    caller's (`claim_output_dir`), once what could fail cheaply has.
     """
-    resume_from = checkpointer.latest() if resume else None
-    if resume_from is None:
-        claim_output_dir(Path(output_dir), overwrite, resume)
-    if resume and resume_from is None and is_main_process():
-        print(f"polo: resume=true but no checkpoint in {checkpointer.root}; starting from step 0")
-    return resume_from
-
-
-def snapshot_config(output_dir: Path, config: dict, note: str = "") -> None:
-    """Write `<output_dir>/config.yaml`: the run's whole configuration (after `note`, comment lines), main process."""
+    if not output.resume:
+        return ResumePoint()
+    checkpoint, damaged = newest_intact(checkpointer.root)
+    parallel.barrier()  # every rank has looked before the main process moves anything
     if is_main_process():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(note + yaml.safe_dump(config, sort_keys=False))
+        for each in damaged:
+            print(damaged_line(each, checkpoint), flush=True)
+            set_aside(each)
+    parallel.barrier()
+    if checkpoint is None:
+        say_on_main(f"polo: resume=true but no checkpoint in {checkpointer.root}; starting from step 0")
+        return ResumePoint()
+    check_command(checkpoint, command)
+    done = finished(checkpoint) if finished is not None else None
+    if done is not None:
+        raise done
+    saved = saved_recipe(checkpoint, Path(output.dir)) or {}
+    changes = changed_keys(saved, recipe, keys)
+    allowed = check_changes(changes, output.allow_changes, checkpoint, "output.allow_changes")
+    if allowed:
+        say_on_main(
+            f"polo: resuming from {checkpoint.name} with {', '.join(map(str, allowed))}, as output.allow_changes "
+            f"allows (recorded in {CHANGES_FILE})"
+        )
+    return ResumePoint(checkpoint, tuple(allowed))
+
+
+def snapshot_config(output_dir: Path, config: dict, note: str = "", resumed: ResumePoint | None = None) -> None:
+    """Write `<output_dir>/config.yaml` (main process): the run's configuration as it started (after `note`, comment
+    lines).
+
+    With `resumed` (a resume, not a rollback) the changes it allows are recorded in
+    config_changes.jsonl from its checkpoint's step on, replacing those an earlier try at the same
+    steps recorded; config.yaml keeps each changed key's starting value with a comment line per
+    change (`polo.runtime.resume.recipe_text`).
+    """
+    if not is_main_process():
+        return
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if resumed is not None and resumed.checkpoint is not None:
+        step = step_of(resumed.checkpoint)
+        forget_changes_from(output_dir, step)
+        record_changes(output_dir, step, list(resumed.changes))
+    (output_dir / RECIPE_FILE).write_text(note + recipe_text(config, output_dir))
 
 
 class QuietLog:

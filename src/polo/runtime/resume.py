@@ -99,6 +99,16 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
+def open_trainer_state(checkpoint: Path) -> dict:
+    """Return a checkpoint's trainer state memory-mapped (its tensors are not read), or read whole where mmap is not to
+    be had; raise what torch raises for a damaged file."""
+    state = Path(checkpoint) / TRAINER_STATE
+    try:
+        return torch.load(state, map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # a truncated zip fails here (its central directory is at the end), or mmap is not to be had
+        return torch.load(state, map_location="cpu", weights_only=False)
+
+
 def checkpoint_problem(checkpoint: Path) -> str | None:
     """Return what makes `checkpoint` unusable (a missing or damaged file, named), or None when it is intact.
 
@@ -122,13 +132,10 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
         if problem is not None:
             return problem
     try:
-        torch.load(state, map_location="cpu", mmap=True, weights_only=False)
-    except Exception:  # a truncated zip fails here (its central directory is at the end), or mmap is not to be had
-        try:
-            torch.load(state, map_location="cpu", weights_only=False)
-        except Exception as error:
-            reason = " ".join(str(error).split())[:120]
-            return f"{TRAINER_STATE} cannot be read ({type(error).__name__}: {reason})"
+        open_trainer_state(checkpoint)
+    except Exception as error:
+        reason = " ".join(str(error).split())[:120]
+        return f"{TRAINER_STATE} cannot be read ({type(error).__name__}: {reason})"
     return None
 
 
@@ -176,6 +183,20 @@ def set_aside(damaged: Damaged) -> Path:
 
 
 # ------------------------------------------------------------------ does the recipe still mean the same run
+
+
+def check_command(checkpoint: Path, command: str) -> None:
+    """Raise `ResumeRefusedError` in one line when another command (`polo rm` for `polo sft`) wrote `checkpoint`.
+
+    A checkpoint written before checkpoints named their command cannot be compared and passes.
+    No setting allows this change: one command's weights and state are not another's.
+    """
+    written_by = open_trainer_state(checkpoint).get("command")
+    if written_by is not None and written_by != command:
+        raise ResumeRefusedError(
+            f"cannot resume from {checkpoint}: {written_by} wrote it, this is {command}; pick another output.dir, "
+            "or start again there with output.overwrite=true"
+        )
 
 
 @dataclass(frozen=True)

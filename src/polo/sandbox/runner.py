@@ -16,6 +16,7 @@ stdout and stderr at ``max_output_bytes``. docs/sandbox.md says what is and is n
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import logging
@@ -42,6 +43,8 @@ logger = logging.getLogger(__name__)
 _THROWAWAY_ID_BASE = 1_500_000_000
 _THROWAWAY_ID_SPAN = 1 << 24
 _READ_CHUNK = 65536
+# A run's working directory on the host (it holds the program, bound read-only into the sandbox).
+WORKDIR_PREFIX = "polo-sandbox-"
 
 
 class SandboxError(RuntimeError):
@@ -301,16 +304,17 @@ def run_python(source: str, limits: SandboxLimits | None = None) -> SandboxResul
         bwrap.python_files()  # the first call scans libraries with ldd: not the program's time
     except bwrap.ToolUnavailable as exc:
         raise SandboxError(f"the code sandbox cannot run on this machine: {exc}") from exc
-    workdir, program_path = _write_program(source)
+    workdir = _Workdir.create(source)
     uid, gid = _throwaway_ids()
     status_read, status_write = os.pipe()
     seccomp_read = _seccomp_pipe(seccomp_program)
     config = _runner_config(limits, status_write, uid, gid)
     started = time.monotonic()
     try:
-        process = _start_runner(config, limits, workdir, program_path, status_write, seccomp_read)
+        process = _start_runner(config, limits, workdir, status_write, seccomp_read)
     except BaseException:
         os.close(status_read)
+        workdir.remove()
         raise
     finally:
         os.close(status_write)
@@ -388,13 +392,83 @@ def _raise_if_tool_failed(reader: _Reader, process: subprocess.Popen) -> None:
     )
 
 
-def _write_program(source: str) -> tuple[str, str]:
-    """Return (a fresh working directory, the path of ``source`` written into it as the program)."""
-    workdir = tempfile.mkdtemp(prefix="polo-sandbox-")
-    program_path = os.path.join(workdir, PROGRAM_FILE)
-    with open(program_path, "w", encoding="utf-8") as handle:
-        handle.write(source)
-    return workdir, program_path
+@dataclass
+class _Workdir:
+    """A run's working directory on the host, locked (``flock``) by the process that runs it until it is removed.
+
+    The lock is the kernel's: it goes when its owner dies, however it dies (a SIGKILL during a
+    call leaves the directory behind), and it belongs to the open directory, never to a pid that
+    another process may reuse. So the next run of any polo removes a directory nobody holds
+    (`remove_abandoned_workdirs`), and never one that a live run, of this process or another, holds.
+    """
+
+    path: str
+    program: str
+    lock: int | None
+
+    @classmethod
+    def create(cls, source: str) -> _Workdir:
+        """Return a fresh working directory holding ``source`` as the program, locked, after sweeping the
+        abandoned ones."""
+        remove_abandoned_workdirs(tempfile.gettempdir())
+        path = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
+        workdir = cls(path, os.path.join(path, PROGRAM_FILE), None)
+        try:
+            # Locked before the program is written: a directory that holds a program and can be locked has no owner.
+            workdir.lock = _lock_directory(path, blocking=True)
+            with open(workdir.program, "w", encoding="utf-8") as handle:
+                handle.write(source)
+        except BaseException:
+            workdir.remove()
+            raise
+        return workdir
+
+    def remove(self) -> None:
+        """Remove the directory, then release its lock."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
+
+
+def _lock_directory(path: str, blocking: bool) -> int | None:
+    """Return a descriptor of directory ``path`` holding its exclusive ``flock``, or None when it cannot be had
+    (held by another run, gone, or a file system without flock, where the sweep leaves every directory alone)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except OSError:
+        os.close(descriptor)
+        return None
+    return descriptor
+
+
+def remove_abandoned_workdirs(parent: str) -> list[str]:
+    """Return the working directories removed from ``parent``: this user's, that hold a program and no run holds.
+
+    They are what a polo killed during a call (SIGKILL, the machine's OOM killer) left. A directory
+    without its program yet may be a live run's between ``mkdtemp`` and its lock: it is left alone.
+    """
+    try:
+        candidates = [entry.path for entry in os.scandir(parent) if entry.name.startswith(WORKDIR_PREFIX)]
+    except OSError:
+        return []
+    removed = []
+    for path in candidates:
+        descriptor = _lock_directory(path, blocking=False)
+        if descriptor is None:
+            continue
+        try:
+            mine = os.fstat(descriptor).st_uid == os.geteuid()
+            if mine and os.path.isfile(os.path.join(path, PROGRAM_FILE)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        finally:
+            os.close(descriptor)
+    return removed
 
 
 def _host_namespaces() -> dict[str, int]:
@@ -425,16 +499,16 @@ def _runner_config(limits: SandboxLimits, status_fd: int, uid: int | None, gid: 
 
 
 def _start_runner(
-    config: dict, limits: SandboxLimits, workdir: str, program_path: str, status_write: int, seccomp_read: int
+    config: dict, limits: SandboxLimits, workdir: _Workdir, status_write: int, seccomp_read: int
 ) -> subprocess.Popen:
-    """Return bwrap started on the runner (on failure the working directory is removed first)."""
+    """Return bwrap started on the runner (the caller removes the working directory when this raises)."""
     runner = [bwrap.interpreter(), "-I", "-S", "-c", runner_source(), json.dumps(config)]
     try:
-        argv = bwrap.command(workdir, program_path, limits.disk_bytes, seccomp_read, runner)
+        argv = bwrap.command(workdir.path, workdir.program, limits.disk_bytes, seccomp_read, runner)
         return subprocess.Popen(
             argv,
-            cwd=workdir,
-            env=child_environment(workdir),
+            cwd=workdir.path,
+            env=child_environment(workdir.path),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -443,11 +517,7 @@ def _start_runner(
             close_fds=True,
         )
     except bwrap.ToolUnavailable as exc:
-        shutil.rmtree(workdir, ignore_errors=True)
         raise SandboxError(f"the code sandbox cannot run on this machine: {exc}") from exc
-    except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
-        raise
 
 
 def _should_stop_watching(reader: _Reader, process: subprocess.Popen, report: dict[str, str]) -> bool:
@@ -465,7 +535,7 @@ def _should_stop_watching(reader: _Reader, process: subprocess.Popen, report: di
     return False
 
 
-def _release(process: subprocess.Popen, reader: _Reader, status_read: int, workdir: str, started: float) -> float:
+def _release(process: subprocess.Popen, reader: _Reader, status_read: int, workdir: _Workdir, started: float) -> float:
     """Return the run's duration in seconds, after killing what is left of it and releasing its pipes and files."""
     _kill(process)
     process.wait()
@@ -474,7 +544,7 @@ def _release(process: subprocess.Popen, reader: _Reader, status_read: int, workd
     process.stdout.close()
     process.stderr.close()
     os.close(status_read)
-    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.remove()
     return duration
 
 
@@ -519,6 +589,7 @@ __all__ = [
     "SandboxResult",
     "child_environment",
     "detect_isolation",
+    "remove_abandoned_workdirs",
     "run_python",
     "runner_source",
     "shipped_text",
